@@ -1,0 +1,293 @@
+"""PyTorch to ONNX, and the graph repairs ORT training 1.19 needs (BatchNorm, LayerNorm, Dropout)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from typing import Iterable, Sequence
+
+import onnx
+import torch
+from onnx import helper, numpy_helper
+from torch import nn
+
+from .errors import ExportError, InputSpecError, UnsupportedOperatorError
+
+__all__ = [
+    "export_onnx",
+    "complete_gradient_outputs",
+    "expose_batchnorm_updates",
+    "strip_batchnorm_training",
+    "zero_dropout",
+    "dropout_to_inference",
+    "check_gradient_ops",
+]
+
+UPDATED = "/updated"
+SCRATCH = "/bn_scratch"
+
+# Operators with no gradient builder or no CPU gradient kernel in ORT 1.19.2 (measured).
+NO_GRADIENT = {
+    "Elu": "ReLU or GELU",
+    "Selu": "ReLU or GELU",
+    "Softplus": "ReLU",
+    "HardSigmoid": "Sigmoid",
+    "HardSwish": "ReLU6 (Clip) or GELU",
+    "Mish": "GELU",
+    "PRelu": "LeakyReLU",
+    "GlobalMaxPool": "AdaptiveAvgPool (GlobalAveragePool) or MaxPool with a fixed kernel",
+    "InstanceNormalization": "LayerNorm or BatchNorm",
+    "GroupNormalization": "LayerNorm or BatchNorm",
+    "ReduceMax": "a mean or LogSumExp reduction",
+    "Einsum": "matmul/bmm",
+    "CumSum": "a matmul with a triangular matrix",
+    "RNN": "a Linear-based recurrence or a transformer layer",
+    "LSTM": "a transformer layer or a GRU-free recurrence built from Linear",
+    "GRU": "a transformer layer or a recurrence built from Linear",
+    "Attention": "nn.MultiheadAttention exported without fusion",
+    "ConvTranspose": "Upsample (nearest) + Conv",
+    "Resize": "ConvTranspose-free upsampling such as repeat_interleave",
+}
+
+
+def export_onnx(
+    model: nn.Module,
+    example: Sequence[torch.Tensor],
+    input_names: Sequence[str],
+    output_names: Sequence[str] | None,
+    opset: int,
+) -> tuple[onnx.ModelProto, list[str]]:
+    """Export ``model`` in training mode (Dropout and BatchNorm as in training), batch dynamic.
+
+    The model's parameters and buffers are left exactly as they were.
+    Returns the model and its output names.
+    """
+    saved = copy.deepcopy(model.state_dict())
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad():
+            try:
+                result = model(*example)
+            except Exception as exc:
+                shapes = ", ".join(f"{n}{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for n, t in zip(input_names, example))
+                raise InputSpecError(f"the model rejects the example input ({shapes}): {type(exc).__name__}: {exc}") from exc
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
+            raise ExportError("forward must return a tensor or a tuple of tensors.")
+        if output_names is None:
+            output_names = ["output"] if len(outputs) == 1 else [f"output{i}" for i in range(len(outputs))]
+        if len(output_names) != len(outputs):
+            raise InputSpecError(f"{len(output_names)} output names given, but the model returns {len(outputs)} outputs.")
+        dynamic = {name: {0: "batch"} for name in (*input_names, *output_names)}
+        for name, out in zip(output_names, outputs):
+            if out.dim() == 0:
+                dynamic.pop(name)
+        buffer = io.BytesIO()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    model,
+                    tuple(example),
+                    buffer,
+                    input_names=list(input_names),
+                    output_names=list(output_names),
+                    dynamic_axes=dynamic,
+                    opset_version=opset,
+                    training=torch.onnx.TrainingMode.TRAINING,
+                    do_constant_folding=False,
+                    dynamo=False,
+                )
+        except Exception as exc:
+            raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        model.load_state_dict(saved)
+        model.train(was_training)
+    exported = onnx.load_from_string(buffer.getvalue())
+    # Tracing in training mode ran forward passes that moved BatchNorm's running statistics:
+    # put the model's own values back into the graph.
+    for index, initializer in enumerate(exported.graph.initializer):
+        if initializer.name in saved:
+            value = saved[initializer.name].detach().cpu().numpy()
+            exported.graph.initializer[index].CopyFrom(numpy_helper.from_array(value, initializer.name))
+    return exported, list(output_names)
+
+
+def complete_gradient_outputs(model: onnx.ModelProto) -> None:
+    """Add the optional outputs ORT's gradient builders read but the exporter may omit.
+
+    LayerNormalization needs Mean and InvStdDev (opset >= 17 exports one output); Dropout needs
+    its mask (attention dropout inside scaled_dot_product_attention exports without it).
+    """
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.output) == 1:
+            node.output.append(f"{node.output[0]}/mask")
+        elif node.op_type == "LayerNormalization" and len(node.output) == 1:
+            node.output.extend([f"{node.output[0]}/mean", f"{node.output[0]}/inv_std_dev"])
+
+
+def expose_batchnorm_updates(model: onnx.ModelProto, buffers: Iterable[str], opset: int) -> dict[str, str]:
+    """Add graph outputs with each training-mode BatchNorm's new running mean and variance.
+
+    They are computed with PyTorch's rule (``new = (1 - momentum) * old + momentum * batch``,
+    unbiased batch variance) by nodes added beside the BatchNorm: ORT's own running-stat outputs
+    apply the momentum twice and use the biased variance (measured on 1.19.2). Returns
+    ``{buffer name: output name}`` for the buffers listed in ``buffers``.
+    """
+    wanted = set(buffers)
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    updates: dict[str, str] = {}
+    for node in list(model.graph.node):
+        if node.op_type != "BatchNormalization" or len(node.output) < 3:
+            continue
+        x, _, _, mean_in, var_in = node.input[:5]
+        if mean_in not in wanted or var_in not in wanted:
+            continue
+        keep = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
+        new_mean, new_var = f"{mean_in}{UPDATED}", f"{var_in}{UPDATED}"
+        # ORT's training-mode BatchNorm writes its running-stat inputs in place; give it scratch
+        # copies so the nodes below read the true old values (the eval graph gets them back).
+        for index, fill in ((3, 0.0), (4, 1.0)):
+            scratch = f"{node.input[index]}{SCRATCH}"
+            value = helper.make_tensor(scratch, onnx.TensorProto.FLOAT, shapes[node.input[index]], [fill] * math.prod(shapes[node.input[index]]))
+            model.graph.node.insert(0, helper.make_node("Constant", [], [scratch], name=scratch, value=value))
+            node.input[index] = scratch
+        model.graph.node.extend(_running_stat_nodes(node.name, x, mean_in, var_in, keep, new_mean, new_var, opset))
+        for buffer, name in ((mean_in, new_mean), (var_in, new_var)):
+            model.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shapes[buffer]))
+            updates[buffer] = name
+    return updates
+
+
+def _running_stat_nodes(
+    prefix: str, x: str, mean_in: str, var_in: str, keep: float, new_mean: str, new_var: str, opset: int
+) -> list[onnx.NodeProto]:
+    p = f"{prefix}/odt_running_stats"
+    nodes: list[onnx.NodeProto] = []
+
+    def add(op: str, inputs: list[str], **attrs: object) -> str:
+        out = f"{p}/{op}_{len(nodes)}"
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value: float | list[int], dtype: int = onnx.TensorProto.FLOAT) -> str:
+        out = f"{p}/const_{len(nodes)}"
+        values = value if isinstance(value, list) else [value]
+        dims = [len(values)] if isinstance(value, list) else []
+        nodes.append(helper.make_node("Constant", [], [out], name=out, value=helper.make_tensor(out, dtype, dims, values)))
+        return out
+
+    # Per channel over every other axis: view X as (N, C, L) and average axes 0 and 2.
+    def reduce_mean(data: str) -> str:
+        if opset >= 18:
+            return add("ReduceMean", [data, const([0, 2], onnx.TensorProto.INT64)], keepdims=1)
+        return add("ReduceMean", [data], axes=[0, 2], keepdims=1)
+
+    def per_channel(data: str) -> str:
+        return add("Reshape", [data, const([-1], onnx.TensorProto.INT64)])
+
+    shaped = add("Reshape", [x, const([0, 0, -1], onnx.TensorProto.INT64)])
+    mean_keep = reduce_mean(shaped)
+    centered = add("Sub", [shaped, mean_keep])
+    batch_mean = per_channel(mean_keep)
+    biased = per_channel(reduce_mean(add("Mul", [centered, centered])))
+    count = add("Cast", [add("Div", [add("Size", [x]), add("Size", [batch_mean])])], to=onnx.TensorProto.FLOAT)
+    unbiased = add("Div", [add("Mul", [biased, count]), add("Sub", [count, const(1.0)])])
+    momentum = 1.0 - keep
+    for old, batch, out in ((mean_in, batch_mean, new_mean), (var_in, unbiased, new_var)):
+        blended = add("Add", [add("Mul", [old, const(keep)]), add("Mul", [batch, const(momentum)])])
+        nodes.append(helper.make_node("Identity", [blended], [out], name=f"{p}/{out}"))
+    return nodes
+
+
+def strip_batchnorm_training(model: onnx.ModelProto) -> None:
+    """Turn training-mode BatchNorm into inference BatchNorm (one output, running statistics).
+
+    ORT derives the eval model from the training graph and refuses a BatchNorm with three
+    outputs once training_mode is off. The running-stat update outputs and their nodes go too.
+    """
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization" and len(node.output) > 1:
+            del node.output[1:]
+            for attribute in [a for a in node.attribute if a.name == "training_mode"]:
+                node.attribute.remove(attribute)
+            node.input[3:5] = [name.removesuffix(SCRATCH) for name in node.input[3:5]]
+    for output in [o for o in model.graph.output if o.name.endswith(UPDATED)]:
+        model.graph.output.remove(output)
+    _prune_dead_nodes(model)
+
+
+def _prune_dead_nodes(model: onnx.ModelProto) -> None:
+    needed = {o.name for o in model.graph.output}
+    keep = []
+    for node in reversed(model.graph.node):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(node.input)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(keep))
+
+
+def dropout_to_inference(model: onnx.ModelProto) -> None:
+    """Switch every Dropout to inference (identity): the exporter hard-codes training_mode=True."""
+    false = "odt.dropout_training_mode_false"
+    model.graph.initializer.append(helper.make_tensor(false, onnx.TensorProto.BOOL, [], [False]))
+    for node in model.graph.node:
+        if node.op_type == "Dropout":
+            while len(node.input) < 3:
+                node.input.append("")
+            node.input[2] = false
+
+
+def zero_dropout(model: onnx.ModelProto) -> int:
+    """Set every Dropout ratio to 0 (a deterministic twin for verification); returns the count."""
+    zero = "odt.zero_dropout_ratio"
+    model.graph.initializer.append(helper.make_tensor(zero, onnx.TensorProto.FLOAT, [], [0.0]))
+    ratios = set()
+    count = 0
+    for node in model.graph.node:
+        if node.op_type == "Dropout":
+            count += 1
+            if len(node.input) > 1 and node.input[1]:
+                ratios.add(node.input[1])
+            elif len(node.input) == 1:
+                node.input.append(zero)
+            else:
+                node.input[1] = zero
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in ratios:
+                node.input[i] = zero
+    return count
+
+
+def check_gradient_ops(model: onnx.ModelProto, trainable: Iterable[str], torch_model: nn.Module) -> None:
+    """Raise UnsupportedOperatorError for an op without gradient on the path from a trainable weight."""
+    live = set(trainable)
+    for node in model.graph.node:  # exported graphs are topologically sorted
+        if not any(name in live for name in node.input):
+            continue
+        if node.op_type in NO_GRADIENT:
+            path, kind = _torch_module(node.name, torch_model)
+            freeze = f"--freeze '{path}.*'" if path else "--freeze on the layers before it"
+            raise UnsupportedOperatorError(
+                f"layer {path or node.name!r} ({kind}) exports as ONNX {node.op_type}, which has no gradient "
+                f"in ONNX Runtime 1.19 training. Freeze what lies before it ({freeze}) or replace it with "
+                f"{NO_GRADIENT[node.op_type]}."
+            )
+        live.update(o for o in node.output if o)
+
+
+def _torch_module(node_name: str, model: nn.Module) -> tuple[str, str]:
+    # TorchScript node names look like "/encoder/layers.0/act/HardSwish".
+    parts = [p for p in node_name.split("/") if p][:-1]
+    while parts:
+        path = ".".join(parts)
+        try:
+            return path, type(model.get_submodule(path)).__name__
+        except AttributeError:
+            parts.pop()
+    return "", type(model).__name__

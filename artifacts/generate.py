@@ -1,0 +1,378 @@
+"""One call from an nn.Module to a verified artifact directory with its manifest."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import replace
+from importlib import metadata
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import onnx
+import torch
+from torch import nn
+
+from ondevice._io import fsync_dir, sha256_file
+from ondevice._ort import ORT_VERSION, OrtTraining
+from ondevice.manifest import BATCH, MANIFEST_NAME, BufferUpdate, LossSpec, Manifest, OptimizerSpec, ParamSpec, TensorSpec
+
+from .errors import (
+    ArtifactError,
+    ExportError,
+    InputSpecError,
+    OutputExistsError,
+    UnsupportedOperatorError,
+    VerificationError,
+)
+from .export import (
+    check_gradient_ops,
+    complete_gradient_outputs,
+    dropout_to_inference,
+    expose_batchnorm_updates,
+    export_onnx,
+    strip_batchnorm_training,
+)
+from .losses import CrossEntropy, Loss
+from .optimizers import SGD, AdamW
+from .selection import select_trainable
+from .verify import Tolerances, format_table, make_targets, verify_artifacts
+
+__all__ = ["generate"]
+
+log = logging.getLogger(__name__)
+
+MODEL_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
+_NP_DTYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.BOOL: "bool",
+}
+
+
+def generate(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike[str],
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    loss: Loss = CrossEntropy(),
+    loss_output: str | None = None,
+    optimizer: AdamW | SGD = AdamW(),
+    trainable: Sequence[str] = (),
+    freeze: Sequence[str] = (),
+    train_last: int | None = None,
+    bias_only: bool = False,
+    opset: int = 17,
+    ort_format: bool = False,
+    verify: bool = True,
+    tolerances: Tolerances = Tolerances(),
+    force: bool = False,
+    name: str | None = None,
+    seed: int = 0,
+) -> Manifest:
+    """Export ``model``, build ORT training artifacts in ``out_dir`` and prove them against PyTorch.
+
+    ``example_inputs`` are the inputs of ``forward`` in order (or by name); their first dimension
+    is the batch and becomes dynamic. The directory appears complete or not at all.
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    >>> manifest = generate(model, torch.randn(16, 64), "out/mlp", input_names=["input"])  # doctest: +SKIP
+    >>> manifest.verification.passed  # doctest: +SKIP
+    True
+    """
+    out_dir = Path(out_dir)
+    _check_output(out_dir, force)
+    names, example = _examples(model, example_inputs, input_names)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        manifest, loss_index = _build(
+            model, example, names, output_names, loss, loss_output, optimizer, trainable, freeze,
+            train_last, bias_only, opset, ort_format, work, name or out_dir.name,
+        )
+        if verify:
+            targets = make_targets(manifest, loss, example[0].shape[0], seed)
+            report = verify_artifacts(work, manifest, model, example, targets, loss, loss_index, optimizer, tolerances)
+            manifest = replace(manifest, verification=report)
+            if not report.passed:
+                raise VerificationError(
+                    f"the artifacts disagree with PyTorch beyond tolerance; nothing was written to {out_dir}.\n"
+                    + format_table(report),
+                    report,
+                )
+        manifest.save(work)
+        _publish(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_output(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not force:
+        raise OutputExistsError(f"{out_dir} already exists. Pass --force (force=True) to replace it.")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArtifactError(f"cannot create {parent}: {exc.strerror}. Choose a writable --out.") from exc
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ArtifactError(f"{parent} is not writable. Choose a writable --out.")
+
+
+def _examples(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    input_names: Sequence[str] | None,
+) -> tuple[list[str], list[torch.Tensor]]:
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = [example_inputs]
+    if isinstance(example_inputs, Mapping):
+        names, tensors = list(example_inputs), list(example_inputs.values())
+    else:
+        tensors = list(example_inputs)
+        names = list(input_names) if input_names is not None else _forward_names(model, len(tensors))
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise InputSpecError("example inputs must be one or more torch tensors.")
+    if len(names) != len(tensors) or len(set(names)) != len(names):
+        raise InputSpecError(f"need one distinct name per example input, got {names} for {len(tensors)} inputs.")
+    if any(t.dim() == 0 for t in tensors):
+        raise InputSpecError("every example input needs a batch dimension (dimension 0).")
+    return names, tensors
+
+
+def _forward_names(model: nn.Module, count: int) -> list[str]:
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return params[:count] if len(params) >= count else [f"input{i}" for i in range(count)]
+
+
+def _build(
+    model: nn.Module,
+    example: list[torch.Tensor],
+    input_names: list[str],
+    output_names: Sequence[str] | None,
+    loss: Loss,
+    loss_output: str | None,
+    optimizer: AdamW | SGD,
+    trainable_globs: Sequence[str],
+    freeze: Sequence[str],
+    train_last: int | None,
+    bias_only: bool,
+    opset: int,
+    ort_format: bool,
+    work: Path,
+    name: str,
+) -> tuple[Manifest, int]:
+    onnx_model, outputs = export_onnx(model, example, input_names, output_names, opset)
+    complete_gradient_outputs(onnx_model)
+    initializers = {i.name: i for i in onnx_model.graph.initializer}
+    exported = [n for n, _ in model.named_parameters() if n in initializers]
+    trainable = select_trainable(
+        exported, trainable=trainable_globs, freeze=freeze, train_last=train_last, bias_only=bias_only
+    )
+    float_states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
+    frozen = [n for n in float_states if n not in trainable]
+    check_gradient_ops(onnx_model, trainable, model)
+    updates = expose_batchnorm_updates(onnx_model, frozen, opset)
+
+    loss_output = loss_output or outputs[0]
+    if loss_output not in outputs:
+        raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
+    output_specs = {o.name: _spec(o) for o in onnx_model.graph.output}
+    extra = [o for o in outputs if not (loss.kind == "model" and o == loss_output)]
+    _run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
+    _repair_eval_model(work / "eval_model.onnx")
+    if ort_format:
+        _convert_to_ort_format(work)
+
+    order = _parameter_order(work / "training_model.onnx")
+    shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
+    trainable_specs, offset = [], 0
+    for param in [n for n in order if n in set(trainable)]:
+        trainable_specs.append(ParamSpec(param, shapes[param], offset))
+        offset += trainable_specs[-1].size
+    target = loss.target_spec(output_specs[loss_output])
+    manifest = Manifest(
+        name=name,
+        files={p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file() and p.name != MANIFEST_NAME},
+        inputs=tuple(TensorSpec(n, _dtype_name(t), (BATCH, *t.shape[1:])) for n, t in zip(input_names, example)),
+        targets=() if target is None else (target,),
+        loss_output=_loss_output_name(work),
+        outputs=tuple(output_specs[o] for o in extra),
+        trainable=tuple(trainable_specs),
+        frozen=tuple(ParamSpec(n, shapes[n]) for n in order if n in set(frozen)),
+        buffers=tuple(BufferUpdate(b, o) for b, o in updates.items()),
+        loss=LossSpec(loss.kind, loss.options()),
+        optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
+        versions={
+            "odt": _own_version(),
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ORT_VERSION,
+            "opset": opset,
+            "ir_version": int(onnx.load(work / "training_model.onnx", load_external_data=False).ir_version),
+        },
+    )
+    _check_loads(work, manifest)
+    return manifest, outputs.index(loss_output)
+
+
+def _run_ort_generator(
+    graph: onnx.ModelProto,
+    trainable: list[str],
+    frozen: list[str],
+    loss: Loss,
+    loss_output: str,
+    optimizer: AdamW | SGD,
+    extra_outputs: list[str],
+    work: Path,
+) -> None:
+    from onnxruntime.training import artifacts as ort_artifacts
+
+    # Path mode writes temporary files into the working directory: keep them in `work`.
+    with _inside(work), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            ort_artifacts.generate_artifacts(
+                graph,
+                requires_grad=trainable,
+                frozen_params=frozen,
+                loss=loss.block(),
+                optimizer=optimizer.block(),
+                artifact_directory=work,
+                additional_output_names=extra_outputs or None,
+                loss_input_names=[loss_output],
+            )
+        except ArtifactError:
+            raise
+        except Exception as exc:
+            message = ort_message(exc)
+            if "gradient_builder" in str(exc) or "Grad" in message and "implementation" in message:
+                raise UnsupportedOperatorError(
+                    f"ONNX Runtime cannot differentiate this model: {message}. Freeze the layers it names "
+                    "(--freeze) or replace them."
+                ) from exc
+            raise ExportError(f"ONNX Runtime's artifact generation failed: {message}") from exc
+
+
+def ort_message(exc: BaseException) -> str:
+    """The human part of an ORT error, without the C++ source path and function signature."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for marker in ("] : ", "was false. "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    text = re.sub(r"^/\S+:\d+ ", "", text)
+    return text[:400]
+
+
+@contextlib.contextmanager
+def _inside(path: Path):  # type: ignore[no-untyped-def]
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _repair_eval_model(path: Path) -> None:
+    model = onnx.load(path)
+    strip_batchnorm_training(model)
+    dropout_to_inference(model)
+    onnx.save(model, path)
+
+
+def _convert_to_ort_format(work: Path) -> None:
+    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+
+    with contextlib.redirect_stdout(io.StringIO()), _quiet_logging():
+        try:
+            convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
+        except Exception as exc:
+            raise ExportError(f"conversion to ORT format failed: {ort_message(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_logging():  # type: ignore[no-untyped-def]
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def _parameter_order(training_model: Path) -> list[str]:
+    """Parameters in the order of the training graph's inputs (= ORT's contiguous buffer order)."""
+    model = onnx.load(training_model, load_external_data=False)
+    return [i.name for i in model.graph.input]
+
+
+def _loss_output_name(work: Path) -> str:
+    model = onnx.load(work / "training_model.onnx", load_external_data=False)
+    return model.graph.output[0].name
+
+
+def _check_loads(work: Path, manifest: Manifest) -> None:
+    """Create the ORT session once: kernels missing at load time (ConvTransposeGrad) show up here."""
+    try:
+        session = OrtTraining(work)
+    except Exception as exc:
+        message = ort_message(exc)
+        if "Grad" in message:
+            raise UnsupportedOperatorError(
+                f"ONNX Runtime has no CPU kernel for a gradient this model needs: {message}. "
+                "Freeze that layer (--freeze) or replace it."
+            ) from exc
+        raise ExportError(f"the generated artifacts do not load in ONNX Runtime: {message}") from exc
+    size = session.module.get_parameters_size(True)
+    if size != manifest.trainable_size:
+        raise ExportError(f"ORT's parameter buffer holds {size} values, the manifest {manifest.trainable_size}.")
+    feeds = session.input_names(True)
+    if tuple(feeds) != manifest.feed_names:
+        raise ExportError(f"training graph inputs {feeds} differ from the manifest's {list(manifest.feed_names)}.")
+
+
+def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    tensor = value.type.tensor_type
+    dims: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim]
+    return TensorSpec(value.name, _NP_DTYPES.get(tensor.elem_type, str(tensor.elem_type)), tuple(dims))
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _own_version() -> str:
+    try:
+        return metadata.version("ondevice-training")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _publish(work: Path, out_dir: Path) -> None:
+    """Move the finished directory into place; an existing one (--force) is replaced whole."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.rename(out_dir, old)
+    os.rename(work, out_dir)
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,200 @@
+"""Prove artifacts against PyTorch: eval outputs, loss, every gradient, the weights after one step."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from ondevice._ort import OrtTraining
+from ondevice.manifest import Manifest, Verification, VerificationRow
+
+from .errors import VerificationError
+from .export import zero_dropout
+from .losses import Loss
+from .optimizers import SGD, AdamW, ReferenceOptimizer
+
+__all__ = ["Tolerances", "compare", "make_targets", "verify_artifacts", "format_table"]
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Pass when ``|ort - torch| <= atol + rtol * |torch|`` element-wise, for every item."""
+
+    atol: float = 1e-5
+    rtol: float = 1e-3
+
+
+def compare(item: str, ort: np.ndarray, ref: np.ndarray, tol: Tolerances) -> VerificationRow:
+    """One verification row; a shape mismatch is an error, not a row."""
+    ort = np.asarray(ort, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if ort.shape != ref.shape:
+        raise VerificationError(f"{item}: ONNX Runtime gives shape {ort.shape}, PyTorch {ref.shape}.")
+    diff = np.abs(ort - ref)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float((diff / (np.abs(ref) + tol.atol)).max()) if diff.size else 0.0
+    passed = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(ref))) and bool(np.all(np.isfinite(ort)))
+    return VerificationRow(item, max_abs, max_rel, tol.atol, tol.rtol, passed)
+
+
+def make_targets(manifest: Manifest, loss: Loss, batch: int, seed: int) -> list[np.ndarray]:
+    """Deterministic targets for the loss inputs that are not model inputs."""
+    rng = np.random.default_rng(seed)
+    targets = []
+    for spec in manifest.targets:
+        shape = (batch, *(d for d in spec.shape[1:]))
+        if spec.dtype == "int64":
+            high = manifest.num_classes or 2
+            targets.append(rng.integers(0, high, size=shape, dtype=np.int64))
+        elif loss.kind == "bce_with_logits":
+            targets.append(rng.integers(0, 2, size=shape).astype(np.float32))
+        else:
+            targets.append(rng.standard_normal(shape).astype(np.float32))
+    return targets
+
+
+def verify_artifacts(
+    directory: Path,
+    manifest: Manifest,
+    model: nn.Module,
+    example: Sequence[torch.Tensor],
+    targets: Sequence[np.ndarray],
+    loss: Loss,
+    loss_index: int,
+    optimizer: AdamW | SGD,
+    tol: Tolerances,
+) -> Verification:
+    """Run the artifacts and ``model`` side by side on one batch and compare everything.
+
+    Dropout makes a train step random on both sides, so the train step is checked on a twin of
+    the training graph whose Dropout ratios are 0 (the graph is otherwise byte-identical), with
+    dropout likewise off in torch; the eval graph is checked as shipped.
+    """
+    feeds = [t.detach().numpy() for t in example] + list(targets)
+    target = torch.from_numpy(targets[0]) if targets else None
+    rows = _compare_eval(directory, manifest, model, example, feeds, target, loss, loss_index, tol)
+    with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
+        twin, dropouts = _dropout_free_twin(directory, Path(tmp))
+        rows += _compare_train(twin, manifest, model, example, feeds, target, loss, loss_index, optimizer, tol)
+    note = f"train step checked with {dropouts} Dropout ratio(s) set to 0" if dropouts else ""
+    return Verification(passed=all(r.passed for r in rows), rows=tuple(rows), note=note)
+
+
+def _outputs(result: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _compare_eval(
+    directory: Path,
+    manifest: Manifest,
+    model: nn.Module,
+    example: Sequence[torch.Tensor],
+    feeds: list[np.ndarray],
+    target: torch.Tensor | None,
+    loss: Loss,
+    loss_index: int,
+    tol: Tolerances,
+) -> list[VerificationRow]:
+    ort = OrtTraining(directory, with_optimizer=False).eval_step(feeds)
+    reference = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        outputs = _outputs(reference(*example))
+        ref_loss = loss.reference(outputs[loss_index], target)
+    rows = [compare("eval loss", ort[0], ref_loss.numpy(), tol)]
+    by_name = _model_outputs_by_name(manifest, outputs, loss, loss_index)
+    for spec, value in zip(manifest.outputs, ort[1:]):
+        rows.append(compare(f"eval {spec.name}", value, by_name[spec.name].numpy(), tol))
+    return rows
+
+
+def _model_outputs_by_name(
+    manifest: Manifest, outputs: list[torch.Tensor], loss: Loss, loss_index: int
+) -> dict[str, torch.Tensor]:
+    rest = [o for i, o in enumerate(outputs) if not (loss.kind == "model" and i == loss_index)]
+    return {spec.name: value.detach() for spec, value in zip(manifest.outputs, rest)}
+
+
+def _compare_train(
+    directory: Path,
+    manifest: Manifest,
+    model: nn.Module,
+    example: Sequence[torch.Tensor],
+    feeds: list[np.ndarray],
+    target: torch.Tensor | None,
+    loss: Loss,
+    loss_index: int,
+    optimizer: AdamW | SGD,
+    tol: Tolerances,
+) -> list[VerificationRow]:
+    session = OrtTraining(directory)
+    session.set_learning_rate(optimizer.lr)
+    fetched = session.train_step(feeds)
+    gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+    session.optimizer_step()
+    stepped = {p.name: session.get_parameter(p.name) for p in manifest.trainable}
+
+    reference = _without_dropout(copy.deepcopy(model)).train()
+    params = dict(reference.named_parameters())
+    for p in params.values():
+        p.requires_grad_(False)
+    trained = [params[p.name].requires_grad_(True) for p in manifest.trainable]
+    outputs = _outputs(reference(*example))
+    ref_loss = loss.reference(outputs[loss_index], target)
+    ref_loss.backward()
+    state = reference.state_dict()
+
+    rows = [compare("train loss", fetched[0], ref_loss.detach().numpy(), tol)]
+    by_name = _model_outputs_by_name(manifest, outputs, loss, loss_index)
+    extra = fetched[1 : 1 + len(manifest.outputs)]
+    rows += [compare(f"train {s.name}", v, by_name[s.name].numpy(), tol) for s, v in zip(manifest.outputs, extra)]
+    updates = fetched[1 + len(manifest.outputs) :]
+    rows += [compare(f"buffer {b.name}", v, state[b.name].numpy(), tol) for b, v in zip(manifest.buffers, updates)]
+    for spec, param in zip(manifest.trainable, trained):
+        grad = gradients[spec.name]
+        ref_grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        rows.append(compare(f"grad {spec.name}", np.zeros_like(ref_grad) if grad is None else grad, ref_grad.numpy(), tol))
+    ReferenceOptimizer(optimizer, trained).step()
+    rows += [compare(f"step {s.name}", stepped[s.name], p.detach().numpy(), tol) for s, p in zip(manifest.trainable, trained)]
+    return rows
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
+
+
+def _dropout_free_twin(directory: Path, tmp: Path) -> tuple[Path, int]:
+    training = onnx.load(directory / "training_model.onnx")
+    count = zero_dropout(training)
+    if not count:
+        return directory, 0
+    onnx.save(training, tmp / "training_model.onnx")
+    for name in ("eval_model.onnx", "optimizer_model.onnx", "checkpoint"):
+        os.symlink((directory / name).resolve(), tmp / name)
+    return tmp, count
+
+
+def format_table(verification: Verification) -> str:
+    """The verification as an aligned text table with a verdict line."""
+    width = max([len(r.item) for r in verification.rows] + [4])
+    lines = [f"{'item':<{width}}  {'max abs':>10}  {'max rel':>10}  {'atol':>8}  {'rtol':>8}  ok"]
+    for r in verification.rows:
+        mark = "yes" if r.passed else "NO"
+        lines.append(f"{r.item:<{width}}  {r.max_abs:10.3e}  {r.max_rel:10.3e}  {r.atol:8.1e}  {r.rtol:8.1e}  {mark}")
+    failed = sum(not r.passed for r in verification.rows)
+    verdict = "PASS" if verification.passed else f"FAIL ({failed} of {len(verification.rows)} items beyond tolerance)"
+    lines.append(f"verification: {verdict}" + (f"; {verification.note}" if verification.note else ""))
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""ONNX Runtime on-device training runtime: no torch."""

@@ -1,0 +1,139 @@
+"""Torch-free access to ONNX Runtime's training C API (Module, Optimizer, CheckpointState).
+
+`import onnxruntime` in the training wheel probes `onnxruntime.training.ortmodule`, which
+imports torch whenever torch is installed (about a second and a few hundred MB). A device
+runtime must not pay that, so the probe is made to fail fast while onnxruntime loads, and
+the C bindings are used directly instead of `onnxruntime.training.api` (whose package
+`__init__` imports torch too).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"torch is hidden while the ondevice runtime loads ({name})")
+        return None
+
+
+def _import_onnxruntime():  # type: ignore[no-untyped-def]
+    if "onnxruntime" in sys.modules or "torch" in sys.modules:
+        import onnxruntime
+
+        return onnxruntime
+    blocker = _NoTorch()
+    sys.meta_path.insert(0, blocker)
+    try:
+        import onnxruntime
+    finally:
+        sys.meta_path.remove(blocker)
+        for name in [n for n in sys.modules if n.startswith("onnxruntime.training")]:
+            del sys.modules[name]  # half-imported by the probe; a later real import starts clean
+    return onnxruntime
+
+
+ort = _import_onnxruntime()
+from onnxruntime.capi import _pybind_state as C  # noqa: E402
+from onnxruntime.capi.onnxruntime_inference_collection import OrtValue  # noqa: E402
+
+C.set_default_logger_severity(3)  # errors only: ORT's INFO/WARNING flood is not for users
+
+ORT_VERSION: str = ort.__version__
+_CPU = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def session_options(threads: int | None = None) -> C.SessionOptions:
+    """Session options with ORT logging at errors only and an optional intra-op thread count."""
+    options = C.SessionOptions()
+    options.log_severity_level = 3
+    if threads is not None:
+        options.intra_op_num_threads = int(threads)
+        options.inter_op_num_threads = 1
+    return options
+
+
+class OrtTraining:
+    """The three ORT training objects over one artifact directory, with numpy in and out.
+
+    This is the thin layer every trainer uses; it checks nothing (callers validate first).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        checkpoint: str | os.PathLike[str] | None = None,
+        threads: int | None = None,
+        with_optimizer: bool = True,
+    ) -> None:
+        directory = Path(directory)
+        options = session_options(threads)
+        self.state = C.load_checkpoint(os.fspath(checkpoint or directory / "checkpoint"))
+        self.module = C.Module(
+            os.fspath(directory / "training_model.onnx"),
+            self.state,
+            os.fspath(directory / "eval_model.onnx"),
+            _CPU,
+            options,
+        )
+        self.optimizer = (
+            C.Optimizer(os.fspath(directory / "optimizer_model.onnx"), self.state, _CPU, options)
+            if with_optimizer
+            else None
+        )
+
+    def train_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        fetches = C.OrtValueVector()
+        self.module.train_step(list(feeds), fetches)
+        return [value.numpy() for value in fetches]
+
+    def eval_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        fetches = C.OrtValueVector()
+        self.module.eval_step(list(feeds), fetches)
+        return [value.numpy() for value in fetches]
+
+    def optimizer_step(self) -> None:
+        assert self.optimizer is not None, "created without an optimizer"
+        self.optimizer.optimizer_step()
+
+    def reset_grad(self) -> None:
+        self.module.lazy_reset_grad()
+
+    def set_learning_rate(self, lr: float) -> None:
+        assert self.optimizer is not None, "created without an optimizer"
+        self.optimizer.set_learning_rate(float(lr))
+
+    def get_flat(self, trainable_only: bool = True) -> np.ndarray:
+        size = self.module.get_parameters_size(trainable_only)
+        buffer = OrtValue.ortvalue_from_shape_and_type([size], np.float32, "cpu", 0)
+        self.module.copy_parameters_to_buffer(buffer._ortvalue, trainable_only)
+        return buffer.numpy()
+
+    def set_flat(self, flat: np.ndarray, trainable_only: bool = True) -> None:
+        value = OrtValue.ortvalue_from_numpy(np.ascontiguousarray(flat, dtype=np.float32))
+        self.module.copy_buffer_to_parameters(value._ortvalue, trainable_only)
+
+    def get_parameter(self, name: str) -> np.ndarray:
+        return np.array(self.state.get_parameter(name).data.numpy())
+
+    def get_gradient(self, name: str) -> np.ndarray | None:
+        grad = self.state.get_parameter(name).grad
+        return np.array(grad.numpy()) if grad.has_value() else None
+
+    def set_parameter(self, name: str, value: np.ndarray) -> None:
+        self.state.copy_parameter_from(name, OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))._ortvalue)
+
+    def input_names(self, training: bool = True) -> list[str]:
+        return list(self.module.input_names(training))
+
+    def output_names(self, training: bool = True) -> list[str]:
+        return list(self.module.output_names(training))

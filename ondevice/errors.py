@@ -1,0 +1,31 @@
+"""Typed errors of the on-device runtime: each says what was expected, what was found, what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "OndeviceError",
+    "ManifestError",
+    "SchemaVersionError",
+    "ArtifactIntegrityError",
+    "VersionMismatchError",
+]
+
+
+class OndeviceError(Exception):
+    """Base class of every error the runtime raises on purpose."""
+
+
+class ManifestError(OndeviceError, ValueError):
+    """The manifest is missing, unreadable or does not describe a valid artifact directory."""
+
+
+class SchemaVersionError(ManifestError):
+    """The manifest was written by a newer (or unknown) schema than this runtime reads."""
+
+
+class ArtifactIntegrityError(OndeviceError, ValueError):
+    """An artifact file is missing or its bytes differ from the sha256 the manifest recorded."""
+
+
+class VersionMismatchError(OndeviceError, RuntimeError):
+    """The installed ONNX Runtime cannot run artifacts made for another version."""

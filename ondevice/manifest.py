@@ -1,0 +1,251 @@
+"""The manifest: the one contract between the artifact generator and every runtime.
+
+It lives here, in the torch-free runtime, so a device can read it with the standard library;
+the generator imports it from here, never the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ._io import atomic_write_bytes, sha256_file
+from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MANIFEST_NAME",
+    "TensorSpec",
+    "ParamSpec",
+    "BufferUpdate",
+    "LossSpec",
+    "OptimizerSpec",
+    "VerificationRow",
+    "Verification",
+    "Manifest",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+BATCH = "batch"
+"""Name of the dynamic batch dimension in every input and output shape."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output: name, numpy dtype name and shape (``"batch"`` is dynamic)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter: its shape and, for trainable ones, its offset in the flat float32 buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BufferUpdate:
+    """A frozen parameter the train step recomputes (BatchNorm running statistics).
+
+    The training graph returns the new value as output ``output``; the runtime writes it back.
+    """
+
+    name: str
+    output: str
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    kind: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    kind: str
+    lr: float
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerificationRow:
+    """One compared quantity: the largest absolute and relative difference, and its tolerance."""
+
+    item: str
+    max_abs: float
+    max_rel: float
+    atol: float
+    rtol: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Verification:
+    passed: bool
+    rows: tuple[VerificationRow, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What an artifact directory holds and how to feed it.
+
+    ``inputs`` are the model's inputs in ``forward`` order; ``targets`` are the extra inputs the
+    loss needs (labels). The training and eval graphs take ``inputs + targets`` in that order and
+    return the loss followed by ``outputs``. ``trainable`` is in the order of ONNX Runtime's
+    contiguous parameter buffer, with offsets into it.
+    """
+
+    name: str
+    files: Mapping[str, str]
+    inputs: tuple[TensorSpec, ...]
+    targets: tuple[TensorSpec, ...]
+    loss_output: str
+    outputs: tuple[TensorSpec, ...]
+    trainable: tuple[ParamSpec, ...]
+    frozen: tuple[ParamSpec, ...]
+    buffers: tuple[BufferUpdate, ...]
+    loss: LossSpec
+    optimizer: OptimizerSpec
+    versions: Mapping[str, Any]
+    verification: Verification | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def trainable_size(self) -> int:
+        """Number of float32 values in the trainable parameter buffer."""
+        return sum(p.size for p in self.trainable)
+
+    @property
+    def frozen_size(self) -> int:
+        return sum(p.size for p in self.frozen)
+
+    @property
+    def feed_names(self) -> tuple[str, ...]:
+        """Names of the training/eval graph inputs, in feeding order."""
+        return tuple(t.name for t in (*self.inputs, *self.targets))
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes of a cross-entropy model (last dim of its first output), else None."""
+        if self.loss.kind != "cross_entropy" or not self.outputs:
+            return None
+        last = self.outputs[0].shape[-1]
+        return last if isinstance(last, int) else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{MANIFEST_NAME} is not valid JSON ({exc}). Regenerate the artifacts.") from exc
+        return _from_dict(data)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``manifest.json`` into ``directory`` atomically."""
+        path = Path(directory) / MANIFEST_NAME
+        atomic_write_bytes(path, self.to_json().encode())
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], *, check_files: bool = True) -> Manifest:
+        """Read the manifest of an artifact directory and, by default, check every file's sha256.
+
+        Examples
+        --------
+        >>> manifest = Manifest.load("out/digits/artifacts")  # doctest: +SKIP
+        >>> manifest.feed_names  # doctest: +SKIP
+        ('input', 'labels')
+        """
+        directory = Path(directory)
+        path = directory / MANIFEST_NAME
+        if not directory.is_dir():
+            raise ManifestError(f"artifact directory {directory} does not exist. Run `odt generate` first.")
+        if not path.is_file():
+            raise ManifestError(
+                f"{directory} has no {MANIFEST_NAME}: it is not an artifact directory made by `odt generate`."
+            )
+        manifest = cls.from_json(path.read_text())
+        if check_files:
+            manifest.check_files(directory)
+        return manifest
+
+    def check_files(self, directory: str | os.PathLike[str]) -> None:
+        """Raise ArtifactIntegrityError for every file that is missing or whose bytes changed."""
+        problems = []
+        for name, expected in self.files.items():
+            path = Path(directory) / name
+            if not path.is_file():
+                problems.append(f"{name} is missing")
+            elif sha256_file(path) != expected:
+                problems.append(f"{name} was altered (sha256 differs from the manifest)")
+        if problems:
+            raise ArtifactIntegrityError(
+                f"artifact directory {directory}: {'; '.join(problems)}. "
+                "Copy the directory again from the workstation or regenerate it."
+            )
+
+
+def _from_dict(data: Any) -> Manifest:
+    if not isinstance(data, dict):
+        raise ManifestError(f"{MANIFEST_NAME} must hold a JSON object, found {type(data).__name__}.")
+    version = data.get("schema_version")
+    if not isinstance(version, int):
+        raise ManifestError(f"{MANIFEST_NAME} has no integer schema_version (found {version!r}).")
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{MANIFEST_NAME} uses schema version {version}, this runtime reads up to {SCHEMA_VERSION}. "
+            "Upgrade the runtime or regenerate the artifacts with a matching generator."
+        )
+    try:
+        verification = data.get("verification")
+        return Manifest(
+            schema_version=version,
+            name=str(data["name"]),
+            files=dict(data["files"]),
+            inputs=tuple(_tensor(t) for t in data["inputs"]),
+            targets=tuple(_tensor(t) for t in data["targets"]),
+            loss_output=str(data["loss_output"]),
+            outputs=tuple(_tensor(t) for t in data["outputs"]),
+            trainable=tuple(_param(p) for p in data["trainable"]),
+            frozen=tuple(_param(p) for p in data["frozen"]),
+            buffers=tuple(BufferUpdate(**b) for b in data["buffers"]),
+            loss=LossSpec(**data["loss"]),
+            optimizer=OptimizerSpec(**data["optimizer"]),
+            versions=dict(data["versions"]),
+            verification=None if verification is None else _verification(verification),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(
+            f"{MANIFEST_NAME} does not match schema version {version}: {exc!r}. Regenerate the artifacts."
+        ) from exc
+
+
+def _tensor(data: dict[str, Any]) -> TensorSpec:
+    return TensorSpec(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
+
+
+def _param(data: dict[str, Any]) -> ParamSpec:
+    return ParamSpec(name=data["name"], shape=tuple(data["shape"]), offset=data.get("offset"))
+
+
+def _verification(data: dict[str, Any]) -> Verification:
+    rows = tuple(VerificationRow(**row) for row in data["rows"])
+    return Verification(passed=bool(data["passed"]), rows=rows, note=data.get("note", ""))
