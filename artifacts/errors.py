@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ondevice.errors import OdtError
+
 __all__ = [
     "ArtifactError",
     "ModelLoadError",
@@ -15,7 +17,7 @@ __all__ = [
 ]
 
 
-class ArtifactError(Exception):
+class ArtifactError(OdtError):
     """Base class of every error the generator raises on purpose."""
 
 

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import replace
 from importlib import metadata
@@ -246,7 +247,7 @@ def _run_ort_generator(
     from onnxruntime.training import artifacts as ort_artifacts
 
     # Path mode writes temporary files into the working directory: keep them in `work`.
-    with _inside(work), contextlib.redirect_stdout(io.StringIO()):
+    with _inside(work), contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
         try:
             ort_artifacts.generate_artifacts(
                 graph,
@@ -281,6 +282,21 @@ def ort_message(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
+def _native_stderr_silenced():  # type: ignore[no-untyped-def]
+    """Drop what native code writes to fd 2: ORT's gradient builder logs at INFO regardless of
+    the default logger severity. Python exceptions still carry the error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def _inside(path: Path):  # type: ignore[no-untyped-def]
     previous = os.getcwd()
     os.chdir(path)
@@ -300,22 +316,13 @@ def _repair_eval_model(path: Path) -> None:
 def _convert_to_ort_format(work: Path) -> None:
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
-    with contextlib.redirect_stdout(io.StringIO()), _quiet_logging():
+    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
+
+    with contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
         try:
             convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
         except Exception as exc:
             raise ExportError(f"conversion to ORT format failed: {ort_message(exc)}") from exc
-
-
-@contextlib.contextmanager
-def _quiet_logging():  # type: ignore[no-untyped-def]
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
 
 
 def _parameter_order(training_model: Path) -> list[str]:

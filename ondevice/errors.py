@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "OdtError",
     "OndeviceError",
     "ManifestError",
     "SchemaVersionError",
@@ -11,7 +12,11 @@ __all__ = [
 ]
 
 
-class OndeviceError(Exception):
+class OdtError(Exception):
+    """Root of every error the SDK raises on purpose; the CLI shows these as one line."""
+
+
+class OndeviceError(OdtError):
     """Base class of every error the runtime raises on purpose."""
 
 

@@ -1,0 +1,167 @@
+"""`odt generate`: maps command-line options onto `artifacts.generate` (torch is imported lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "generate",
+        help="PyTorch model -> verified ONNX Runtime training artifacts",
+        description="Export a PyTorch model, build ORT training artifacts with a manifest, and verify "
+        "them against PyTorch (eval outputs, loss, gradients, one optimizer step).",
+    )
+    p.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module")
+    p.add_argument("--weights", help="state_dict file to load into the model (default: the factory's weights)")
+    p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE:DTYPE",
+                   help="example input in forward() order, e.g. input:32x64:float32 (repeat per input; "
+                   "the first dimension is the batch and becomes dynamic)")
+    p.add_argument("--output-name", action="append", metavar="NAME",
+                   help="names of the model outputs in order (default: output, or output0, output1, ...)")
+    p.add_argument("--out", required=True, help="artifact directory to create")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
+
+    g = p.add_argument_group("loss")
+    g.add_argument("--loss", default="cross_entropy",
+                   choices=["cross_entropy", "mse", "l1", "bce_with_logits", "model"],
+                   help="loss on the model output (default cross_entropy; 'model': forward returns its loss)")
+    g.add_argument("--loss-output", help="which output the loss reads (default: the first)")
+    g.add_argument("--reduction", default="mean", help="mean or sum (default mean)")
+    g.add_argument("--class-weights", type=_floats, help="cross_entropy: per-class weights, comma-separated")
+    g.add_argument("--ignore-index", type=int, help="cross_entropy: label value that is ignored")
+    g.add_argument("--pos-weight", type=_floats, help="bce_with_logits: per-label positive weights")
+    g.add_argument("--label-smoothing", type=float, default=0.0, help=argparse.SUPPRESS)
+
+    o = p.add_argument_group("optimizer")
+    o.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="default adamw")
+    o.add_argument("--lr", type=float, help="learning rate (default 1e-3 for adamw, 1e-2 for sgd)")
+    o.add_argument("--betas", type=_floats, help="adamw betas (default 0.9,0.999)")
+    o.add_argument("--eps", type=float, help="adamw epsilon (default 1e-8)")
+    o.add_argument("--weight-decay", type=float, help="adamw decoupled weight decay (default 0)")
+    o.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm (default: no clipping)")
+    o.add_argument("--momentum", type=float, help="refused: ORT's SGD has no momentum")
+
+    t = p.add_argument_group("what trains (default: every parameter)")
+    t.add_argument("--trainable", action="append", default=[], metavar="GLOB", help="train only matches (repeatable)")
+    t.add_argument("--freeze", action="append", default=[], metavar="GLOB", help="freeze matches (repeatable)")
+    t.add_argument("--train-last", type=int, metavar="N", help="train only the last N modules with parameters")
+    t.add_argument("--bias-only", action="store_true", help="train biases only (BitFit)")
+
+    v = p.add_argument_group("export and verification")
+    v.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    v.add_argument("--ort-format", action="store_true", help="also write .ort models and required_operators.config")
+    v.add_argument("--no-verify", action="store_true", help="skip the comparison against PyTorch")
+    v.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    v.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the example data (default 0)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .generate import generate
+    from .loading import DTYPES, load_factory, load_weights, parse_input
+    from .losses import loss_from_name
+    from .optimizers import optimizer_from_name
+    from .verify import Tolerances, format_table
+
+    model = load_factory(args.model)
+    if args.weights:
+        load_weights(model, args.weights)
+    specs = [parse_input(text) for text in args.input]
+    generator = torch.Generator().manual_seed(args.seed)
+    high = _index_range(model)
+    example = {
+        spec.name: _example(shape, DTYPES[spec.dtype], high, generator) for spec, shape in specs
+    }
+    manifest = generate(
+        model,
+        example,
+        args.out,
+        output_names=args.output_name,
+        loss=loss_from_name(args.loss, **_loss_options(args)),
+        loss_output=args.loss_output,
+        optimizer=optimizer_from_name(args.optimizer, **_optimizer_options(args)),
+        trainable=args.trainable,
+        freeze=args.freeze,
+        train_last=args.train_last,
+        bias_only=args.bias_only,
+        opset=args.opset,
+        ort_format=args.ort_format,
+        verify=not args.no_verify,
+        tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
+        force=args.force,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(asdict(manifest), indent=2))
+        return 0
+    if manifest.verification is not None:
+        print(format_table(manifest.verification))
+    total = manifest.trainable_size + manifest.frozen_size
+    print(
+        f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
+        f"({manifest.trainable_size * 4 / 1024:.1f} KiB)"
+    )
+    print(f"artifacts: {args.out}")
+    return 0
+
+
+def _index_range(model: Any) -> int:
+    """Integer example inputs index embeddings: stay below the smallest vocabulary (else 2)."""
+    from torch import nn
+
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return min(sizes) if sizes else 2
+
+
+def _example(shape: tuple[int, ...], dtype: Any, high: int, generator: Any) -> Any:
+    import torch
+
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(0, high, shape, generator=generator).to(dtype)
+
+
+def _loss_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if args.loss != "model":
+        options["reduction"] = args.reduction
+    if args.class_weights is not None:
+        options["weight"] = args.class_weights
+    if args.ignore_index is not None:
+        options["ignore_index"] = args.ignore_index
+    if args.pos_weight is not None:
+        options["pos_weight"] = args.pos_weight
+    if args.label_smoothing:
+        options["label_smoothing"] = args.label_smoothing
+    return options
+
+
+def _optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "lr": args.lr,
+        "betas": args.betas,
+        "eps": args.eps,
+        "weight_decay": args.weight_decay,
+        "max_grad_norm": args.max_grad_norm,
+        "momentum": args.momentum,
+    }
+    return {k: v for k, v in given.items() if v is not None}
