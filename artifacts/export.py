@@ -18,11 +18,13 @@ from .errors import ExportError, InputSpecError, UnsupportedOperatorError
 __all__ = [
     "export_onnx",
     "complete_gradient_outputs",
+    "average_pool_to_conv",
     "expose_batchnorm_updates",
     "strip_batchnorm_training",
     "zero_dropout",
     "dropout_to_inference",
     "check_gradient_ops",
+    "reaching",
 ]
 
 UPDATED = "/updated"
@@ -127,6 +129,36 @@ def complete_gradient_outputs(model: onnx.ModelProto) -> None:
             node.output.append(f"{node.output[0]}/mask")
         elif node.op_type == "LayerNormalization" and len(node.output) == 1:
             node.output.extend([f"{node.output[0]}/mean", f"{node.output[0]}/inv_std_dev"])
+
+
+def average_pool_to_conv(model: onnx.ModelProto) -> int:
+    """Rewrite AveragePool as a depthwise Conv with fixed 1/k weights; returns the count.
+
+    ORT 1.19.2's CPU AveragePoolGrad dies with SIGFPE (measured, any kernel size); Conv's
+    gradient works. Exact for ceil_mode=0 with count_include_pad=1 or no padding.
+    """
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*inferred.graph.value_info, *inferred.graph.input)}
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "AveragePool":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        kernel = list(attrs["kernel_shape"])
+        pads = list(attrs.get("pads", [0] * 2 * len(kernel)))
+        channels = (shapes.get(node.input[0]) or [0, 0])[1]
+        if attrs.get("ceil_mode", 0) or (any(pads) and not attrs.get("count_include_pad", 0)) or not channels:
+            continue
+        weight = f"{node.name}/odt_average_weight"
+        values = [1.0 / math.prod(kernel)] * (channels * math.prod(kernel))
+        model.graph.initializer.append(helper.make_tensor(weight, onnx.TensorProto.FLOAT, [channels, 1, *kernel], values))
+        conv = helper.make_node(
+            "Conv", [node.input[0], weight], list(node.output), name=node.name, group=channels,
+            kernel_shape=kernel, pads=pads, strides=list(attrs.get("strides", [1] * len(kernel))),
+        )
+        node.CopyFrom(conv)
+        count += 1
+    return count
 
 
 def expose_batchnorm_updates(model: onnx.ModelProto, buffers: Iterable[str], opset: int) -> dict[str, str]:
@@ -291,3 +323,18 @@ def _torch_module(node_name: str, model: nn.Module) -> tuple[str, str]:
         except AttributeError:
             parts.pop()
     return "", type(model).__name__
+
+
+def reaching(model: onnx.ModelProto, names: Iterable[str], output: str) -> set[str]:
+    """The subset of ``names`` (initializers or inputs) that ``output`` depends on."""
+    producer = {o: node for node in model.graph.node for o in node.output}
+    seen: set[str] = set()
+    stack = [output]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in producer:
+            stack.extend(i for i in producer[name].input if i)
+    return seen & set(names)

@@ -29,15 +29,18 @@ from .errors import (
     ExportError,
     InputSpecError,
     OutputExistsError,
+    SelectionError,
     UnsupportedOperatorError,
     VerificationError,
 )
 from .export import (
+    average_pool_to_conv,
     check_gradient_ops,
     complete_gradient_outputs,
     dropout_to_inference,
     expose_batchnorm_updates,
     export_onnx,
+    reaching,
     strip_batchnorm_training,
 )
 from .losses import CrossEntropy, Loss
@@ -182,19 +185,26 @@ def _build(
 ) -> tuple[Manifest, int]:
     onnx_model, outputs = export_onnx(model, example, input_names, output_names, opset)
     complete_gradient_outputs(onnx_model)
+    average_pool_to_conv(onnx_model)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     exported = [n for n, _ in model.named_parameters() if n in initializers]
     trainable = select_trainable(
         exported, trainable=trainable_globs, freeze=freeze, train_last=train_last, bias_only=bias_only
     )
+    loss_output = loss_output or outputs[0]
+    if loss_output not in outputs:
+        raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
+    unreachable = [n for n in trainable if n not in reaching(onnx_model, trainable, loss_output)]
+    if unreachable:
+        log.warning("frozen because the loss on %r does not depend on them: %s", loss_output, ", ".join(unreachable))
+        trainable = [n for n in trainable if n not in unreachable]
+        if not trainable:
+            raise SelectionError(f"no selected parameter affects the loss output {loss_output!r}.")
     float_states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
     frozen = [n for n in float_states if n not in trainable]
     check_gradient_ops(onnx_model, trainable, model)
     updates = expose_batchnorm_updates(onnx_model, frozen, opset)
 
-    loss_output = loss_output or outputs[0]
-    if loss_output not in outputs:
-        raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
     output_specs = {o.name: _spec(o) for o in onnx_model.graph.output}
     extra = [o for o in outputs if not (loss.kind == "model" and o == loss_output)]
     _run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
@@ -215,6 +225,7 @@ def _build(
         inputs=tuple(TensorSpec(n, _dtype_name(t), (BATCH, *t.shape[1:])) for n, t in zip(input_names, example)),
         targets=() if target is None else (target,),
         loss_output=_loss_output_name(work),
+        loss_input=None if loss.kind == "model" else loss_output,
         outputs=tuple(output_specs[o] for o in extra),
         trainable=tuple(trainable_specs),
         frozen=tuple(ParamSpec(n, shapes[n]) for n in order if n in set(frozen)),

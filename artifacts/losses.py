@@ -56,6 +56,10 @@ def _vector(name: str, values: Sequence[float] | None) -> np.ndarray | None:
     return array
 
 
+def _json(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else [float(v) for v in values]
+
+
 class _Truthy(np.ndarray):
     # ORT 1.19's CrossEntropyLoss block tests `if self._weight:`, which raises for arrays with
     # more than one element; this view answers True so the class weights reach the graph.
@@ -84,7 +88,7 @@ class CrossEntropy(Loss):
             )
 
     def options(self) -> dict[str, Any]:
-        return {"reduction": self.reduction, "weight": self.weight, "ignore_index": self.ignore_index}
+        return {"reduction": self.reduction, "weight": _json(self.weight), "ignore_index": self.ignore_index}
 
     def block(self) -> Any:
         from onnxruntime.training.onnxblock import loss
@@ -167,7 +171,7 @@ class BCEWithLogits(Loss):
         _vector("bce_with_logits pos_weight", self.pos_weight)
 
     def options(self) -> dict[str, Any]:
-        return {"reduction": self.reduction, "weight": self.weight, "pos_weight": self.pos_weight}
+        return {"reduction": self.reduction, "weight": _json(self.weight), "pos_weight": _json(self.pos_weight)}
 
     def block(self) -> Any:
         from onnxruntime.training.onnxblock import loss

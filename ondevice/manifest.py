@@ -105,7 +105,8 @@ class Manifest:
     """What an artifact directory holds and how to feed it.
 
     ``inputs`` are the model's inputs in ``forward`` order; ``targets`` are the extra inputs the
-    loss needs (labels). The training and eval graphs take ``inputs + targets`` in that order and
+    loss needs (labels); ``loss_input`` is the model output the loss reads (None when the model
+    returns its own loss) and ``loss_output`` the graphs' loss output. The training and eval graphs take ``inputs + targets`` in that order and
     return the loss followed by ``outputs``. ``trainable`` is in the order of ONNX Runtime's
     contiguous parameter buffer, with offsets into it.
     """
@@ -115,6 +116,7 @@ class Manifest:
     inputs: tuple[TensorSpec, ...]
     targets: tuple[TensorSpec, ...]
     loss_output: str
+    loss_input: str | None
     outputs: tuple[TensorSpec, ...]
     trainable: tuple[ParamSpec, ...]
     frozen: tuple[ParamSpec, ...]
@@ -141,10 +143,11 @@ class Manifest:
 
     @property
     def num_classes(self) -> int | None:
-        """Classes of a cross-entropy model (last dim of its first output), else None."""
-        if self.loss.kind != "cross_entropy" or not self.outputs:
+        """Classes of a cross-entropy model (last dim of the output the loss reads), else None."""
+        scores = [o for o in self.outputs if o.name == self.loss_input]
+        if self.loss.kind != "cross_entropy" or not scores:
             return None
-        last = self.outputs[0].shape[-1]
+        last = scores[0].shape[-1]
         return last if isinstance(last, int) else None
 
     def to_json(self) -> str:
@@ -223,6 +226,7 @@ def _from_dict(data: Any) -> Manifest:
             inputs=tuple(_tensor(t) for t in data["inputs"]),
             targets=tuple(_tensor(t) for t in data["targets"]),
             loss_output=str(data["loss_output"]),
+            loss_input=data["loss_input"],
             outputs=tuple(_tensor(t) for t in data["outputs"]),
             trainable=tuple(_param(p) for p in data["trainable"]),
             frozen=tuple(_param(p) for p in data["frozen"]),

@@ -1,0 +1,102 @@
+"""Small models for the generator tests (also loadable as --model tests/artifacts/models.py:NAME)."""
+
+import torch
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+        )
+        self.dropout = nn.Dropout(0.25)
+        self.classifier = nn.Linear(32, 5)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(self.features(image).flatten(1)))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    model = CNN()
+    with torch.no_grad():  # non-trivial running statistics, as after pre-training
+        for bn in (model.features[1], model.features[5]):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.randn(1, 16, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.1, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(self.embedding(ids) + self.position[:, : ids.shape[1]])
+        return self.head(self.norm(hidden).mean(dim=1))
+
+
+def encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return Encoder()
+
+
+class TwoHeads(nn.Module):
+    """Returns (aux, logits): the loss must read the second output when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.aux = nn.Linear(16, 2)
+        self.logits = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.aux(h), self.logits(h)
+
+
+def two_heads() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHeads()
+
+
+class SelfLoss(nn.Module):
+    """forward(x, target) returns (loss, prediction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 12), nn.Sigmoid(), nn.Linear(12, 2))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prediction = self.net(x)
+        return ((prediction - target) ** 2).mean() + 0.1 * prediction.abs().mean(), prediction
+
+
+def self_loss() -> nn.Module:
+    torch.manual_seed(0)
+    return SelfLoss()
+
+
+def hardswish_head() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3))
+
+
+def not_a_module() -> str:
+    return "not a model"
+
+
+def no_bias() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4, bias=False))

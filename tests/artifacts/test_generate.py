@@ -1,0 +1,181 @@
+"""Generate and verify artifacts for small models of every kind the generator promises."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from onnxruntime.training import onnxblock
+
+from artifacts import (
+    MSE,
+    SGD,
+    AdamW,
+    BCEWithLogits,
+    CrossEntropy,
+    CustomLoss,
+    ModelLoss,
+    Tolerances,
+    VerificationError,
+    generate,
+)
+from ondevice._ort import OrtTraining
+from ondevice.manifest import Manifest, TensorSpec
+from tests.artifacts import models
+
+
+def _check(manifest: Manifest) -> None:
+    assert manifest.verification is not None
+    assert manifest.verification.passed, [r for r in manifest.verification.rows if not r.passed]
+    items = {r.item.split()[0] for r in manifest.verification.rows}
+    assert {"eval", "train", "grad", "step"} <= items
+    grads = [r for r in manifest.verification.rows if r.item.startswith("grad ")]
+    assert len(grads) == len(manifest.trainable)
+
+
+def test_mlp_classifier(tmp_path):
+    manifest = generate(models.mlp(), torch.randn(8, 16), tmp_path / "mlp", input_names=["input"])
+    _check(manifest)
+    assert manifest.feed_names == ("input", "labels")
+    assert manifest.targets == (TensorSpec("labels", "int64", ("batch",)),)
+    assert manifest.outputs == (TensorSpec("output", "float32", ("batch", 4)),)
+    assert manifest.num_classes == 4
+    assert Manifest.load(tmp_path / "mlp") == manifest
+
+
+def test_cnn_with_batchnorm_dropout_and_pooling(tmp_path):
+    manifest = generate(models.cnn(), torch.randn(6, 1, 12, 12), tmp_path / "cnn", ort_format=True)
+    _check(manifest)
+    assert [b.name for b in manifest.buffers] == [
+        "features.1.running_mean", "features.1.running_var", "features.5.running_mean", "features.5.running_var",
+    ]
+    assert any(r.item == "buffer features.5.running_var" for r in manifest.verification.rows)
+    assert "Dropout" in manifest.verification.note
+    for name in ("training_model.ort", "eval_model.ort", "optimizer_model.ort", "required_operators.config"):
+        assert name in manifest.files
+    # Eval is deterministic (dropout off, running statistics): two calls agree exactly.
+    session = OrtTraining(tmp_path / "cnn")
+    feeds = [np.random.default_rng(0).standard_normal((4, 1, 12, 12), dtype=np.float32), np.zeros(4, np.int64)]
+    np.testing.assert_array_equal(session.eval_step(feeds)[1], session.eval_step(feeds)[1])
+
+
+@pytest.mark.parametrize("opset", [15, 17])
+def test_transformer_encoder_classifier(tmp_path, opset):
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    manifest = generate(models.encoder(), ids, tmp_path / "enc", opset=opset)
+    _check(manifest)
+    assert manifest.inputs == (TensorSpec("ids", "int64", ("batch", 16)),)
+    assert "embedding.weight" in [p.name for p in manifest.trainable]
+
+
+def test_encoder_last_layer_and_head_only(tmp_path):
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(2))
+    manifest = generate(
+        models.encoder(), ids, tmp_path / "enc", trainable=["encoder.layers.1", "norm", "head"]
+    )
+    _check(manifest)
+    names = [p.name for p in manifest.trainable]
+    assert all(n.startswith(("encoder.layers.1.", "norm.", "head.")) for n in names)
+    assert "embedding.weight" in [p.name for p in manifest.frozen]
+    assert manifest.trainable_size < manifest.frozen_size
+
+
+def test_mse_regression_with_multidimensional_target(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6), torch.nn.Unflatten(1, (2, 3)))
+    manifest = generate(model, torch.randn(7, 5), tmp_path / "mse", loss=MSE(reduction="sum"),
+                        optimizer=AdamW(lr=3e-3, weight_decay=0.01, max_grad_norm=0.5))
+    _check(manifest)
+    assert manifest.targets == (TensorSpec("target", "float32", ("batch", 2, 3)),)
+
+
+def test_bce_multilabel_with_pos_weight(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 4))
+    manifest = generate(model, torch.randn(9, 10), tmp_path / "bce",
+                        loss=BCEWithLogits(pos_weight=(1.0, 2.0, 0.5, 3.0)), optimizer=SGD(lr=0.1))
+    _check(manifest)
+    assert manifest.loss.options["pos_weight"] == [1.0, 2.0, 0.5, 3.0]
+    assert manifest.optimizer.kind == "sgd"
+
+
+def test_cross_entropy_with_class_weights_and_ignore_index(tmp_path):
+    manifest = generate(models.mlp(), torch.randn(8, 16), tmp_path / "ce",
+                        loss=CrossEntropy(weight=(1.0, 2.0, 0.5, 1.5), ignore_index=3))
+    _check(manifest)
+
+
+def test_two_output_model_loss_on_named_output(tmp_path):
+    manifest = generate(models.two_heads(), torch.randn(5, 8), tmp_path / "two",
+                        output_names=["aux", "logits"], loss_output="logits")
+    _check(manifest)
+    assert [o.name for o in manifest.outputs] == ["aux", "logits"]
+    assert manifest.targets == (TensorSpec("labels", "int64", ("batch",)),)
+    assert manifest.loss_input == "logits" and manifest.num_classes == 3
+    # The loss reads the logits head only, so the aux head cannot train and is frozen.
+    assert {p.name for p in manifest.frozen} == {"aux.weight", "aux.bias"}
+    assert {p.name for p in manifest.trainable} == {"body.weight", "body.bias", "logits.weight", "logits.bias"}
+
+
+def test_model_that_returns_its_own_loss(tmp_path):
+    example = {"x": torch.randn(4, 6), "target": torch.randn(4, 2)}
+    manifest = generate(models.self_loss(), example, tmp_path / "self", loss=ModelLoss(),
+                        output_names=["loss", "prediction"], loss_output="loss")
+    _check(manifest)
+    assert manifest.targets == ()
+    assert manifest.feed_names == ("x", "target")
+    assert [o.name for o in manifest.outputs] == ["prediction"]
+
+
+def test_custom_onnxblock_loss(tmp_path):
+    class MeanAbs(onnxblock.Block):
+        def build(self, output_name: str, target_name: str = "target") -> str:
+            return onnxblock.blocks.ReduceMean(keepdims=False)(onnxblock.blocks.Abs()(
+                onnxblock.blocks.Sub()(output_name, onnxblock.blocks.InputLike(output_name)(target_name))))
+
+    loss = CustomLoss(make_block=MeanAbs, reference_fn=lambda out, tgt: (out - tgt).abs().mean(),
+                      target=TensorSpec("target", "float32", ("batch", 3)), name="mean_abs")
+    torch.manual_seed(0)
+    manifest = generate(torch.nn.Linear(4, 3), torch.randn(6, 4), tmp_path / "custom", loss=loss)
+    _check(manifest)
+    assert manifest.loss.kind == "custom"
+
+
+def test_frozen_op_without_gradient_is_fine(tmp_path):
+    manifest = generate(models.hardswish_head(), torch.randn(4, 8), tmp_path / "hs", trainable=["2"])
+    _check(manifest)
+
+
+def test_parameter_order_matches_ort_buffer(tmp_path):
+    manifest = generate(models.encoder(), torch.randint(0, 50, (2, 16)), tmp_path / "enc", verify=False)
+    session = OrtTraining(tmp_path / "enc")
+    for index, spec in enumerate(manifest.trainable):
+        session.set_parameter(spec.name, np.full(spec.shape, float(index), np.float32))
+    flat = session.get_flat(trainable_only=True)
+    assert flat.size == manifest.trainable_size
+    for index, spec in enumerate(manifest.trainable):
+        np.testing.assert_array_equal(flat[spec.offset : spec.offset + spec.size], float(index))
+
+
+def test_manifest_json_round_trip(tmp_path):
+    manifest = generate(models.cnn(), torch.randn(2, 1, 12, 12), tmp_path / "cnn")
+    text = (tmp_path / "cnn" / "manifest.json").read_text()
+    assert Manifest.from_json(text) == manifest
+    assert json.loads(text)["schema_version"] == 1
+
+
+def test_verification_can_fail_and_then_writes_nothing(tmp_path):
+    with pytest.raises(VerificationError) as caught:
+        generate(models.encoder(), torch.randint(0, 50, (4, 16)), tmp_path / "enc", tolerances=Tolerances(0.0, 0.0))
+    assert "FAIL" in str(caught.value) and not caught.value.verification.passed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_existing_output(tmp_path):
+    first = generate(models.mlp(), torch.randn(4, 16), tmp_path / "m", verify=False)
+    second = generate(models.mlp(), torch.randn(4, 16), tmp_path / "m", loss=CrossEntropy(reduction="sum"),
+                      verify=False, force=True)
+    assert Manifest.load(tmp_path / "m") == second != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
