@@ -298,17 +298,20 @@ def zero_dropout(model: onnx.ModelProto) -> int:
 
 def check_gradient_ops(model: onnx.ModelProto, trainable: Iterable[str], torch_model: nn.Module) -> None:
     """Raise UnsupportedOperatorError for an op without gradient on the path from a trainable weight."""
+    trainable = list(trainable)
     live = set(trainable)
     for node in model.graph.node:  # exported graphs are topologically sorted
         if not any(name in live for name in node.input):
             continue
         if node.op_type in NO_GRADIENT:
             path, kind = _torch_module(node.name, torch_model)
-            freeze = f"--freeze '{path}.*'" if path else "--freeze on the layers before it"
+            upstream = set().union(*(reaching(model, trainable, i) for i in node.input if i))
+            owners = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in upstream})
+            freeze = " ".join(f"--freeze '{o}.*'" for o in owners)
             raise UnsupportedOperatorError(
                 f"layer {path or node.name!r} ({kind}) exports as ONNX {node.op_type}, which has no gradient "
-                f"in ONNX Runtime 1.19 training. Freeze what lies before it ({freeze}) or replace it with "
-                f"{NO_GRADIENT[node.op_type]}."
+                f"in ONNX Runtime 1.19 training. Freeze the parameters before it ({freeze}) or replace it "
+                f"with {NO_GRADIENT[node.op_type]}."
             )
         live.update(o for o in node.output if o)
 
