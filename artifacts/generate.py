@@ -97,7 +97,7 @@ def generate(
     >>> manifest.verification.passed  # doctest: +SKIP
     True
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).absolute()
     _check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
