@@ -9,6 +9,9 @@ __all__ = [
     "SchemaVersionError",
     "ArtifactIntegrityError",
     "VersionMismatchError",
+    "DataError",
+    "WeightsError",
+    "CheckpointError",
 ]
 
 
@@ -34,3 +37,15 @@ class ArtifactIntegrityError(OndeviceError, ValueError):
 
 class VersionMismatchError(OndeviceError, RuntimeError):
     """The installed ONNX Runtime cannot run artifacts made for another version."""
+
+
+class DataError(OndeviceError, ValueError):
+    """Training or evaluation data does not match the manifest (names, dtypes, shapes, values)."""
+
+
+class WeightsError(OndeviceError, ValueError):
+    """Weights handed to the trainer have the wrong names, length, shape or non-finite values."""
+
+
+class CheckpointError(OndeviceError, ValueError):
+    """A checkpoint is missing, truncated, from other artifacts, or cannot be written."""

@@ -1,0 +1,121 @@
+"""Check data against the manifest before it reaches ORT, and cut it into seeded batches.
+
+Safe casts, applied silently: any integer or bool dtype to int64 and float16/float64/integers to
+float32, when every value survives the cast (integers fit, floats stay finite). Everything else
+(floats given for integer labels, values that overflow) is refused with a DataError.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from .errors import DataError
+from .manifest import Manifest, TensorSpec
+
+__all__ = ["check_data", "batches", "load_npz"]
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """Arrays of an ``.npz`` file, keyed by name."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except FileNotFoundError:
+        raise DataError(f"data file {path} does not exist.") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data file {path} is not a readable .npz archive: {exc}") from exc
+
+
+def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bool = True) -> dict[str, np.ndarray]:
+    """Validate and cast ``data`` to the manifest's feeds; returns arrays in feeding order.
+
+    ``labels=False`` checks the model inputs only (prediction).
+    """
+    specs = list(manifest.inputs) + (list(manifest.targets) if labels else [])
+    if not isinstance(data, Mapping):
+        raise DataError(f"data must map input names to arrays, got {type(data).__name__}.")
+    missing = [s.name for s in specs if s.name not in data]
+    if missing:
+        raise DataError(
+            f"data has no {missing}; expected arrays named {[s.name for s in specs]}, found {sorted(data)}."
+        )
+    checked = {spec.name: _check_array(spec, data[spec.name]) for spec in specs}
+    sizes = {name: len(array) for name, array in checked.items()}
+    if len(set(sizes.values())) != 1:
+        raise DataError(f"every array needs the same number of examples (dimension 0), found {sizes}.")
+    if not next(iter(sizes.values())):
+        raise DataError("the dataset is empty: dimension 0 of every array is 0.")
+    if labels:
+        _check_labels(manifest, checked)
+    return checked
+
+
+def _check_array(spec: TensorSpec, value: object) -> np.ndarray:
+    array = np.asarray(value)
+    want = np.dtype(spec.dtype)
+    if array.dtype != want:
+        array = _cast(spec, array, want)
+    if array.ndim != len(spec.shape):
+        raise DataError(
+            f"{spec.name!r} needs {len(spec.shape)} dimensions {_shape(spec)}, got shape {array.shape}."
+        )
+    for axis, (expected, found) in enumerate(zip(spec.shape, array.shape)):
+        if isinstance(expected, int) and expected != found:
+            raise DataError(f"{spec.name!r} needs shape {_shape(spec)}, got {array.shape} (dimension {axis}).")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        bad = int(np.count_nonzero(~np.isfinite(array)))
+        raise DataError(f"{spec.name!r} holds {bad} NaN/Inf values; clean the data before training.")
+    return np.ascontiguousarray(array)
+
+
+def _cast(spec: TensorSpec, array: np.ndarray, want: np.dtype) -> np.ndarray:
+    kind = array.dtype.kind
+    if want.kind == "i" and kind in "iub":
+        if array.size and (array.min() < np.iinfo(want).min or array.max() > np.iinfo(want).max):
+            raise DataError(f"{spec.name!r}: values do not fit {want}.")
+        return array.astype(want)
+    if want.kind == "f" and kind in "fiub":
+        cast = array.astype(want)
+        if kind == "f" and np.isfinite(array).all() and not np.isfinite(cast).all():
+            raise DataError(f"{spec.name!r}: values overflow {want}.")
+        return cast
+    raise DataError(
+        f"{spec.name!r} must be {want} (or safely castable to it), got {array.dtype}. "
+        f"Convert it, e.g. array.astype(np.{want})."
+    )
+
+
+def _check_labels(manifest: Manifest, data: dict[str, np.ndarray]) -> None:
+    classes = manifest.num_classes
+    if classes is None:
+        return
+    ignore = manifest.loss.options.get("ignore_index")
+    for spec in manifest.targets:
+        labels = data[spec.name]
+        valid = labels if ignore is None else labels[labels != ignore]
+        if valid.size and (valid.min() < 0 or valid.max() >= classes):
+            raise DataError(
+                f"{spec.name!r} must hold class indices in [0, {classes - 1}], found values "
+                f"from {valid.min()} to {valid.max()}."
+            )
+
+
+def _shape(spec: TensorSpec) -> str:
+    return "(" + ", ".join(str(d) for d in spec.shape) + ")"
+
+
+def batches(
+    data: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool, seed: int, epoch: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of ``data`` (the last one may be smaller); the order depends on (seed, epoch) only."""
+    size = len(next(iter(data.values())))
+    if batch_size < 1:
+        raise DataError(f"batch size must be at least 1, got {batch_size}.")
+    if batch_size > size:
+        raise DataError(f"batch size {batch_size} is larger than the dataset ({size} examples).")
+    order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
+    for start in range(0, size, batch_size):
+        index = order[start : start + batch_size]
+        yield {name: array[index] for name, array in data.items()}

@@ -1,0 +1,39 @@
+"""Inference on an exported model through a plain ONNX Runtime InferenceSession."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import numpy as np
+
+from ._ort import ort, session_options
+from .data import check_data
+from .errors import OndeviceError
+from .manifest import Manifest
+
+__all__ = ["Predictor"]
+
+
+class Predictor:
+    """Run an exported inference model on data checked against the artifact manifest.
+
+    Examples
+    --------
+    >>> predictor = Predictor("model.onnx", Manifest.load("artifacts"))  # doctest: +SKIP
+    >>> predictor.predict({"input": x})["output"].argmax(-1)  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest, *, threads: int | None = None) -> None:
+        try:
+            self._session = ort.InferenceSession(os.fspath(path), session_options(threads), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise OndeviceError(f"cannot load inference model {path}: {str(exc).splitlines()[0][-200:]}") from exc
+        self.manifest = manifest
+        self._inputs = [i.name for i in self._session.get_inputs()]
+        self._outputs = [o.name for o in self._session.get_outputs()]
+
+    def predict(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        checked = check_data(self.manifest, data, labels=False)
+        feeds = {name: checked[name] for name in self._inputs}
+        return dict(zip(self._outputs, self._session.run(self._outputs, feeds)))

@@ -1,0 +1,371 @@
+"""The on-device trainer: train, evaluate, checkpoint, resume and export over one artifact directory."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._io import fsync_dir, sha256_file
+from ._ort import C, ORT_VERSION, OrtTraining
+from .data import batches, check_data
+from .errors import CheckpointError, DataError, OndeviceError, VersionMismatchError, WeightsError
+from .manifest import MANIFEST_NAME, Manifest
+from .schedules import Schedule
+
+__all__ = ["Trainer", "StepResult", "History"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step: the loss, the extra outputs (e.g. logits) and whether the update was applied."""
+
+    loss: float
+    outputs: dict[str, np.ndarray]
+    applied: bool = True
+
+
+@dataclass
+class History:
+    """Per-epoch metrics of :meth:`Trainer.fit` (loss, accuracy, val_*, lr, skipped steps)."""
+
+    epochs: list[dict[str, float]] = field(default_factory=list)
+
+    def last(self) -> dict[str, float]:
+        return self.epochs[-1] if self.epochs else {}
+
+
+class Trainer:
+    """Train an artifact directory with ONNX Runtime, in torch's vocabulary.
+
+    Examples
+    --------
+    >>> trainer = Trainer.load("out/digits/artifacts")  # doctest: +SKIP
+    >>> history = trainer.fit(train, epochs=20, batch_size=32, val_data=val)  # doctest: +SKIP
+    >>> trainer.evaluate(test)["accuracy"]  # doctest: +SKIP
+    0.97
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest, session: OrtTraining, manifest_sha: str) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._session = session
+        self._manifest_sha = manifest_sha
+        self.epoch = 0
+        self.step = 0
+        self.seed = 0
+        self.skipped_steps = 0
+        self._lr = manifest.optimizer.lr
+        session.set_learning_rate(self._lr)
+        self._train_names = [o.name for o in manifest.outputs]
+        self._buffers = [b.name for b in manifest.buffers]
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        checkpoint: str | os.PathLike[str] | None = None,
+        threads: int | None = None,
+    ) -> Trainer:
+        """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming."""
+        directory = Path(directory)
+        manifest = Manifest.load(directory)
+        made_with = str(manifest.versions.get("onnxruntime", ""))
+        if made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:
+            raise VersionMismatchError(
+                f"artifacts were made for ONNX Runtime {made_with}, this device runs {ORT_VERSION}. "
+                f"Install onnxruntime-training=={made_with} or regenerate the artifacts."
+            )
+        sha = sha256_file(directory / MANIFEST_NAME)
+        if checkpoint is not None:
+            _check_checkpoint(Path(checkpoint), sha)
+        try:
+            session = OrtTraining(directory, checkpoint=checkpoint, threads=threads)
+        except Exception as exc:
+            what = f"checkpoint {checkpoint}" if checkpoint else f"artifacts in {directory}"
+            raise (CheckpointError if checkpoint else OndeviceError)(
+                f"ONNX Runtime cannot load the {what}: {_short(exc)}"
+            ) from exc
+        trainer = cls(directory, manifest, session, sha)
+        if checkpoint is not None:
+            trainer._restore_progress()
+        return trainer
+
+    # -- learning rate -------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"learning rate must be positive and finite, got {lr}.")
+        if lr != self._lr:
+            self._session.set_learning_rate(lr)
+            self._lr = lr
+
+    # -- steps ---------------------------------------------------------------------------------
+    def train_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
+        """Forward, backward and one optimizer step on ``batch``; skipped if not finite."""
+        feeds = list(check_data(self.manifest, batch).values())
+        result = self._micro_step(feeds, micro=0)
+        self._finish(bad=not result.applied, micro_steps=1)
+        return result
+
+    def eval_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
+        """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
+        feeds = list(check_data(self.manifest, batch).values())
+        fetched = self._session.eval_step(feeds)
+        return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
+
+    def _micro_step(self, feeds: list[np.ndarray], micro: int) -> StepResult:
+        # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
+        # masks, and so a resumed run, are reproducible.
+        C.set_seed(int(np.random.SeedSequence([self.seed, self.step, micro]).generate_state(1)[0] >> 1))
+        fetched = self._session.train_step(feeds)
+        loss = float(fetched[0])
+        outputs = dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)]))
+        updates = fetched[1 + len(self._train_names) :]
+        finite = math.isfinite(loss) and self._gradients_finite()
+        if finite:
+            for name, value in zip(self._buffers, updates):
+                self._session.set_parameter(name, value)
+        return StepResult(loss, outputs, finite)
+
+    def _gradients_finite(self) -> bool:
+        return all(
+            grad is None or np.isfinite(grad).all()
+            for grad in (self._session.get_gradient(p.name) for p in self.manifest.trainable)
+        )
+
+
+    # -- loops ---------------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Mapping[str, np.ndarray],
+        *,
+        epochs: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        val_data: Mapping[str, np.ndarray] | None = None,
+        schedule: Schedule | None = None,
+        accumulate: int = 1,
+        checkpoint: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+    ) -> History:
+        """Train until ``epochs`` epochs are complete (a resumed trainer continues where it stopped).
+
+        Each optimizer step averages ``accumulate`` micro-batches of ``batch_size``; the learning
+        rate follows ``schedule`` by optimizer step (default: the manifest's constant rate). With
+        ``checkpoint``, a checkpoint is saved atomically after every epoch.
+        """
+        from ._progress import progress_bar
+
+        if epochs < 1 or accumulate < 1:
+            raise ValueError(f"epochs and accumulate must be >= 1, got {epochs} and {accumulate}.")
+        train = check_data(self.manifest, data)
+        val = None if val_data is None else check_data(self.manifest, val_data)
+        size = len(next(iter(train.values())))
+        if batch_size > size:
+            raise DataError(f"batch size {batch_size} is larger than the dataset ({size} examples).")
+        self.seed = seed
+        history = History()
+        per_epoch = math.ceil(size / batch_size)
+        with progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
+            while self.epoch < epochs:
+                metrics = self._epoch(train, batch_size, shuffle, accumulate, schedule, bar)
+                self.epoch += 1
+                if val is not None:
+                    metrics.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
+                metrics = {"epoch": self.epoch, **metrics, "lr": self._lr, "skipped": self.skipped_steps}
+                history.epochs.append(metrics)
+                bar.set_postfix({k: round(v, 4) for k, v in metrics.items() if k in ("loss", "val_accuracy")})
+                if checkpoint is not None:
+                    self.save(checkpoint)
+        return history
+
+    def _epoch(
+        self,
+        data: dict[str, np.ndarray],
+        batch_size: int,
+        shuffle: bool,
+        accumulate: int,
+        schedule: Schedule | None,
+        bar: Any,
+    ) -> dict[str, float]:
+        meter = _Meter(self.manifest)
+        pending, bad = 0, False
+        for batch in batches(data, batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
+            if pending == 0 and schedule is not None:
+                self.set_lr(schedule(self.step))
+            result = self._micro_step(list(batch.values()), micro=pending)
+            bad |= not result.applied
+            meter.add(result, batch)
+            pending += 1
+            bar.update(1)
+            if pending == accumulate:
+                self._finish(bad, pending)
+                pending, bad = 0, False
+        if pending:
+            self._finish(bad, pending)
+        return meter.result()
+
+    def _finish(self, bad: bool, micro_steps: int) -> None:
+        """Apply the accumulated gradients (or skip them), then clear them.
+
+        ORT sums gradients over micro-batches; with a mean loss and SGD the rate is divided by
+        their count, which makes accumulation equal to one large batch. AdamW is invariant to
+        that scale except for eps (the difference is O(eps / micro_steps)).
+        """
+        if bad:
+            self.skipped_steps += 1
+            log.warning("step %d skipped: loss or gradients not finite (%d skipped so far)", self.step, self.skipped_steps)
+        else:
+            scaled = micro_steps > 1 and self.manifest.optimizer.kind == "sgd" and self.manifest.loss.options.get("reduction", "mean") == "mean"
+            if scaled:
+                self._session.set_learning_rate(self._lr / micro_steps)
+            self._session.optimizer_step()
+            if scaled:
+                self._session.set_learning_rate(self._lr)
+            self.step += 1
+        self._session.reset_grad()
+
+    def evaluate(self, data: Mapping[str, np.ndarray], *, batch_size: int = 256) -> dict[str, float]:
+        """Mean loss over ``data`` (and accuracy for classification) with the eval graph."""
+        checked = check_data(self.manifest, data)
+        size = len(next(iter(checked.values())))
+        meter = _Meter(self.manifest)
+        for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
+            fetched = self._session.eval_step(list(batch.values()))
+            meter.add(StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:]))), batch)
+        return meter.result()
+
+    # -- weights -------------------------------------------------------------------------------
+    def get_flat_weights(self) -> np.ndarray:
+        """All trainable parameters as one float32 buffer in manifest order."""
+        return self._session.get_flat(trainable_only=True)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Trainable parameters by name, in manifest order."""
+        flat = self.get_flat_weights()
+        return {p.name: flat[p.offset : p.offset + p.size].reshape(p.shape) for p in self.manifest.trainable}
+
+    def set_weights(self, weights: np.ndarray | Mapping[str, np.ndarray]) -> None:
+        """Replace the trainable parameters from a flat buffer or a name -> array mapping."""
+        flat = _flatten(self.manifest, weights)
+        if not np.isfinite(flat).all():
+            raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
+        self._session.set_flat(flat, trainable_only=True)
+
+    # -- checkpoints and export ----------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Save weights, optimizer state and progress to ``path`` atomically (the old file survives a failure)."""
+        from ._checkpoint import save_state
+
+        state = self._session.state
+        for key, value in self._progress().items():
+            state.add_property(key, value)
+        return save_state(state, Path(path))
+
+    def _progress(self) -> dict[str, int | str]:
+        return {
+            "odt.manifest_sha256": self._manifest_sha,
+            "odt.epoch": self.epoch,
+            "odt.step": self.step,
+            "odt.seed": self.seed,
+            "odt.skipped_steps": self.skipped_steps,
+            "odt.lr": float(self._lr),
+        }
+
+    def _restore_progress(self) -> None:
+        state = self._session.state
+        self.epoch = int(state.get_property("odt.epoch"))
+        self.step = int(state.get_property("odt.step"))
+        self.seed = int(state.get_property("odt.seed"))
+        self.skipped_steps = int(state.get_property("odt.skipped_steps"))
+        self._lr = float(state.get_property("odt.lr"))
+        self._session.set_learning_rate(self._lr)
+
+    def export(self, path: str | os.PathLike[str]) -> Path:
+        """Write the current model as an inference ONNX file (outputs: the manifest's outputs)."""
+        from ._checkpoint import export_inference
+
+        return export_inference(self._session, [o.name for o in self.manifest.outputs], Path(path))
+
+
+def _check_checkpoint(path: Path, manifest_sha: str) -> None:
+    from ._checkpoint import read_property
+
+    found = read_property(path, "odt.manifest_sha256")
+    if found != manifest_sha:
+        raise CheckpointError(
+            f"checkpoint {path} was saved from other artifacts (manifest sha256 {str(found)[:12]}..., "
+            f"these are {manifest_sha[:12]}...). Use the artifact directory it was trained from."
+        )
+
+
+def _flatten(manifest: Manifest, weights: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray:
+    if isinstance(weights, Mapping):
+        names = [p.name for p in manifest.trainable]
+        if sorted(weights) != sorted(names):
+            missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+            raise WeightsError(f"weights must name every trainable parameter; missing {missing}, unexpected {extra}.")
+        parts = []
+        for p in manifest.trainable:
+            array = np.asarray(weights[p.name])
+            if tuple(array.shape) != p.shape:
+                raise WeightsError(f"weight {p.name!r} needs shape {p.shape}, got {array.shape}.")
+            parts.append(array.astype(np.float32, copy=False).ravel())
+        return np.concatenate(parts)
+    flat = np.asarray(weights)
+    if flat.ndim != 1 or flat.size != manifest.trainable_size:
+        raise WeightsError(
+            f"a flat weight buffer needs {manifest.trainable_size} values (1-D), got shape {flat.shape}."
+        )
+    if flat.dtype.kind != "f":
+        raise WeightsError(f"weights must be floating point, got {flat.dtype}.")
+    return flat.astype(np.float32, copy=False)
+
+
+class _Meter:
+    """Example-weighted loss and classification accuracy over batches."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.scores = manifest.loss_input if manifest.num_classes else None
+        self.labels = manifest.targets[0].name if manifest.targets else None
+        self.ignore = manifest.loss.options.get("ignore_index")
+        self.loss_sum = 0.0
+        self.count = 0
+        self.correct = 0
+        self.labelled = 0
+
+    def add(self, result: StepResult, batch: Mapping[str, np.ndarray]) -> None:
+        size = len(next(iter(batch.values())))
+        if math.isfinite(result.loss):
+            self.loss_sum += result.loss * size
+            self.count += size
+        if self.scores is not None and self.labels is not None:
+            labels = batch[self.labels]
+            keep = labels != self.ignore if self.ignore is not None else np.ones(labels.shape, bool)
+            predicted = result.outputs[self.scores].argmax(axis=-1)
+            self.correct += int(np.count_nonzero((predicted == labels) & keep))
+            self.labelled += int(np.count_nonzero(keep))
+
+    def result(self) -> dict[str, float]:
+        metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}
+        if self.labelled:
+            metrics["accuracy"] = self.correct / self.labelled
+        return metrics
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.rsplit("] : ", 1)[-1][:300]
