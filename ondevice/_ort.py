@@ -126,8 +126,13 @@ class OrtTraining:
         return np.array(self.state.get_parameter(name).data.numpy())
 
     def get_gradient(self, name: str) -> np.ndarray | None:
+        view = self.gradient_view(name)
+        return None if view is None else view.copy()
+
+    def gradient_view(self, name: str) -> np.ndarray | None:
+        """The accumulated gradient of ``name`` as a writable numpy view of ORT's own buffer."""
         grad = self.state.get_parameter(name).grad
-        return np.array(grad.numpy()) if grad.has_value() else None
+        return grad.numpy() if grad.has_value() else None
 
     def set_parameter(self, name: str, value: np.ndarray) -> None:
         self.state.copy_parameter_from(name, OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))._ortvalue)

@@ -139,11 +139,12 @@ class Trainer:
                 self._session.set_parameter(name, value)
         return StepResult(loss, outputs, finite)
 
+    def _gradients(self) -> list[np.ndarray]:
+        views = (self._session.gradient_view(p.name) for p in self.manifest.trainable)
+        return [v for v in views if v is not None]
+
     def _gradients_finite(self) -> bool:
-        return all(
-            grad is None or np.isfinite(grad).all()
-            for grad in (self._session.get_gradient(p.name) for p in self.manifest.trainable)
-        )
+        return all(np.isfinite(grad).all() for grad in self._gradients())
 
 
     # -- loops ---------------------------------------------------------------------------------
@@ -221,20 +222,17 @@ class Trainer:
     def _finish(self, bad: bool, micro_steps: int) -> None:
         """Apply the accumulated gradients (or skip them), then clear them.
 
-        ORT sums gradients over micro-batches; with a mean loss and SGD the rate is divided by
-        their count, which makes accumulation equal to one large batch. AdamW is invariant to
-        that scale except for eps (the difference is O(eps / micro_steps)).
+        ORT sums gradients over micro-batches; for a mean loss they are divided by the count in
+        place first, so accumulation equals one large batch for any optimizer.
         """
         if bad:
             self.skipped_steps += 1
             log.warning("step %d skipped: loss or gradients not finite (%d skipped so far)", self.step, self.skipped_steps)
         else:
-            scaled = micro_steps > 1 and self.manifest.optimizer.kind == "sgd" and self.manifest.loss.options.get("reduction", "mean") == "mean"
-            if scaled:
-                self._session.set_learning_rate(self._lr / micro_steps)
+            if micro_steps > 1 and self.manifest.loss.options.get("reduction", "mean") == "mean":
+                for grad in self._gradients():
+                    grad *= np.float32(1.0 / micro_steps)
             self._session.optimizer_step()
-            if scaled:
-                self._session.set_learning_rate(self._lr)
             self.step += 1
         self._session.reset_grad()
 

@@ -1,0 +1,55 @@
+"""Shared fixtures: artifacts generated once per test session (generation needs torch; tests may)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "samples" / "digits"))
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
+    from data import prepare
+
+    from ondevice.data import load_npz
+
+    paths = prepare(tmp_path_factory.mktemp("digits-data"))
+    return {split: load_npz(str(path)) for split, path in paths.items()}
+
+
+def _generate(tmp_path_factory, name: str, dropout: bool = True, **options):  # type: ignore[no-untyped-def]
+    import torch
+    from model import build
+
+    from artifacts import generate
+
+    model = build()
+    if not dropout:
+        model[2].p = 0.0
+    out = tmp_path_factory.mktemp(name) / "artifacts"
+    generate(model, {"input": torch.randn(32, 64)}, out, **options)
+    return out, model
+
+
+@pytest.fixture(scope="session")
+def digits_artifacts(tmp_path_factory) -> Path:
+    """The digits sample model as shipped (with dropout)."""
+    return _generate(tmp_path_factory, "digits")[0]
+
+
+@pytest.fixture(scope="session")
+def digits_no_dropout(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The digits model with dropout 0, and its torch twin, for step-by-step comparison."""
+    return _generate(tmp_path_factory, "digits-nodrop", dropout=False)
+
+
+@pytest.fixture(scope="session")
+def digits_sgd(tmp_path_factory) -> Path:
+    from artifacts import SGD
+
+    return _generate(tmp_path_factory, "digits-sgd", dropout=False, optimizer=SGD(lr=0.05))[0]

@@ -1,0 +1,172 @@
+"""The runtime against references: PyTorch for a step, numpy formulas for schedules, itself for resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from artifacts.optimizers import AdamW, ReferenceOptimizer
+from ondevice import Predictor, Schedule, Trainer, lr_at
+from ondevice.manifest import Manifest
+
+
+def _subset(data, n):
+    return {k: v[:n] for k, v in data.items()}
+
+
+def test_import_and_training_are_torch_free(digits_artifacts, digits_data, tmp_path):
+    np.savez(tmp_path / "d.npz", **_subset(digits_data["train"], 64))
+    code = (
+        "import sys, ondevice\n"
+        "from ondevice.data import load_npz\n"
+        f"t = ondevice.Trainer.load({str(digits_artifacts)!r})\n"
+        f"t.fit(load_npz({str(tmp_path / 'd.npz')!r}), epochs=1, batch_size=16, progress=False)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_one_step_equals_pytorch(digits_no_dropout, digits_data):
+    directory, model = digits_no_dropout
+    trainer = Trainer.load(directory)
+    batch = _subset(digits_data["train"], 32)
+    reference = copy.deepcopy(model).train()
+    params = list(reference.parameters())
+    loss = torch.nn.functional.cross_entropy(reference(torch.from_numpy(batch["input"])), torch.from_numpy(batch["labels"]))
+    loss.backward()
+    ReferenceOptimizer(AdamW(), params).step()
+
+    result = trainer.train_step(batch)
+    assert result.applied
+    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+    for (name, value), ref in zip(trainer.get_weights().items(), params):
+        np.testing.assert_allclose(value, ref.detach().numpy(), atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_schedules_match_their_formulas(kind):
+    base, low, total, warmup = 0.1, 0.01, 50, 5
+    for step in range(total + 3):
+        if kind == "constant":
+            expected = base
+        elif step < warmup:
+            expected = base * (step + 1) / warmup
+        else:
+            progress = min((step - warmup) / (total - warmup), 1.0)
+            shape = 1 - progress if kind == "linear" else (1 + math.cos(math.pi * progress)) / 2
+            expected = low + (base - low) * shape
+        assert lr_at(step, kind=kind, base=base, total=total, warmup=warmup, min_lr=low) == pytest.approx(expected)
+
+
+def test_fit_drives_the_learning_rate_by_schedule(digits_sgd, digits_data):
+    trainer = Trainer.load(digits_sgd)
+    schedule = Schedule("linear", 0.05, total=8, warmup=2)
+    seen = []
+    trainer._session.set_learning_rate = lambda lr, original=trainer._session.set_learning_rate: (seen.append(lr), original(lr))
+    trainer.fit(_subset(digits_data["train"], 64), epochs=1, batch_size=8, schedule=schedule, progress=False)
+    expected = [schedule(step) for step in range(8)]
+    assert seen == [lr for i, lr in enumerate(expected) if i == 0 or lr != expected[i - 1]]  # set on change only
+    assert trainer.lr == expected[-1]
+
+
+def test_accumulation_equals_large_batch_sgd(digits_sgd, digits_data):
+    data = _subset(digits_data["train"], 64)
+    large, small = Trainer.load(digits_sgd), Trainer.load(digits_sgd)
+    large.fit(data, epochs=1, batch_size=32, shuffle=False, progress=False)
+    small.fit(data, epochs=1, batch_size=8, accumulate=4, shuffle=False, progress=False)
+    assert large.step == small.step == 2
+    np.testing.assert_allclose(small.get_flat_weights(), large.get_flat_weights(), atol=1e-6)
+
+
+def test_accumulation_equals_large_batch_adamw(digits_no_dropout, digits_data):
+    data = _subset(digits_data["train"], 64)
+    large, small = Trainer.load(digits_no_dropout[0]), Trainer.load(digits_no_dropout[0])
+    large.fit(data, epochs=1, batch_size=32, shuffle=False, progress=False)
+    small.fit(data, epochs=1, batch_size=16, accumulate=2, shuffle=False, progress=False)
+    np.testing.assert_allclose(small.get_flat_weights(), large.get_flat_weights(), atol=1e-6)
+
+
+def test_resume_is_exact_even_with_dropout(digits_artifacts, digits_data, tmp_path):
+    data = _subset(digits_data["train"], 256)
+    straight = Trainer.load(digits_artifacts)
+    straight.fit(data, epochs=2, batch_size=32, seed=7, progress=False)
+
+    first = Trainer.load(digits_artifacts)
+    first.fit(data, epochs=1, batch_size=32, seed=7, progress=False, checkpoint=tmp_path / "c.ckpt")
+    resumed = Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt")
+    assert (resumed.epoch, resumed.step, resumed.seed) == (1, 8, 7)
+    resumed.fit(data, epochs=2, batch_size=32, seed=7, progress=False)
+    np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
+
+
+def test_dropout_changes_training_but_seeded_runs_agree(digits_artifacts, digits_data):
+    data = _subset(digits_data["train"], 64)
+    runs = []
+    for seed in (1, 1, 2):
+        trainer = Trainer.load(digits_artifacts)
+        trainer.fit(data, epochs=1, batch_size=32, seed=seed, shuffle=False, progress=False)
+        runs.append(trainer.get_flat_weights())
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert not np.array_equal(runs[0], runs[2])
+
+
+def test_non_finite_step_is_skipped_and_counted(digits_no_dropout, digits_data):
+    trainer = Trainer.load(digits_no_dropout[0])
+    huge = np.full(trainer.manifest.trainable_size, 3e38, np.float32)
+    trainer.set_weights(huge)
+    result = trainer.train_step(_subset(digits_data["train"], 8))
+    assert not result.applied and not math.isfinite(result.loss)
+    assert trainer.skipped_steps == 1 and trainer.step == 0
+    np.testing.assert_array_equal(trainer.get_flat_weights(), huge)
+
+
+def test_batchnorm_statistics_are_updated_by_training(tmp_path):
+    from artifacts import generate
+    from tests.artifacts import models
+
+    model = models.cnn()
+    generate(model, torch.randn(4, 1, 12, 12), tmp_path / "cnn", verify=False)
+    trainer = Trainer.load(tmp_path / "cnn")
+    x = np.random.default_rng(0).standard_normal((16, 1, 12, 12), dtype=np.float32)
+    batch = {"image": x, "labels": np.arange(16) % 5}
+    trainer.train_step(batch)
+    reference = copy.deepcopy(model).train()
+    reference(torch.from_numpy(x))
+    for name in ("features.1.running_mean", "features.5.running_var"):
+        np.testing.assert_allclose(trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), atol=1e-5)
+
+
+def test_weights_round_trip_by_name_and_flat(digits_artifacts):
+    trainer = Trainer.load(digits_artifacts)
+    weights = trainer.get_weights()
+    assert list(weights) == [p.name for p in trainer.manifest.trainable]
+    shifted = {k: v + 1.0 for k, v in weights.items()}
+    trainer.set_weights(shifted)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), np.concatenate([v.ravel() for v in shifted.values()]))
+
+
+def test_export_and_predict_match_the_eval_graph(digits_artifacts, digits_data, tmp_path):
+    trainer = Trainer.load(digits_artifacts)
+    trainer.fit(_subset(digits_data["train"], 128), epochs=1, batch_size=32, progress=False)
+    path = trainer.export(tmp_path / "m.onnx")
+    test = digits_data["test"]
+    predicted = Predictor(path, Manifest.load(digits_artifacts)).predict({"input": test["input"]})["output"]
+    np.testing.assert_allclose(predicted, trainer.eval_step(test).outputs["output"], atol=1e-6)
+
+
+def test_digits_sample_reaches_95_percent(tmp_path):
+    import run
+
+    assert run.main(["--out", str(tmp_path / "digits")]) == 0
+    history = __import__("json").loads((tmp_path / "digits" / "history.json").read_text())
+    assert history["test"]["accuracy"] >= 0.95
+    assert history["test"]["export_accuracy"] == history["test"]["accuracy"]
+    assert (tmp_path / "digits" / "curves.png").stat().st_size > 10_000
