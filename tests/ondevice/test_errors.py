@@ -1,0 +1,214 @@
+"""Every bad input to the runtime: a typed error that says what to do, and nothing lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ondevice import (
+    ArtifactIntegrityError,
+    CheckpointError,
+    DataError,
+    ManifestError,
+    SchemaVersionError,
+    Trainer,
+    VersionMismatchError,
+    WeightsError,
+)
+from ondevice.cli import main
+
+
+@pytest.fixture()
+def artifacts(digits_artifacts, tmp_path) -> Path:
+    """A private copy that a test may damage."""
+    return Path(shutil.copytree(digits_artifacts, tmp_path / "artifacts"))
+
+
+def _edit_manifest(directory: Path, **changes) -> None:
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "message"),
+    [
+        # no manifest at all
+        (lambda d: (d / "manifest.json").unlink(), ManifestError, "not an artifact directory"),
+        # manifest that is not JSON
+        (lambda d: (d / "manifest.json").write_text("{"), ManifestError, "not valid JSON"),
+        # manifest from a newer schema
+        (lambda d: _edit_manifest(d, schema_version=99), SchemaVersionError, "schema version 99"),
+        # manifest missing a field
+        (lambda d: _edit_manifest(d, trainable=None), ManifestError, "does not match schema"),
+        # an artifact file altered after generation
+        (lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10), ArtifactIntegrityError, "checkpoint was altered"),
+        # an artifact file missing
+        (lambda d: (d / "eval_model.onnx").unlink(), ArtifactIntegrityError, "eval_model.onnx is missing"),
+        # artifacts made for another ORT
+        (lambda d: _edit_manifest(d, versions={"onnxruntime": "1.17.0"}), VersionMismatchError, "onnxruntime-training==1.17.0"),
+    ],
+)
+def test_bad_artifact_directory(artifacts, damage, error, message):
+    damage(artifacts)
+    with pytest.raises(error, match=message):
+        Trainer.load(artifacts)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ManifestError, match="does not exist"):
+        Trainer.load(tmp_path / "nowhere")
+
+
+def _good(digits_data, n=64):
+    return {k: v[:n].copy() for k, v in digits_data["train"].items()}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # wrong input name
+        (lambda d: {"pixels": d["input"], "labels": d["labels"]}, r"data has no \['input'\]"),
+        # float labels: unsafe cast refused
+        (lambda d: {**d, "labels": d["labels"].astype(np.float32)}, "must be int64"),
+        # wrong feature shape
+        (lambda d: {**d, "input": d["input"][:, :60]}, r"needs shape \(batch, 64\)"),
+        # wrong rank
+        (lambda d: {**d, "input": d["input"].reshape(-1, 8, 8)}, "needs 2 dimensions"),
+        # labels out of range
+        (lambda d: {**d, "labels": d["labels"] + 10}, r"class indices in \[0, 9\]"),
+        # inputs and labels of different length
+        (lambda d: {**d, "labels": d["labels"][:-1]}, "same number of examples"),
+        # empty dataset
+        (lambda d: {k: v[:0] for k, v in d.items()}, "dataset is empty"),
+        # non-finite data
+        (lambda d: {**d, "input": np.where(np.arange(64)[:, None] == 3, np.nan, d["input"]).astype(np.float32)}, "NaN/Inf"),
+        # not a mapping
+        (lambda d: [d["input"], d["labels"]], "must map input names"),
+    ],
+)
+def test_bad_data(digits_artifacts, digits_data, change, message):
+    trainer = Trainer.load(digits_artifacts)
+    before = trainer.get_flat_weights()
+    with pytest.raises(DataError, match=message):
+        trainer.fit(change(_good(digits_data)), epochs=1, batch_size=8, progress=False)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), before)
+
+
+def test_safe_casts_are_accepted(digits_artifacts, digits_data):
+    data = _good(digits_data)
+    cast = {"input": data["input"].astype(np.float64), "labels": data["labels"].astype(np.int32)}
+    trainer, twin = Trainer.load(digits_artifacts), Trainer.load(digits_artifacts)
+    trainer.train_step(cast)
+    twin.train_step(data)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), twin.get_flat_weights())
+
+
+def test_batch_larger_than_data(digits_artifacts, digits_data):
+    with pytest.raises(DataError, match="batch size 100 is larger than the dataset"):
+        Trainer.load(digits_artifacts).fit(_good(digits_data, 50), epochs=1, batch_size=100, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (np.zeros(10, np.float32), "needs 17226 values"),  # wrong length
+        (np.full(17226, np.nan, np.float32), "NaN/Inf"),  # non-finite
+        (np.zeros(17226, np.int64), "floating point"),  # wrong dtype
+        ({"0.weight": np.zeros((128, 64))}, "missing"),  # names missing
+    ],
+)
+def test_bad_weights(digits_artifacts, weights, message):
+    trainer = Trainer.load(digits_artifacts)
+    before = trainer.get_flat_weights()
+    with pytest.raises(WeightsError, match=message):
+        trainer.set_weights(weights)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), before)
+
+
+def test_weight_of_wrong_shape(digits_artifacts):
+    trainer = Trainer.load(digits_artifacts)
+    weights = trainer.get_weights()
+    weights["0.weight"] = weights["0.weight"].T
+    with pytest.raises(WeightsError, match=r"'0.weight' needs shape \(128, 64\)"):
+        trainer.set_weights(weights)
+
+
+def test_checkpoint_from_other_artifacts(digits_artifacts, digits_sgd, digits_data, tmp_path):
+    Trainer.load(digits_sgd).save(tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointError, match="saved from other artifacts"):
+        Trainer.load(digits_artifacts, checkpoint=tmp_path / "other.ckpt")
+
+
+def test_truncated_checkpoint(digits_artifacts, tmp_path):
+    path = Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        Trainer.load(digits_artifacts, checkpoint=path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer.load(digits_artifacts, checkpoint=tmp_path / "none.ckpt")
+
+
+def test_unwritable_checkpoint_location(digits_artifacts, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="cannot create checkpoint directory"):
+        Trainer.load(digits_artifacts).save(tmp_path / "file" / "c.ckpt")
+
+
+def test_disk_full_keeps_the_previous_checkpoint(digits_artifacts, tmp_path):
+    # A real write failure: the file-size limit (RLIMIT_FSIZE) makes the kernel refuse the write.
+    code = f"""
+import resource, signal, sys
+from ondevice import Trainer, CheckpointError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+t = Trainer.load({str(digits_artifacts)!r})
+path = t.save({str(tmp_path / 'c.ckpt')!r})
+print(path.stat().st_size)
+t.epoch = 5
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+try:
+    t.save(path)
+except CheckpointError as exc:
+    print("refused:", exc)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    size, refused = result.stdout.strip().splitlines()
+    assert refused.startswith("refused: could not write checkpoint") and "previous checkpoint" in refused
+    assert (tmp_path / "c.ckpt").stat().st_size == int(size)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+    assert Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt").epoch == 0
+
+
+def test_cli_errors_are_one_line(digits_artifacts, tmp_path, capsys):
+    assert main(["train", str(digits_artifacts), "--data", str(tmp_path / "none.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: data file {tmp_path / 'none.npz'} does not exist.\n"
+    assert main(["train", str(digits_artifacts), "--data", "x.npz", "--resume"]) == 1
+    assert "--resume needs --checkpoint" in capsys.readouterr().err
+
+
+def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, capsys):
+    np.savez(tmp_path / "train.npz", **_good(digits_data, 128))
+    np.savez(tmp_path / "test.npz", **digits_data["test"])
+    ckpt = tmp_path / "ckpt"
+    assert main(["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--epochs", "2",
+                 "--checkpoint", str(ckpt), "--json"]) == 0
+    history = json.loads(capsys.readouterr().out)
+    assert [e["epoch"] for e in history["epochs"]] == [1, 2]
+    assert main(["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--epochs", "3",
+                 "--checkpoint", str(ckpt), "--resume", "--json"]) == 0
+    assert [e["epoch"] for e in json.loads(capsys.readouterr().out)["epochs"]] == [3]
+    assert main(["evaluate", str(digits_artifacts), "--data", str(tmp_path / "test.npz"), "--checkpoint", str(ckpt), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    trained = Trainer.load(digits_artifacts, checkpoint=ckpt / "latest.ckpt").evaluate(digits_data["test"])
+    assert metrics == pytest.approx(trained)
+    assert main(["export", str(digits_artifacts), "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.onnx")]) == 0
+    assert (tmp_path / "m.onnx").stat().st_size > 60_000  # the trained weights are inside
