@@ -66,6 +66,7 @@ class Trainer:
         session.set_learning_rate(self._lr)
         self._train_names = [o.name for o in manifest.outputs]
         self._buffers = [b.name for b in manifest.buffers]
+        self._grad_views: list[np.ndarray] | None = None
 
     @classmethod
     def load(
@@ -128,7 +129,7 @@ class Trainer:
     def _micro_step(self, feeds: list[np.ndarray], micro: int) -> StepResult:
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
-        C.set_seed(int(np.random.SeedSequence([self.seed, self.step, micro]).generate_state(1)[0] >> 1))
+        C.set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
         fetched = self._session.train_step(feeds)
         loss = float(fetched[0])
         outputs = dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)]))
@@ -140,11 +141,19 @@ class Trainer:
         return StepResult(loss, outputs, finite)
 
     def _gradients(self) -> list[np.ndarray]:
-        views = (self._session.gradient_view(p.name) for p in self.manifest.trainable)
-        return [v for v in views if v is not None]
+        # ORT 1.19 allocates each gradient buffer once and zeroes it in place on reset, so views
+        # taken after the first backward stay valid for the session (a test holds it to that).
+        if self._grad_views is None:
+            views = [self._session.gradient_view(p.name) for p in self.manifest.trainable]
+            if any(v is None for v in views):
+                return [v for v in views if v is not None]
+            self._grad_views = views  # type: ignore[assignment]
+        return self._grad_views
 
     def _gradients_finite(self) -> bool:
-        return all(np.isfinite(grad).all() for grad in self._gradients())
+        # A sum is NaN/Inf when any element is (or when the gradient overflows float32, which is
+        # as good a reason to skip); it needs no temporary array, unlike np.isfinite.
+        return all(math.isfinite(grad.sum()) for grad in self._gradients())
 
 
     # -- loops ---------------------------------------------------------------------------------
@@ -352,10 +361,14 @@ class _Meter:
             self.count += size
         if self.scores is not None and self.labels is not None:
             labels = batch[self.labels]
-            keep = labels != self.ignore if self.ignore is not None else np.ones(labels.shape, bool)
-            predicted = result.outputs[self.scores].argmax(axis=-1)
-            self.correct += int(np.count_nonzero((predicted == labels) & keep))
-            self.labelled += int(np.count_nonzero(keep))
+            hits = result.outputs[self.scores].argmax(axis=-1) == labels
+            if self.ignore is None:
+                self.correct += int(np.count_nonzero(hits))
+                self.labelled += labels.size
+            else:
+                keep = labels != self.ignore
+                self.correct += int(np.count_nonzero(hits & keep))
+                self.labelled += int(np.count_nonzero(keep))
 
     def result(self) -> dict[str, float]:
         metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}

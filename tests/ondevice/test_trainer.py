@@ -13,6 +13,7 @@ import torch
 
 from artifacts.optimizers import AdamW, ReferenceOptimizer
 from ondevice import Predictor, Schedule, Trainer, lr_at
+from ondevice.data import check_data
 from ondevice.manifest import Manifest
 
 
@@ -170,3 +171,14 @@ def test_digits_sample_reaches_95_percent(tmp_path):
     assert history["test"]["accuracy"] >= 0.95
     assert history["test"]["export_accuracy"] == history["test"]["accuracy"]
     assert (tmp_path / "digits" / "curves.png").stat().st_size > 10_000
+
+
+def test_cached_gradient_views_keep_aliasing_ort_buffers(digits_no_dropout, digits_data):
+    trainer = Trainer.load(digits_no_dropout[0])
+    data = _subset(digits_data["train"], 96)
+    trainer.fit(data, epochs=2, batch_size=32, accumulate=3, progress=False)
+    views = trainer._gradients()
+    trainer._micro_step(list(check_data(trainer.manifest, _subset(data, 32)).values()), micro=0)
+    for spec, view in zip(trainer.manifest.trainable, views):
+        np.testing.assert_array_equal(view, trainer._session.get_gradient(spec.name), err_msg=spec.name)
+        assert np.any(view != 0)

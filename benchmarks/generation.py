@@ -1,0 +1,108 @@
+"""Generation benchmark: time to generate and to verify, and artifact sizes, per model.
+
+Run: .venv/bin/python benchmarks/generation.py [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
+
+from artifacts import generate  # noqa: E402
+from benchmarks._machine import machine  # noqa: E402
+from tests.artifacts import models  # noqa: E402
+
+
+class BertSmall(nn.Module):
+    """A BERT-small-shaped classifier: vocab 30522, hidden 256, 4 layers, 4 heads, seq 128."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30522, 256)
+        self.position = nn.Parameter(torch.randn(1, 128, 256) * 0.02)
+        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(256, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embedding(ids) + self.position)[:, 0])
+
+
+def cases() -> list[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
+    from model import build
+
+    torch.manual_seed(0)
+    return [
+        ("digits MLP", build(), {"input": torch.randn(32, 64)}),
+        ("CNN + BatchNorm", models.cnn(), {"image": torch.randn(16, 1, 12, 12)}),
+        ("small encoder", models.encoder(), {"ids": torch.randint(0, 50, (8, 16))}),
+        ("BERT-small shape", BertSmall(), {"ids": torch.randint(0, 30522, (8, 128))}),
+    ]
+
+
+def measure(name: str, model: nn.Module, example: dict[str, torch.Tensor], work: Path) -> dict[str, object]:
+    start = time.perf_counter()
+    generate(model, example, work / "plain", verify=False)
+    plain = time.perf_counter() - start
+    start = time.perf_counter()
+    manifest = generate(model, example, work / "verified")
+    verified = time.perf_counter() - start
+    sizes = {f: (work / "verified" / f).stat().st_size for f in manifest.files}
+    return {
+        "model": name,
+        "trainable_parameters": manifest.trainable_size,
+        "generate_s": round(plain, 3),
+        "generate_and_verify_s": round(verified, 3),
+        "verified": manifest.verification.passed,
+        "worst_abs_diff": max(r.max_abs for r in manifest.verification.rows),
+        "sizes_bytes": sizes,
+    }
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    lines = [
+        "| model | trainable params | generate (s) | generate + verify (s) | verified | checkpoint | training graph |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        s = r["sizes_bytes"]
+        lines.append(
+            f"| {r['model']} | {r['trainable_parameters']:,} | {r['generate_s']:.2f} | {r['generate_and_verify_s']:.2f} | "
+            f"{'PASS' if r['verified'] else 'FAIL'} (max abs diff {r['worst_abs_diff']:.1e}) | "
+            f"{s['checkpoint'] / 2**20:.2f} MiB | {s['training_model.onnx'] / 2**10:.0f} KiB |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    out = Path(parser.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, model, example in cases():
+        work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
+        try:
+            rows.append(measure(name, model, example, work))
+        finally:
+            shutil.rmtree(work)
+        print(f"{name}: {rows[-1]['generate_and_verify_s']:.2f} s", flush=True)
+    (out / "generation.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    (out / "generation.md").write_text(markdown(rows) + "\n")
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""Runtime benchmark on the digits model: trainer overhead over raw ORT calls, cold start, peak RSS.
+
+Run: .venv/bin/python benchmarks/runtime.py [--out benchmarks/results]
+Each figure is a median of interleaved repetitions in one run; RSS and cold start come from
+separate subprocesses so that neither side pays for the other's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
+
+from benchmarks._machine import machine  # noqa: E402
+
+BATCH, STEPS, BLOCKS = 32, 200, 15
+
+COLD_START = """
+import time, sys
+t0 = time.perf_counter()
+import numpy as np
+from ondevice import Trainer
+trainer = Trainer.load(sys.argv[1])
+batch = {"input": np.zeros((32, 64), np.float32), "labels": np.zeros(32, np.int64)}
+trainer.train_step(batch)
+print(time.perf_counter() - t0)
+"""
+
+RSS_ONDEVICE = """
+import sys, numpy as np
+from ondevice import Trainer
+from ondevice.data import load_npz
+trainer = Trainer.load(sys.argv[1])
+trainer.fit(load_npz(sys.argv[2]), epochs=3, batch_size=32, progress=False)
+print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024)
+"""
+
+RSS_TORCH = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[3])
+from model import build
+data = np.load(sys.argv[2])
+x, y = torch.from_numpy(data["input"]), torch.from_numpy(data["labels"])
+model = build().train()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8, weight_decay=0.0)
+for epoch in range(3):
+    for start in range(0, len(x), 32):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[start:start + 32]), y[start:start + 32]).backward()
+        optimizer.step()
+print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024)
+"""
+
+
+def _run(code: str, *args: str) -> float:
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def overhead(artifacts: Path, train: dict) -> dict[str, float]:
+    """Per-step time of Trainer.fit, and of Trainer.train_step, against a hand-written loop of
+    the bare ORT calls over the same shuffled batches; blocks interleaved, medians of ratios."""
+    import numpy as np
+
+    from ondevice import Trainer
+    from ondevice._ort import OrtTraining
+
+    trainer = Trainer.load(artifacts)
+    raw = OrtTraining(artifacts)
+    raw.set_learning_rate(trainer.lr)
+    size = len(train["labels"])
+    steps = -(-size // BATCH)
+    batch = {k: v[:BATCH] for k, v in train.items()}
+
+    def raw_epoch() -> float:
+        start = time.perf_counter()
+        order = np.random.default_rng(0).permutation(size)
+        for first in range(0, size, BATCH):
+            index = order[first : first + BATCH]
+            raw.train_step([train["input"][index], train["labels"][index]])
+            raw.optimizer_step()
+            raw.reset_grad()
+        return (time.perf_counter() - start) / steps
+
+    def fit_epoch() -> float:
+        trainer.epoch = 0
+        start = time.perf_counter()
+        trainer.fit(train, epochs=1, batch_size=BATCH, progress=False)
+        return (time.perf_counter() - start) / steps
+
+    def step_block() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step(batch)
+        return (time.perf_counter() - start) / steps
+
+    raw_epoch(), fit_epoch(), step_block()  # warm-up
+    times: dict[str, list[float]] = {"raw": [], "fit": [], "step": []}
+    for _ in range(BLOCKS):
+        times["raw"].append(raw_epoch())
+        times["fit"].append(fit_epoch())
+        times["step"].append(step_block())
+    ratio = {k: statistics.median(t / r for t, r in zip(times[k], times["raw"])) for k in ("fit", "step")}
+    return {
+        "raw_ort_step_ms": 1e3 * statistics.median(times["raw"]),
+        "fit_step_ms": 1e3 * statistics.median(times["fit"]),
+        "train_step_ms": 1e3 * statistics.median(times["step"]),
+        "fit_overhead_pct": 100 * (ratio["fit"] - 1),
+        "train_step_overhead_pct": 100 * (ratio["step"] - 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    out = Path(parser.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    from data import prepare
+    from model import build
+
+    from artifacts import generate
+    from ondevice.data import load_npz
+
+    work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
+    paths = prepare(work / "data")
+    artifacts = work / "artifacts"
+    generate(build(), {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)
+    figures = overhead(artifacts, load_npz(str(paths["train"])))
+    cold = [_run(COLD_START, str(artifacts)) for _ in range(7)]
+    figures["import_load_first_step_s"] = statistics.median(cold)
+    rss_ondevice = [_run(RSS_ONDEVICE, str(artifacts), str(paths["train"])) for _ in range(3)]
+    rss_torch = [_run(RSS_TORCH, "", str(paths["train"]), str(ROOT / "samples" / "digits")) for _ in range(3)]
+    figures["peak_rss_ondevice_mib"] = statistics.median(rss_ondevice) / 2**20
+    figures["peak_rss_torch_mib"] = statistics.median(rss_torch) / 2**20
+    figures["rss_ratio"] = figures["peak_rss_ondevice_mib"] / figures["peak_rss_torch_mib"]
+    (out / "runtime.json").write_text(json.dumps({"machine": machine(), "figures": figures}, indent=2))
+    table = "\n".join(
+        ["| figure (digits model, batch 32) | value |", "|---|---:|"]
+        + [
+            f"| hand-written loop of raw ORT calls, per step | {figures['raw_ort_step_ms']:.3f} ms |",
+            f"| `Trainer.fit`, per step (NaN guard, metrics, seeded dropout) | {figures['fit_step_ms']:.3f} ms |",
+            f"| `Trainer.fit` overhead over the raw loop (median of {BLOCKS} interleaved epochs) | {figures['fit_overhead_pct']:.1f} % |",
+            f"| `Trainer.train_step(batch)`, which also validates every batch | {figures['train_step_ms']:.3f} ms ({figures['train_step_overhead_pct']:+.1f} %) |",
+            f"| import + load + first step (median of 7 processes) | {figures['import_load_first_step_s'] * 1e3:.0f} ms |",
+            f"| peak RSS, training process, ondevice | {figures['peak_rss_ondevice_mib']:.0f} MiB |",
+            f"| peak RSS, training process, PyTorch eager | {figures['peak_rss_torch_mib']:.0f} MiB |",
+        ]
+    )
+    (out / "runtime.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
