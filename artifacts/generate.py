@@ -7,7 +7,6 @@ import inspect
 import io
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from ondevice._io import fsync_dir, sha256_file
-from ondevice._ort import ORT_VERSION, OrtTraining
+from ondevice._ort import ORT_VERSION, OrtTraining, ort_error_message
 from ondevice.manifest import BATCH, MANIFEST_NAME, BufferUpdate, LossSpec, Manifest, OptimizerSpec, ParamSpec, TensorSpec
 
 from .errors import (
@@ -273,23 +272,13 @@ def _run_ort_generator(
         except ArtifactError:
             raise
         except Exception as exc:
-            message = ort_message(exc)
+            message = ort_error_message(exc)
             if "gradient_builder" in str(exc) or "Grad" in message and "implementation" in message:
                 raise UnsupportedOperatorError(
                     f"ONNX Runtime cannot differentiate this model: {message}. Freeze the layers it names "
                     "(--freeze) or replace them."
                 ) from exc
             raise ExportError(f"ONNX Runtime's artifact generation failed: {message}") from exc
-
-
-def ort_message(exc: BaseException) -> str:
-    """The human part of an ORT error, without the C++ source path and function signature."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    for marker in ("] : ", "was false. "):
-        if marker in text:
-            text = text.rsplit(marker, 1)[1]
-    text = re.sub(r"^/\S+:\d+ ", "", text)
-    return text[:400]
 
 
 @contextlib.contextmanager
@@ -333,7 +322,7 @@ def _convert_to_ort_format(work: Path) -> None:
         try:
             convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
         except Exception as exc:
-            raise ExportError(f"conversion to ORT format failed: {ort_message(exc)}") from exc
+            raise ExportError(f"conversion to ORT format failed: {ort_error_message(exc)}") from exc
 
 
 def _parameter_order(training_model: Path) -> list[str]:
@@ -352,7 +341,7 @@ def _check_loads(work: Path, manifest: Manifest) -> None:
     try:
         session = OrtTraining(work)
     except Exception as exc:
-        message = ort_message(exc)
+        message = ort_error_message(exc)
         if "Grad" in message:
             raise UnsupportedOperatorError(
                 f"ONNX Runtime has no CPU kernel for a gradient this model needs: {message}. "

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ._io import fsync_dir
-from ._ort import C, OrtTraining
+from ._ort import C, OrtTraining, ort_error_message
 from .errors import CheckpointError
 
 __all__ = ["save_state", "read_property", "export_inference"]
@@ -14,6 +14,13 @@ __all__ = ["save_state", "read_property", "export_inference"]
 
 def _temp_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _make_parent(path: Path, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {what} {path.parent}: {exc.strerror}.") from exc
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -25,17 +32,14 @@ def _commit(tmp: Path, path: Path) -> None:
 
 def save_state(state: C.CheckpointState, path: Path) -> Path:
     """Write ``state`` with its optimizer state to ``path``; on any failure the old file is untouched."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory {path.parent}: {exc.strerror}.") from exc
+    _make_parent(path, "checkpoint directory")
     tmp = _temp_beside(path)
     try:
         C.save_checkpoint(state, os.fspath(tmp), True)
         _commit(tmp, path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc).splitlines()[0][-200:]
+        reason = exc.strerror if isinstance(exc, OSError) else ort_error_message(exc)
         raise CheckpointError(
             f"could not write checkpoint {path} ({reason}); the previous checkpoint, if any, is unchanged. "
             "Free disk space or choose a writable --checkpoint."
@@ -60,15 +64,12 @@ def export_inference(session: OrtTraining, outputs: list[str], path: Path) -> Pa
     """The eval graph with the current weights and the loss removed, as one ONNX file."""
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create {path.parent}: {exc.strerror}.") from exc
+    _make_parent(path, "export directory")
     tmp = _temp_beside(path)
     try:
         session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
         _commit(tmp, path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not export {path}: {str(exc).splitlines()[0][-200:]}") from exc
+        raise CheckpointError(f"could not export {path}: {ort_error_message(exc)}") from exc
     return path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.abc
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -50,6 +51,15 @@ C.set_default_logger_severity(3)  # errors only: ORT's INFO/WARNING flood is not
 
 ORT_VERSION: str = ort.__version__
 _CPU = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def ort_error_message(exc: BaseException) -> str:
+    """The human part of an ORT error, without the C++ source path and function signature."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for marker in ("] : ", "was false. "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    return re.sub(r"^/\S+:\d+ ", "", text)[:400]
 
 
 def session_options(threads: int | None = None) -> C.SessionOptions:

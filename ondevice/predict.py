@@ -7,7 +7,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ._ort import ort, session_options
+from ._ort import ort, ort_error_message, session_options
 from .data import check_data
 from .errors import OndeviceError
 from .manifest import Manifest
@@ -28,7 +28,7 @@ class Predictor:
         try:
             self._session = ort.InferenceSession(os.fspath(path), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as exc:
-            raise OndeviceError(f"cannot load inference model {path}: {str(exc).splitlines()[0][-200:]}") from exc
+            raise OndeviceError(f"cannot load inference model {path}: {ort_error_message(exc)}") from exc
         self.manifest = manifest
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]

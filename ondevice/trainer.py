@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ._io import fsync_dir, sha256_file
-from ._ort import C, ORT_VERSION, OrtTraining
+from ._ort import C, ORT_VERSION, OrtTraining, ort_error_message
 from .data import batches, check_data
 from .errors import CheckpointError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .manifest import MANIFEST_NAME, Manifest
@@ -93,7 +93,7 @@ class Trainer:
         except Exception as exc:
             what = f"checkpoint {checkpoint}" if checkpoint else f"artifacts in {directory}"
             raise (CheckpointError if checkpoint else OndeviceError)(
-                f"ONNX Runtime cannot load the {what}: {_short(exc)}"
+                f"ONNX Runtime cannot load the {what}: {ort_error_message(exc)}"
             ) from exc
         trainer = cls(directory, manifest, session, sha)
         if checkpoint is not None:
@@ -375,8 +375,3 @@ class _Meter:
         if self.labelled:
             metrics["accuracy"] = self.correct / self.labelled
         return metrics
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text.rsplit("] : ", 1)[-1][:300]
