@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ demo: $(STAMP)
 	$(PY) samples/digits/run.py --out $(OUT)/digits
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check artifacts ondevice samples benchmarks tests
 	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/generation.py
+	$(PY) benchmarks/runtime.py
 
 clean:
 	rm -rf $(VENV) $(OUT)

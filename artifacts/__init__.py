@@ -12,7 +12,7 @@ from .errors import (
     VerificationError,
 )
 from .generate import generate
-from .losses import BCEWithLogits, CrossEntropy, CustomLoss, L1, MSE, ModelLoss
+from .losses import L1, MSE, BCEWithLogits, CrossEntropy, CustomLoss, ModelLoss
 from .optimizers import SGD, AdamW
 from .verify import Tolerances
 

@@ -26,18 +26,30 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module")
     p.add_argument("--weights", help="state_dict file to load into the model (default: the factory's weights)")
-    p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE:DTYPE",
-                   help="example input in forward() order, e.g. input:32x64:float32 (repeat per input; "
-                   "the first dimension is the batch and becomes dynamic)")
-    p.add_argument("--output-name", action="append", metavar="NAME",
-                   help="names of the model outputs in order (default: output, or output0, output1, ...)")
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="NAME:SHAPE:DTYPE",
+        help="example input in forward() order, e.g. input:32x64:float32 (repeat per input; "
+        "the first dimension is the batch and becomes dynamic)",
+    )
+    p.add_argument(
+        "--output-name",
+        action="append",
+        metavar="NAME",
+        help="names of the model outputs in order (default: output, or output0, output1, ...)",
+    )
     p.add_argument("--out", required=True, help="artifact directory to create")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
 
     g = p.add_argument_group("loss")
-    g.add_argument("--loss", default="cross_entropy",
-                   choices=["cross_entropy", "mse", "l1", "bce_with_logits", "model"],
-                   help="loss on the model output (default cross_entropy; 'model': forward returns its loss)")
+    g.add_argument(
+        "--loss",
+        default="cross_entropy",
+        choices=["cross_entropy", "mse", "l1", "bce_with_logits", "model"],
+        help="loss on the model output (default cross_entropy; 'model': forward returns its loss)",
+    )
     g.add_argument("--loss-output", help="which output the loss reads (default: the first)")
     g.add_argument("--reduction", default="mean", help="mean or sum (default mean)")
     g.add_argument("--class-weights", type=_floats, help="cross_entropy: per-class weights, comma-separated")
@@ -86,9 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     specs = [parse_input(text) for text in args.input]
     generator = torch.Generator().manual_seed(args.seed)
     high = _index_range(model)
-    example = {
-        spec.name: _example(shape, DTYPES[spec.dtype], high, generator) for spec, shape in specs
-    }
+    example = {spec.name: _example(shape, DTYPES[spec.dtype], high, generator) for spec, shape in specs}
     manifest = generate(
         model,
         example,

@@ -74,15 +74,21 @@ def export_onnx(
             try:
                 result = model(*example)
             except Exception as exc:
-                shapes = ", ".join(f"{n}{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for n, t in zip(input_names, example))
-                raise InputSpecError(f"the model rejects the example input ({shapes}): {type(exc).__name__}: {exc}") from exc
+                shapes = ", ".join(
+                    f"{n}{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for n, t in zip(input_names, example)
+                )
+                raise InputSpecError(
+                    f"the model rejects the example input ({shapes}): {type(exc).__name__}: {exc}"
+                ) from exc
         outputs = list(result) if isinstance(result, (tuple, list)) else [result]
         if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
             raise ExportError("forward must return a tensor or a tuple of tensors.")
         if output_names is None:
             output_names = ["output"] if len(outputs) == 1 else [f"output{i}" for i in range(len(outputs))]
         if len(output_names) != len(outputs):
-            raise InputSpecError(f"{len(output_names)} output names given, but the model returns {len(outputs)} outputs.")
+            raise InputSpecError(
+                f"{len(output_names)} output names given, but the model returns {len(outputs)} outputs."
+            )
         dynamic = {name: {0: "batch"} for name in (*input_names, *output_names)}
         for name, out in zip(output_names, outputs):
             if out.dim() == 0:
@@ -138,7 +144,10 @@ def average_pool_to_conv(model: onnx.ModelProto) -> int:
     gradient works. Exact for ceil_mode=0 with count_include_pad=1 or no padding.
     """
     inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*inferred.graph.value_info, *inferred.graph.input)}
+    shapes = {
+        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in (*inferred.graph.value_info, *inferred.graph.input)
+    }
     count = 0
     for node in model.graph.node:
         if node.op_type != "AveragePool":
@@ -151,10 +160,18 @@ def average_pool_to_conv(model: onnx.ModelProto) -> int:
             continue
         weight = f"{node.name}/odt_average_weight"
         values = [1.0 / math.prod(kernel)] * (channels * math.prod(kernel))
-        model.graph.initializer.append(helper.make_tensor(weight, onnx.TensorProto.FLOAT, [channels, 1, *kernel], values))
+        model.graph.initializer.append(
+            helper.make_tensor(weight, onnx.TensorProto.FLOAT, [channels, 1, *kernel], values)
+        )
         conv = helper.make_node(
-            "Conv", [node.input[0], weight], list(node.output), name=node.name, group=channels,
-            kernel_shape=kernel, pads=pads, strides=list(attrs.get("strides", [1] * len(kernel))),
+            "Conv",
+            [node.input[0], weight],
+            list(node.output),
+            name=node.name,
+            group=channels,
+            kernel_shape=kernel,
+            pads=pads,
+            strides=list(attrs.get("strides", [1] * len(kernel))),
         )
         node.CopyFrom(conv)
         count += 1
@@ -184,7 +201,12 @@ def expose_batchnorm_updates(model: onnx.ModelProto, buffers: Iterable[str], ops
         # copies so the nodes below read the true old values (the eval graph gets them back).
         for index, fill in ((3, 0.0), (4, 1.0)):
             scratch = f"{node.input[index]}{SCRATCH}"
-            value = helper.make_tensor(scratch, onnx.TensorProto.FLOAT, shapes[node.input[index]], [fill] * math.prod(shapes[node.input[index]]))
+            value = helper.make_tensor(
+                scratch,
+                onnx.TensorProto.FLOAT,
+                shapes[node.input[index]],
+                [fill] * math.prod(shapes[node.input[index]]),
+            )
             model.graph.node.insert(0, helper.make_node("Constant", [], [scratch], name=scratch, value=value))
             node.input[index] = scratch
         model.graph.node.extend(_running_stat_nodes(node.name, x, mean_in, var_in, keep, new_mean, new_var, opset))
@@ -209,7 +231,9 @@ def _running_stat_nodes(
         out = f"{p}/const_{len(nodes)}"
         values = value if isinstance(value, list) else [value]
         dims = [len(values)] if isinstance(value, list) else []
-        nodes.append(helper.make_node("Constant", [], [out], name=out, value=helper.make_tensor(out, dtype, dims, values)))
+        nodes.append(
+            helper.make_node("Constant", [], [out], name=out, value=helper.make_tensor(out, dtype, dims, values))
+        )
         return out
 
     # Per channel over every other axis: view X as (N, C, L) and average axes 0 and 2.

@@ -21,7 +21,16 @@ from torch import nn
 
 from ondevice._io import fsync_dir, sha256_file
 from ondevice._ort import ORT_VERSION, OrtTraining, ort_error_message
-from ondevice.manifest import BATCH, MANIFEST_NAME, BufferUpdate, LossSpec, Manifest, OptimizerSpec, ParamSpec, TensorSpec
+from ondevice.manifest import (
+    BATCH,
+    MANIFEST_NAME,
+    BufferUpdate,
+    LossSpec,
+    Manifest,
+    OptimizerSpec,
+    ParamSpec,
+    TensorSpec,
+)
 
 from .errors import (
     ArtifactError,
@@ -37,8 +46,8 @@ from .export import (
     check_gradient_ops,
     complete_gradient_outputs,
     dropout_to_inference,
-    expose_batchnorm_updates,
     export_onnx,
+    expose_batchnorm_updates,
     reaching,
     strip_batchnorm_training,
 )
@@ -102,8 +111,21 @@ def generate(
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         manifest, loss_index = _build(
-            model, example, names, output_names, loss, loss_output, optimizer, trainable, freeze,
-            train_last, bias_only, opset, ort_format, work, name or out_dir.name,
+            model,
+            example,
+            names,
+            output_names,
+            loss,
+            loss_output,
+            optimizer,
+            trainable,
+            freeze,
+            train_last,
+            bias_only,
+            opset,
+            ort_format,
+            work,
+            name or out_dir.name,
         )
         if verify:
             targets = make_targets(manifest, loss, example[0].shape[0], seed)
@@ -206,7 +228,9 @@ def _build(
 
     output_specs = {o.name: _spec(o) for o in onnx_model.graph.output}
     extra = [o for o in outputs if not (loss.kind == "model" and o == loss_output)]
-    _run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
+    _run_ort_generator(
+        onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work
+    )
     _repair_eval_model(work / "eval_model.onnx")
     if ort_format:
         _convert_to_ort_format(work)

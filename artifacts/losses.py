@@ -42,8 +42,7 @@ class Loss:
 def _check_reduction(kind: str, reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise OptionError(
-            f"{kind} loss: reduction must be one of {_REDUCTIONS} (training needs a scalar loss), "
-            f"got {reduction!r}."
+            f"{kind} loss: reduction must be one of {_REDUCTIONS} (training needs a scalar loss), got {reduction!r}."
         )
 
 
@@ -259,4 +258,3 @@ def loss_from_name(name: str, **options: Any) -> Loss:
         return _BY_NAME[name](**options)
     except TypeError as exc:
         raise OptionError(f"loss {name!r} does not take these options {sorted(options)}: {exc}") from exc
-

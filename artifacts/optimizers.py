@@ -56,9 +56,7 @@ class AdamW:
         from onnxruntime.training.onnxblock import optim
 
         clip = None if self.max_grad_norm is None else optim.ClipGradNorm(self.max_grad_norm)
-        return optim.AdamW(
-            betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay, clip_grad=clip
-        )
+        return optim.AdamW(betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay, clip_grad=clip)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,9 @@ def _compare_train(
     for spec, param in zip(manifest.trainable, trained):
         grad = gradients[spec.name]
         ref_grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        rows.append(compare(f"grad {spec.name}", np.zeros_like(ref_grad) if grad is None else grad, ref_grad.numpy(), tol))
+        rows.append(
+            compare(f"grad {spec.name}", np.zeros_like(ref_grad) if grad is None else grad, ref_grad.numpy(), tol)
+        )
     # The step is checked from ORT's own gradients: AdamW's first step is ~lr * sign(g), so a
     # gradient that is zero in exact arithmetic (a bias before BatchNorm) would otherwise turn
     # float noise into lr-sized differences. The gradients themselves are compared above.
@@ -171,7 +173,9 @@ def _compare_train(
         grad = gradients[spec.name]
         param.grad = torch.zeros_like(param) if grad is None else torch.from_numpy(grad.copy())
     ReferenceOptimizer(optimizer, trained).step()
-    rows += [compare(f"step {s.name}", stepped[s.name], p.detach().numpy(), tol) for s, p in zip(manifest.trainable, trained)]
+    rows += [
+        compare(f"step {s.name}", stepped[s.name], p.detach().numpy(), tol) for s, p in zip(manifest.trainable, trained)
+    ]
     return rows
 
 

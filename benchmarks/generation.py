@@ -78,7 +78,8 @@ def markdown(rows: list[dict[str, object]]) -> str:
     for r in rows:
         s = r["sizes_bytes"]
         lines.append(
-            f"| {r['model']} | {r['trainable_parameters']:,} | {r['generate_s']:.2f} | {r['generate_and_verify_s']:.2f} | "
+            f"| {r['model']} | {r['trainable_parameters']:,} | {r['generate_s']:.2f} | "
+            f"{r['generate_and_verify_s']:.2f} | "
             f"{'PASS' if r['verified'] else 'FAIL'} (max abs diff {r['worst_abs_diff']:.1e}) | "
             f"{s['checkpoint'] / 2**20:.2f} MiB | {s['training_model.onnx'] / 2**10:.0f} KiB |"
         )

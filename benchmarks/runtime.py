@@ -143,17 +143,24 @@ def main() -> int:
     figures["peak_rss_torch_mib"] = statistics.median(rss_torch) / 2**20
     figures["rss_ratio"] = figures["peak_rss_ondevice_mib"] / figures["peak_rss_torch_mib"]
     (out / "runtime.json").write_text(json.dumps({"machine": machine(), "figures": figures}, indent=2))
+    f = figures
+    rows = [
+        ("hand-written loop of raw ORT calls, per step", f"{f['raw_ort_step_ms']:.3f} ms"),
+        ("`Trainer.fit`, per step (NaN guard, metrics, seeded dropout)", f"{f['fit_step_ms']:.3f} ms"),
+        (
+            f"`Trainer.fit` overhead over the raw loop (median of {BLOCKS} interleaved epochs)",
+            f"{f['fit_overhead_pct']:.1f} %",
+        ),
+        (
+            "`Trainer.train_step(batch)`, which also validates every batch",
+            f"{f['train_step_ms']:.3f} ms ({f['train_step_overhead_pct']:+.1f} %)",
+        ),
+        ("import + load + first step (median of 7 processes)", f"{f['import_load_first_step_s'] * 1e3:.0f} ms"),
+        ("peak RSS, training process, ondevice", f"{f['peak_rss_ondevice_mib']:.0f} MiB"),
+        ("peak RSS, training process, PyTorch eager", f"{f['peak_rss_torch_mib']:.0f} MiB"),
+    ]
     table = "\n".join(
-        ["| figure (digits model, batch 32) | value |", "|---|---:|"]
-        + [
-            f"| hand-written loop of raw ORT calls, per step | {figures['raw_ort_step_ms']:.3f} ms |",
-            f"| `Trainer.fit`, per step (NaN guard, metrics, seeded dropout) | {figures['fit_step_ms']:.3f} ms |",
-            f"| `Trainer.fit` overhead over the raw loop (median of {BLOCKS} interleaved epochs) | {figures['fit_overhead_pct']:.1f} % |",
-            f"| `Trainer.train_step(batch)`, which also validates every batch | {figures['train_step_ms']:.3f} ms ({figures['train_step_overhead_pct']:+.1f} %) |",
-            f"| import + load + first step (median of 7 processes) | {figures['import_load_first_step_s'] * 1e3:.0f} ms |",
-            f"| peak RSS, training process, ondevice | {figures['peak_rss_ondevice_mib']:.0f} MiB |",
-            f"| peak RSS, training process, PyTorch eager | {figures['peak_rss_torch_mib']:.0f} MiB |",
-        ]
+        ["| figure (digits model, batch 32) | value |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
     )
     (out / "runtime.md").write_text(table + "\n")
     print(table)

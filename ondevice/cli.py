@@ -75,14 +75,22 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("directory", help="artifact directory made by `odt generate`")
     p.add_argument("--data", required=True, help=".npz file whose keys are the manifest's input names")
     p.add_argument("--val", help=".npz validation data, evaluated after every epoch (default: none)")
-    p.add_argument("--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)")
+    p.add_argument(
+        "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the manifest's)")
-    p.add_argument("--schedule", choices=["constant", "linear", "cosine"], default="constant",
-                   help="learning-rate schedule over all optimizer steps (default constant)")
+    p.add_argument(
+        "--schedule",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="learning-rate schedule over all optimizer steps (default constant)",
+    )
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps for linear/cosine (default 0)")
-    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="save CKPT_DIR/latest.ckpt after every epoch (default: no checkpoint)")
+    p.add_argument(
+        "--checkpoint", metavar="CKPT_DIR", help="save CKPT_DIR/latest.ckpt after every epoch (default: no checkpoint)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.ckpt")
     p.add_argument("--seed", type=int, default=0, help="data order and dropout seed (default 0)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads (default: ORT's choice)")
@@ -94,7 +102,9 @@ def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("evaluate", help="loss (and accuracy) of artifacts or a checkpoint on .npz data")
     p.add_argument("directory", help="artifact directory")
     p.add_argument("--data", required=True, help=".npz file keyed by the manifest's input names")
-    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="evaluate CKPT_DIR/latest.ckpt (default: the initial weights)")
+    p.add_argument(
+        "--checkpoint", metavar="CKPT_DIR", help="evaluate CKPT_DIR/latest.ckpt (default: the initial weights)"
+    )
     p.add_argument("--batch-size", type=int, default=256, help="default 256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(run=_run_evaluate)
@@ -104,7 +114,9 @@ def register_export(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("export", help="write the (trained) model as an inference ONNX file")
     p.add_argument("directory", help="artifact directory")
     p.add_argument("--out", required=True, help="path of the .onnx file to write")
-    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="export CKPT_DIR/latest.ckpt (default: the initial weights)")
+    p.add_argument(
+        "--checkpoint", metavar="CKPT_DIR", help="export CKPT_DIR/latest.ckpt (default: the initial weights)"
+    )
     p.set_defaults(run=_run_export)
 
 
@@ -134,8 +146,15 @@ def _run_train(args: argparse.Namespace) -> int:
     base = args.lr or trainer.manifest.optimizer.lr
     schedule = Schedule(args.schedule, base, total=max(steps, 1), warmup=args.warmup)
     history = trainer.fit(
-        train, epochs=args.epochs, batch_size=args.batch_size, accumulate=args.accumulate, seed=args.seed,
-        val_data=val, schedule=schedule, checkpoint=_checkpoint_file(args.checkpoint), progress=not args.json,
+        train,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        accumulate=args.accumulate,
+        seed=args.seed,
+        val_data=val,
+        schedule=schedule,
+        checkpoint=_checkpoint_file(args.checkpoint),
+        progress=not args.json,
     )
     if args.json:
         print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps}, indent=2))

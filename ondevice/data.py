@@ -58,9 +58,7 @@ def _check_array(spec: TensorSpec, value: object) -> np.ndarray:
     if array.dtype != want:
         array = _cast(spec, array, want)
     if array.ndim != len(spec.shape):
-        raise DataError(
-            f"{spec.name!r} needs {len(spec.shape)} dimensions {_shape(spec)}, got shape {array.shape}."
-        )
+        raise DataError(f"{spec.name!r} needs {len(spec.shape)} dimensions {_shape(spec)}, got shape {array.shape}.")
     for axis, (expected, found) in enumerate(zip(spec.shape, array.shape)):
         if isinstance(expected, int) and expected != found:
             raise DataError(f"{spec.name!r} needs shape {_shape(spec)}, got {array.shape} (dimension {axis}).")

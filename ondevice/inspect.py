@@ -57,7 +57,11 @@ def describe(summary: dict[str, Any]) -> str:
     """The summary as text for a person."""
     p = summary["parameters"]
     v = summary["verification"]
-    verdict = "not run" if v is None else ("PASS" if v["passed"] else "FAIL") + f" ({v['items']} items, worst abs diff {v['worst_abs']:.2e})"
+    verdict = (
+        "not run"
+        if v is None
+        else ("PASS" if v["passed"] else "FAIL") + f" ({v['items']} items, worst abs diff {v['worst_abs']:.2e})"
+    )
     options = lambda d: ", ".join(f"{k}={val}" for k, val in d.items() if k != "kind" and val is not None)  # noqa: E731
     lines = [
         f"{summary['name']}  ({summary['directory']})",

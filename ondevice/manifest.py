@@ -106,8 +106,9 @@ class Manifest:
 
     ``inputs`` are the model's inputs in ``forward`` order; ``targets`` are the extra inputs the
     loss needs (labels); ``loss_input`` is the model output the loss reads (None when the model
-    returns its own loss) and ``loss_output`` the graphs' loss output. The training and eval graphs take ``inputs + targets`` in that order and
-    return the loss followed by ``outputs``. ``trainable`` is in the order of ONNX Runtime's
+    returns its own loss) and ``loss_output`` the graphs' loss output. The training and eval
+    graphs take ``inputs + targets`` in that order and return the loss followed by ``outputs``
+    (the training graph then the new values of ``buffers``). ``trainable`` is in the order of ONNX Runtime's
     contiguous parameter buffer, with offsets into it.
     """
 

@@ -26,7 +26,9 @@ class Predictor:
 
     def __init__(self, path: str | os.PathLike[str], manifest: Manifest, *, threads: int | None = None) -> None:
         try:
-            self._session = ort.InferenceSession(os.fspath(path), session_options(threads), providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(
+                os.fspath(path), session_options(threads), providers=["CPUExecutionProvider"]
+            )
         except Exception as exc:
             raise OndeviceError(f"cannot load inference model {path}: {ort_error_message(exc)}") from exc
         self.manifest = manifest

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._io import fsync_dir, sha256_file
-from ._ort import C, ORT_VERSION, OrtTraining, ort_error_message
+from ._io import sha256_file
+from ._ort import ORT_VERSION, C, OrtTraining, ort_error_message
 from .data import batches, check_data
 from .errors import CheckpointError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .manifest import MANIFEST_NAME, Manifest
@@ -155,7 +155,6 @@ class Trainer:
         # as good a reason to skip); it needs no temporary array, unlike np.isfinite.
         return all(math.isfinite(grad.sum()) for grad in self._gradients())
 
-
     # -- loops ---------------------------------------------------------------------------------
     def fit(
         self,
@@ -236,7 +235,9 @@ class Trainer:
         """
         if bad:
             self.skipped_steps += 1
-            log.warning("step %d skipped: loss or gradients not finite (%d skipped so far)", self.step, self.skipped_steps)
+            log.warning(
+                "step %d skipped: loss or gradients not finite (%d skipped so far)", self.step, self.skipped_steps
+            )
         else:
             if micro_steps > 1 and self.manifest.loss.options.get("reduction", "mean") == "mean":
                 for grad in self._gradients():

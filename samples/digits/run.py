@@ -42,8 +42,14 @@ def train_on_device(artifacts: Path, data: dict[str, Path], out: Path) -> dict[s
     trainer = Trainer.load(artifacts)
     steps = EPOCHS * -(-len(train["labels"]) // BATCH)
     schedule = Schedule("cosine", 3e-3, total=steps, warmup=steps // 20)
-    history = trainer.fit(train, epochs=EPOCHS, batch_size=BATCH, val_data=val, schedule=schedule,
-                          checkpoint=out / "checkpoints" / "latest.ckpt")
+    history = trainer.fit(
+        train,
+        epochs=EPOCHS,
+        batch_size=BATCH,
+        val_data=val,
+        schedule=schedule,
+        checkpoint=out / "checkpoints" / "latest.ckpt",
+    )
     metrics = trainer.evaluate(test)
     model = trainer.export(out / "model.onnx")
     predicted = Predictor(model, trainer.manifest).predict({"input": test["input"]})["output"].argmax(-1)
@@ -86,10 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = make_artifacts(out)
     print(f"3. device: train {EPOCHS} epochs with ONNX Runtime (no torch), evaluate, export")
     metrics = train_on_device(artifacts, data, out)
-    print(f"   test accuracy {metrics['accuracy']:.4f} (exported model: {metrics['export_accuracy']:.4f}), "
-          f"test loss {metrics['loss']:.4f}")
-    print(f"outputs: {out}/artifacts, {out}/model.onnx, {out}/checkpoints/latest.ckpt, "
-          f"{out}/history.json, {out}/curves.png")
+    print(
+        f"   test accuracy {metrics['accuracy']:.4f} (exported model: {metrics['export_accuracy']:.4f}), "
+        f"test loss {metrics['loss']:.4f}"
+    )
+    print(
+        f"outputs: {out}/artifacts, {out}/model.onnx, {out}/checkpoints/latest.ckpt, "
+        f"{out}/history.json, {out}/curves.png"
+    )
     return 0
 
 

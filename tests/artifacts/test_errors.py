@@ -49,11 +49,20 @@ def _odt(capsys, *args: str) -> tuple[int, str]:
         # zero trainable parameters
         (["--model", f"{MODELS}:no_bias", "--input", "x:4x4:float32", "--bias-only"], "no parameter is left to train"),
         # operator without a gradient on the trained path: names op, module and remedy
-        (["--model", f"{MODELS}:hardswish_head", "--input", "x:4x8:float32"], "layer '1' (Hardswish) exports as ONNX HardSwish"),
+        (
+            ["--model", f"{MODELS}:hardswish_head", "--input", "x:4x8:float32"],
+            "layer '1' (Hardswish) exports as ONNX HardSwish",
+        ),
         # an optimizer option ORT cannot express
-        (["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--optimizer", "sgd", "--momentum", "0.9"], "no momentum"),
+        (
+            ["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--optimizer", "sgd", "--momentum", "0.9"],
+            "no momentum",
+        ),
         # a loss option that does not belong to the loss
-        (["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--loss", "mse", "--class-weights", "1,2"], "does not take"),
+        (
+            ["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--loss", "mse", "--class-weights", "1,2"],
+            "does not take",
+        ),
         # weights file that does not exist
         (["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--weights", "/nonexistent.pt"], "does not exist"),
     ],
@@ -74,8 +83,11 @@ def test_cli_usage_error_exits_2(capsys):
 
 def test_unsupported_op_error_suggests_freeze_and_replacement():
     with pytest.raises(UnsupportedOperatorError) as caught:
-        generate(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Mish(), torch.nn.Linear(4, 2)),
-                 torch.randn(2, 4), Path("/tmp/never-written"))
+        generate(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Mish(), torch.nn.Linear(4, 2)),
+            torch.randn(2, 4),
+            Path("/tmp/never-written"),
+        )
     text = str(caught.value)
     assert "layer '1' (Mish)" in text and "(--freeze '0.*')" in text and "replace it" in text
     assert not Path("/tmp/never-written").exists()

@@ -49,7 +49,10 @@ def test_cnn_with_batchnorm_dropout_and_pooling(tmp_path):
     manifest = generate(models.cnn(), torch.randn(6, 1, 12, 12), tmp_path / "cnn", ort_format=True)
     _check(manifest)
     assert [b.name for b in manifest.buffers] == [
-        "features.1.running_mean", "features.1.running_var", "features.5.running_mean", "features.5.running_var",
+        "features.1.running_mean",
+        "features.1.running_var",
+        "features.5.running_mean",
+        "features.5.running_var",
     ]
     assert any(r.item == "buffer features.5.running_var" for r in manifest.verification.rows)
     assert "Dropout" in manifest.verification.note
@@ -72,9 +75,7 @@ def test_transformer_encoder_classifier(tmp_path, opset):
 
 def test_encoder_last_layer_and_head_only(tmp_path):
     ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(2))
-    manifest = generate(
-        models.encoder(), ids, tmp_path / "enc", trainable=["encoder.layers.1", "norm", "head"]
-    )
+    manifest = generate(models.encoder(), ids, tmp_path / "enc", trainable=["encoder.layers.1", "norm", "head"])
     _check(manifest)
     names = [p.name for p in manifest.trainable]
     assert all(n.startswith(("encoder.layers.1.", "norm.", "head.")) for n in names)
@@ -84,9 +85,16 @@ def test_encoder_last_layer_and_head_only(tmp_path):
 
 def test_mse_regression_with_multidimensional_target(tmp_path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6), torch.nn.Unflatten(1, (2, 3)))
-    manifest = generate(model, torch.randn(7, 5), tmp_path / "mse", loss=MSE(reduction="sum"),
-                        optimizer=AdamW(lr=3e-3, weight_decay=0.01, max_grad_norm=0.5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6), torch.nn.Unflatten(1, (2, 3))
+    )
+    manifest = generate(
+        model,
+        torch.randn(7, 5),
+        tmp_path / "mse",
+        loss=MSE(reduction="sum"),
+        optimizer=AdamW(lr=3e-3, weight_decay=0.01, max_grad_norm=0.5),
+    )
     _check(manifest)
     assert manifest.targets == (TensorSpec("target", "float32", ("batch", 2, 3)),)
 
@@ -94,22 +102,32 @@ def test_mse_regression_with_multidimensional_target(tmp_path):
 def test_bce_multilabel_with_pos_weight(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 4))
-    manifest = generate(model, torch.randn(9, 10), tmp_path / "bce",
-                        loss=BCEWithLogits(pos_weight=(1.0, 2.0, 0.5, 3.0)), optimizer=SGD(lr=0.1))
+    manifest = generate(
+        model,
+        torch.randn(9, 10),
+        tmp_path / "bce",
+        loss=BCEWithLogits(pos_weight=(1.0, 2.0, 0.5, 3.0)),
+        optimizer=SGD(lr=0.1),
+    )
     _check(manifest)
     assert manifest.loss.options["pos_weight"] == [1.0, 2.0, 0.5, 3.0]
     assert manifest.optimizer.kind == "sgd"
 
 
 def test_cross_entropy_with_class_weights_and_ignore_index(tmp_path):
-    manifest = generate(models.mlp(), torch.randn(8, 16), tmp_path / "ce",
-                        loss=CrossEntropy(weight=(1.0, 2.0, 0.5, 1.5), ignore_index=3))
+    manifest = generate(
+        models.mlp(),
+        torch.randn(8, 16),
+        tmp_path / "ce",
+        loss=CrossEntropy(weight=(1.0, 2.0, 0.5, 1.5), ignore_index=3),
+    )
     _check(manifest)
 
 
 def test_two_output_model_loss_on_named_output(tmp_path):
-    manifest = generate(models.two_heads(), torch.randn(5, 8), tmp_path / "two",
-                        output_names=["aux", "logits"], loss_output="logits")
+    manifest = generate(
+        models.two_heads(), torch.randn(5, 8), tmp_path / "two", output_names=["aux", "logits"], loss_output="logits"
+    )
     _check(manifest)
     assert [o.name for o in manifest.outputs] == ["aux", "logits"]
     assert manifest.targets == (TensorSpec("labels", "int64", ("batch",)),)
@@ -121,8 +139,14 @@ def test_two_output_model_loss_on_named_output(tmp_path):
 
 def test_model_that_returns_its_own_loss(tmp_path):
     example = {"x": torch.randn(4, 6), "target": torch.randn(4, 2)}
-    manifest = generate(models.self_loss(), example, tmp_path / "self", loss=ModelLoss(),
-                        output_names=["loss", "prediction"], loss_output="loss")
+    manifest = generate(
+        models.self_loss(),
+        example,
+        tmp_path / "self",
+        loss=ModelLoss(),
+        output_names=["loss", "prediction"],
+        loss_output="loss",
+    )
     _check(manifest)
     assert manifest.targets == ()
     assert manifest.feed_names == ("x", "target")
@@ -132,11 +156,18 @@ def test_model_that_returns_its_own_loss(tmp_path):
 def test_custom_onnxblock_loss(tmp_path):
     class MeanAbs(onnxblock.Block):
         def build(self, output_name: str, target_name: str = "target") -> str:
-            return onnxblock.blocks.ReduceMean(keepdims=False)(onnxblock.blocks.Abs()(
-                onnxblock.blocks.Sub()(output_name, onnxblock.blocks.InputLike(output_name)(target_name))))
+            return onnxblock.blocks.ReduceMean(keepdims=False)(
+                onnxblock.blocks.Abs()(
+                    onnxblock.blocks.Sub()(output_name, onnxblock.blocks.InputLike(output_name)(target_name))
+                )
+            )
 
-    loss = CustomLoss(make_block=MeanAbs, reference_fn=lambda out, tgt: (out - tgt).abs().mean(),
-                      target=TensorSpec("target", "float32", ("batch", 3)), name="mean_abs")
+    loss = CustomLoss(
+        make_block=MeanAbs,
+        reference_fn=lambda out, tgt: (out - tgt).abs().mean(),
+        target=TensorSpec("target", "float32", ("batch", 3)),
+        name="mean_abs",
+    )
     torch.manual_seed(0)
     manifest = generate(torch.nn.Linear(4, 3), torch.randn(6, 4), tmp_path / "custom", loss=loss)
     _check(manifest)
@@ -175,7 +206,8 @@ def test_verification_can_fail_and_then_writes_nothing(tmp_path):
 
 def test_force_replaces_existing_output(tmp_path):
     first = generate(models.mlp(), torch.randn(4, 16), tmp_path / "m", verify=False)
-    second = generate(models.mlp(), torch.randn(4, 16), tmp_path / "m", loss=CrossEntropy(reduction="sum"),
-                      verify=False, force=True)
+    second = generate(
+        models.mlp(), torch.randn(4, 16), tmp_path / "m", loss=CrossEntropy(reduction="sum"), verify=False, force=True
+    )
     assert Manifest.load(tmp_path / "m") == second != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

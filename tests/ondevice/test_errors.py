@@ -49,11 +49,19 @@ def _edit_manifest(directory: Path, **changes) -> None:
         # manifest missing a field
         (lambda d: _edit_manifest(d, trainable=None), ManifestError, "does not match schema"),
         # an artifact file altered after generation
-        (lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10), ArtifactIntegrityError, "checkpoint was altered"),
+        (
+            lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10),
+            ArtifactIntegrityError,
+            "checkpoint was altered",
+        ),
         # an artifact file missing
         (lambda d: (d / "eval_model.onnx").unlink(), ArtifactIntegrityError, "eval_model.onnx is missing"),
         # artifacts made for another ORT
-        (lambda d: _edit_manifest(d, versions={"onnxruntime": "1.17.0"}), VersionMismatchError, "onnxruntime-training==1.17.0"),
+        (
+            lambda d: _edit_manifest(d, versions={"onnxruntime": "1.17.0"}),
+            VersionMismatchError,
+            "onnxruntime-training==1.17.0",
+        ),
     ],
 )
 def test_bad_artifact_directory(artifacts, damage, error, message):
@@ -89,7 +97,10 @@ def _good(digits_data, n=64):
         # empty dataset
         (lambda d: {k: v[:0] for k, v in d.items()}, "dataset is empty"),
         # non-finite data
-        (lambda d: {**d, "input": np.where(np.arange(64)[:, None] == 3, np.nan, d["input"]).astype(np.float32)}, "NaN/Inf"),
+        (
+            lambda d: {**d, "input": np.where(np.arange(64)[:, None] == 3, np.nan, d["input"]).astype(np.float32)},
+            "NaN/Inf",
+        ),
         # not a mapping
         (lambda d: [d["input"], d["labels"]], "must map input names"),
     ],
@@ -169,7 +180,7 @@ import resource, signal, sys
 from ondevice import Trainer, CheckpointError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 t = Trainer.load({str(digits_artifacts)!r})
-path = t.save({str(tmp_path / 'c.ckpt')!r})
+path = t.save({str(tmp_path / "c.ckpt")!r})
 print(path.stat().st_size)
 t.epoch = 5
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
@@ -199,14 +210,56 @@ def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, caps
     np.savez(tmp_path / "train.npz", **_good(digits_data, 128))
     np.savez(tmp_path / "test.npz", **digits_data["test"])
     ckpt = tmp_path / "ckpt"
-    assert main(["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--epochs", "2",
-                 "--checkpoint", str(ckpt), "--json"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(digits_artifacts),
+                "--data",
+                str(tmp_path / "train.npz"),
+                "--epochs",
+                "2",
+                "--checkpoint",
+                str(ckpt),
+                "--json",
+            ]
+        )
+        == 0
+    )
     history = json.loads(capsys.readouterr().out)
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
-    assert main(["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--epochs", "3",
-                 "--checkpoint", str(ckpt), "--resume", "--json"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(digits_artifacts),
+                "--data",
+                str(tmp_path / "train.npz"),
+                "--epochs",
+                "3",
+                "--checkpoint",
+                str(ckpt),
+                "--resume",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert [e["epoch"] for e in json.loads(capsys.readouterr().out)["epochs"]] == [3]
-    assert main(["evaluate", str(digits_artifacts), "--data", str(tmp_path / "test.npz"), "--checkpoint", str(ckpt), "--json"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(digits_artifacts),
+                "--data",
+                str(tmp_path / "test.npz"),
+                "--checkpoint",
+                str(ckpt),
+                "--json",
+            ]
+        )
+        == 0
+    )
     metrics = json.loads(capsys.readouterr().out)
     trained = Trainer.load(digits_artifacts, checkpoint=ckpt / "latest.ckpt").evaluate(digits_data["test"])
     assert metrics == pytest.approx(trained)

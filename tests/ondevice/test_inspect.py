@@ -12,7 +12,9 @@ def test_inspect_json_matches_manifest(digits_artifacts, capsys):
     assert main(["inspect", str(digits_artifacts), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     manifest = Manifest.load(digits_artifacts)
-    assert summary["parameters"]["trainable"] == manifest.trainable_size == 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    assert (
+        summary["parameters"]["trainable"] == manifest.trainable_size == 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    )
     assert summary["parameters"]["trainable_bytes"] == 4 * manifest.trainable_size
     assert summary["inputs"] == [{"name": "input", "dtype": "float32", "shape": ["batch", 64]}]
     assert summary["verification"]["passed"] is True

@@ -41,7 +41,9 @@ def test_one_step_equals_pytorch(digits_no_dropout, digits_data):
     batch = _subset(digits_data["train"], 32)
     reference = copy.deepcopy(model).train()
     params = list(reference.parameters())
-    loss = torch.nn.functional.cross_entropy(reference(torch.from_numpy(batch["input"])), torch.from_numpy(batch["labels"]))
+    loss = torch.nn.functional.cross_entropy(
+        reference(torch.from_numpy(batch["input"])), torch.from_numpy(batch["labels"])
+    )
     loss.backward()
     ReferenceOptimizer(AdamW(), params).step()
 
@@ -71,7 +73,10 @@ def test_fit_drives_the_learning_rate_by_schedule(digits_sgd, digits_data):
     trainer = Trainer.load(digits_sgd)
     schedule = Schedule("linear", 0.05, total=8, warmup=2)
     seen = []
-    trainer._session.set_learning_rate = lambda lr, original=trainer._session.set_learning_rate: (seen.append(lr), original(lr))
+    trainer._session.set_learning_rate = lambda lr, original=trainer._session.set_learning_rate: (
+        seen.append(lr),
+        original(lr),
+    )
     trainer.fit(_subset(digits_data["train"], 64), epochs=1, batch_size=8, schedule=schedule, progress=False)
     expected = [schedule(step) for step in range(8)]
     assert seen == [lr for i, lr in enumerate(expected) if i == 0 or lr != expected[i - 1]]  # set on change only
@@ -142,7 +147,9 @@ def test_batchnorm_statistics_are_updated_by_training(tmp_path):
     reference = copy.deepcopy(model).train()
     reference(torch.from_numpy(x))
     for name in ("features.1.running_mean", "features.5.running_var"):
-        np.testing.assert_allclose(trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), atol=1e-5
+        )
 
 
 def test_weights_round_trip_by_name_and_flat(digits_artifacts):
