@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import logging
 import os
 import shutil
-import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -20,7 +17,7 @@ import torch
 from torch import nn
 
 from ondevice._io import fsync_dir, sha256_file
-from ondevice._ort import ORT_VERSION, OrtTraining, ort_error_message
+from ondevice._ort import ORT_VERSION
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
@@ -32,24 +29,21 @@ from ondevice.manifest import (
     TensorSpec,
 )
 
+from ._batchnorm import expose_batchnorm_updates
+from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
 from .errors import (
     ArtifactError,
-    ExportError,
     InputSpecError,
     OutputExistsError,
     SelectionError,
-    UnsupportedOperatorError,
     VerificationError,
 )
 from .export import (
     average_pool_to_conv,
     check_gradient_ops,
     complete_gradient_outputs,
-    dropout_to_inference,
     export_onnx,
-    expose_batchnorm_updates,
     reaching,
-    strip_batchnorm_training,
 )
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
@@ -60,7 +54,6 @@ __all__ = ["generate"]
 
 log = logging.getLogger(__name__)
 
-MODEL_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
 _NP_DTYPES = {
     onnx.TensorProto.FLOAT: "float32",
     onnx.TensorProto.DOUBLE: "float64",
@@ -110,23 +103,19 @@ def generate(
     names, example = _examples(model, example_inputs, input_names)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        manifest, loss_index = _build(
-            model,
-            example,
-            names,
+        options = _Options(
             output_names,
             loss,
             loss_output,
             optimizer,
-            trainable,
-            freeze,
+            tuple(trainable),
+            tuple(freeze),
             train_last,
             bias_only,
             opset,
             ort_format,
-            work,
-            name or out_dir.name,
         )
+        manifest, loss_index = _build(model, example, names, options, work, name or out_dir.name)
         if verify:
             targets = make_targets(manifest, loss, example[0].shape[0], seed)
             report = verify_artifacts(work, manifest, model, example, targets, loss, loss_index, optimizer, tolerances)
@@ -187,32 +176,35 @@ def _forward_names(model: nn.Module, count: int) -> list[str]:
     return params[:count] if len(params) >= count else [f"input{i}" for i in range(count)]
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The export options of one `generate` call, as `_build` needs them."""
+
+    output_names: Sequence[str] | None
+    loss: Loss
+    loss_output: str | None
+    optimizer: AdamW | SGD
+    trainable: tuple[str, ...]
+    freeze: tuple[str, ...]
+    train_last: int | None
+    bias_only: bool
+    opset: int
+    ort_format: bool
+
+
 def _build(
-    model: nn.Module,
-    example: list[torch.Tensor],
-    input_names: list[str],
-    output_names: Sequence[str] | None,
-    loss: Loss,
-    loss_output: str | None,
-    optimizer: AdamW | SGD,
-    trainable_globs: Sequence[str],
-    freeze: Sequence[str],
-    train_last: int | None,
-    bias_only: bool,
-    opset: int,
-    ort_format: bool,
-    work: Path,
-    name: str,
+    model: nn.Module, example: list[torch.Tensor], input_names: list[str], o: _Options, work: Path, name: str
 ) -> tuple[Manifest, int]:
-    onnx_model, outputs = export_onnx(model, example, input_names, output_names, opset)
+    loss, optimizer, opset = o.loss, o.optimizer, o.opset
+    onnx_model, outputs = export_onnx(model, example, input_names, o.output_names, opset)
     complete_gradient_outputs(onnx_model)
     average_pool_to_conv(onnx_model)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     exported = [n for n, _ in model.named_parameters() if n in initializers]
     trainable = select_trainable(
-        exported, trainable=trainable_globs, freeze=freeze, train_last=train_last, bias_only=bias_only
+        exported, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
     )
-    loss_output = loss_output or outputs[0]
+    loss_output = o.loss_output or outputs[0]
     if loss_output not in outputs:
         raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
     unreachable = [n for n in trainable if n not in reaching(onnx_model, trainable, loss_output)]
@@ -226,14 +218,12 @@ def _build(
     check_gradient_ops(onnx_model, trainable, model)
     updates = expose_batchnorm_updates(onnx_model, frozen, opset)
 
-    output_specs = {o.name: _spec(o) for o in onnx_model.graph.output}
-    extra = [o for o in outputs if not (loss.kind == "model" and o == loss_output)]
-    _run_ort_generator(
-        onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work
-    )
-    _repair_eval_model(work / "eval_model.onnx")
-    if ort_format:
-        _convert_to_ort_format(work)
+    output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
+    extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
+    run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
+    repair_eval_model(work / "eval_model.onnx")
+    if o.ort_format:
+        convert_to_ort_format(work)
 
     order = _parameter_order(work / "training_model.onnx")
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
@@ -249,7 +239,7 @@ def _build(
         targets=() if target is None else (target,),
         loss_output=_loss_output_name(work),
         loss_input=None if loss.kind == "model" else loss_output,
-        outputs=tuple(output_specs[o] for o in extra),
+        outputs=tuple(output_specs[n] for n in extra),
         trainable=tuple(trainable_specs),
         frozen=tuple(ParamSpec(n, shapes[n]) for n in order if n in set(frozen)),
         buffers=tuple(BufferUpdate(b, o) for b, o in updates.items()),
@@ -264,89 +254,8 @@ def _build(
             "ir_version": int(onnx.load(work / "training_model.onnx", load_external_data=False).ir_version),
         },
     )
-    _check_loads(work, manifest)
+    check_loads(work, manifest)
     return manifest, outputs.index(loss_output)
-
-
-def _run_ort_generator(
-    graph: onnx.ModelProto,
-    trainable: list[str],
-    frozen: list[str],
-    loss: Loss,
-    loss_output: str,
-    optimizer: AdamW | SGD,
-    extra_outputs: list[str],
-    work: Path,
-) -> None:
-    from onnxruntime.training import artifacts as ort_artifacts
-
-    # Path mode writes temporary files into the working directory: keep them in `work`.
-    with _inside(work), contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
-        try:
-            ort_artifacts.generate_artifacts(
-                graph,
-                requires_grad=trainable,
-                frozen_params=frozen,
-                loss=loss.block(),
-                optimizer=optimizer.block(),
-                artifact_directory=work,
-                additional_output_names=extra_outputs or None,
-                loss_input_names=[loss_output],
-            )
-        except ArtifactError:
-            raise
-        except Exception as exc:
-            message = ort_error_message(exc)
-            if "gradient_builder" in str(exc) or "Grad" in message and "implementation" in message:
-                raise UnsupportedOperatorError(
-                    f"ONNX Runtime cannot differentiate this model: {message}. Freeze the layers it names "
-                    "(--freeze) or replace them."
-                ) from exc
-            raise ExportError(f"ONNX Runtime's artifact generation failed: {message}") from exc
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced():  # type: ignore[no-untyped-def]
-    """Drop what native code writes to fd 2: ORT's gradient builder logs at INFO regardless of
-    the default logger severity. Python exceptions still carry the error."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-@contextlib.contextmanager
-def _inside(path: Path):  # type: ignore[no-untyped-def]
-    previous = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
-def _repair_eval_model(path: Path) -> None:
-    model = onnx.load(path)
-    strip_batchnorm_training(model)
-    dropout_to_inference(model)
-    onnx.save(model, path)
-
-
-def _convert_to_ort_format(work: Path) -> None:
-    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
-
-    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
-
-    with contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
-        try:
-            convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
-        except Exception as exc:
-            raise ExportError(f"conversion to ORT format failed: {ort_error_message(exc)}") from exc
 
 
 def _parameter_order(training_model: Path) -> list[str]:
@@ -358,26 +267,6 @@ def _parameter_order(training_model: Path) -> list[str]:
 def _loss_output_name(work: Path) -> str:
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     return model.graph.output[0].name
-
-
-def _check_loads(work: Path, manifest: Manifest) -> None:
-    """Create the ORT session once: kernels missing at load time (ConvTransposeGrad) show up here."""
-    try:
-        session = OrtTraining(work)
-    except Exception as exc:
-        message = ort_error_message(exc)
-        if "Grad" in message:
-            raise UnsupportedOperatorError(
-                f"ONNX Runtime has no CPU kernel for a gradient this model needs: {message}. "
-                "Freeze that layer (--freeze) or replace it."
-            ) from exc
-        raise ExportError(f"the generated artifacts do not load in ONNX Runtime: {message}") from exc
-    size = session.module.get_parameters_size(True)
-    if size != manifest.trainable_size:
-        raise ExportError(f"ORT's parameter buffer holds {size} values, the manifest {manifest.trainable_size}.")
-    feeds = session.input_names(True)
-    if tuple(feeds) != manifest.feed_names:
-        raise ExportError(f"training graph inputs {feeds} differ from the manifest's {list(manifest.feed_names)}.")
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ._io import sha256_file
+from ._metrics import Meter, flatten_weights
 from ._ort import ORT_VERSION, C, OrtTraining, ort_error_message
 from .data import batches, check_data
 from .errors import CheckpointError, DataError, OndeviceError, VersionMismatchError, WeightsError
@@ -210,7 +211,7 @@ class Trainer:
         schedule: Schedule | None,
         bar: Any,
     ) -> dict[str, float]:
-        meter = _Meter(self.manifest)
+        meter = Meter(self.manifest)
         pending, bad = 0, False
         for batch in batches(data, batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
             if pending == 0 and schedule is not None:
@@ -250,7 +251,7 @@ class Trainer:
         """Mean loss over ``data`` (and accuracy for classification) with the eval graph."""
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
-        meter = _Meter(self.manifest)
+        meter = Meter(self.manifest)
         for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
             fetched = self._session.eval_step(list(batch.values()))
             meter.add(StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:]))), batch)
@@ -268,7 +269,7 @@ class Trainer:
 
     def set_weights(self, weights: np.ndarray | Mapping[str, np.ndarray]) -> None:
         """Replace the trainable parameters from a flat buffer or a name -> array mapping."""
-        flat = _flatten(self.manifest, weights)
+        flat = flatten_weights(self.manifest, weights)
         if not np.isfinite(flat).all():
             raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
         self._session.set_flat(flat, trainable_only=True)
@@ -318,61 +319,3 @@ def _check_checkpoint(path: Path, manifest_sha: str) -> None:
             f"checkpoint {path} was saved from other artifacts (manifest sha256 {str(found)[:12]}..., "
             f"these are {manifest_sha[:12]}...). Use the artifact directory it was trained from."
         )
-
-
-def _flatten(manifest: Manifest, weights: np.ndarray | Mapping[str, np.ndarray]) -> np.ndarray:
-    if isinstance(weights, Mapping):
-        names = [p.name for p in manifest.trainable]
-        if sorted(weights) != sorted(names):
-            missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
-            raise WeightsError(f"weights must name every trainable parameter; missing {missing}, unexpected {extra}.")
-        parts = []
-        for p in manifest.trainable:
-            array = np.asarray(weights[p.name])
-            if tuple(array.shape) != p.shape:
-                raise WeightsError(f"weight {p.name!r} needs shape {p.shape}, got {array.shape}.")
-            parts.append(array.astype(np.float32, copy=False).ravel())
-        return np.concatenate(parts)
-    flat = np.asarray(weights)
-    if flat.ndim != 1 or flat.size != manifest.trainable_size:
-        raise WeightsError(
-            f"a flat weight buffer needs {manifest.trainable_size} values (1-D), got shape {flat.shape}."
-        )
-    if flat.dtype.kind != "f":
-        raise WeightsError(f"weights must be floating point, got {flat.dtype}.")
-    return flat.astype(np.float32, copy=False)
-
-
-class _Meter:
-    """Example-weighted loss and classification accuracy over batches."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        self.scores = manifest.loss_input if manifest.num_classes else None
-        self.labels = manifest.targets[0].name if manifest.targets else None
-        self.ignore = manifest.loss.options.get("ignore_index")
-        self.loss_sum = 0.0
-        self.count = 0
-        self.correct = 0
-        self.labelled = 0
-
-    def add(self, result: StepResult, batch: Mapping[str, np.ndarray]) -> None:
-        size = len(next(iter(batch.values())))
-        if math.isfinite(result.loss):
-            self.loss_sum += result.loss * size
-            self.count += size
-        if self.scores is not None and self.labels is not None:
-            labels = batch[self.labels]
-            hits = result.outputs[self.scores].argmax(axis=-1) == labels
-            if self.ignore is None:
-                self.correct += int(np.count_nonzero(hits))
-                self.labelled += labels.size
-            else:
-                keep = labels != self.ignore
-                self.correct += int(np.count_nonzero(hits & keep))
-                self.labelled += int(np.count_nonzero(keep))
-
-    def result(self) -> dict[str, float]:
-        metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}
-        if self.labelled:
-            metrics["accuracy"] = self.correct / self.labelled
-        return metrics

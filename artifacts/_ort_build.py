@@ -1,0 +1,124 @@
+"""The ONNX Runtime side of generation: build the graphs, repair the eval graph, load-check."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from pathlib import Path
+
+import onnx
+
+from ondevice._ort import OrtTraining, ort_error_message
+from ondevice.manifest import Manifest
+
+from ._batchnorm import strip_batchnorm_training
+from .errors import ArtifactError, ExportError, UnsupportedOperatorError
+from .export import dropout_to_inference
+from .losses import Loss
+from .optimizers import SGD, AdamW
+
+__all__ = ["run_ort_generator", "repair_eval_model", "convert_to_ort_format", "check_loads"]
+
+
+def run_ort_generator(
+    graph: onnx.ModelProto,
+    trainable: list[str],
+    frozen: list[str],
+    loss: Loss,
+    loss_output: str,
+    optimizer: AdamW | SGD,
+    extra_outputs: list[str],
+    work: Path,
+) -> None:
+    from onnxruntime.training import artifacts as ort_artifacts
+
+    # Path mode writes temporary files into the working directory: keep them in `work`.
+    with _inside(work), contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
+        try:
+            ort_artifacts.generate_artifacts(
+                graph,
+                requires_grad=trainable,
+                frozen_params=frozen,
+                loss=loss.block(),
+                optimizer=optimizer.block(),
+                artifact_directory=work,
+                additional_output_names=extra_outputs or None,
+                loss_input_names=[loss_output],
+            )
+        except ArtifactError:
+            raise
+        except Exception as exc:
+            message = ort_error_message(exc)
+            if "gradient_builder" in str(exc) or "Grad" in message and "implementation" in message:
+                raise UnsupportedOperatorError(
+                    f"ONNX Runtime cannot differentiate this model: {message}. Freeze the layers it names "
+                    "(--freeze) or replace them."
+                ) from exc
+            raise ExportError(f"ONNX Runtime's artifact generation failed: {message}") from exc
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():  # type: ignore[no-untyped-def]
+    """Drop what native code writes to fd 2: ORT's gradient builder logs at INFO regardless of
+    the default logger severity. Python exceptions still carry the error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _inside(path: Path):  # type: ignore[no-untyped-def]
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def repair_eval_model(path: Path) -> None:
+    model = onnx.load(path)
+    strip_batchnorm_training(model)
+    dropout_to_inference(model)
+    onnx.save(model, path)
+
+
+def convert_to_ort_format(work: Path) -> None:
+    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+
+    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
+
+    with contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
+        try:
+            convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
+        except Exception as exc:
+            raise ExportError(f"conversion to ORT format failed: {ort_error_message(exc)}") from exc
+
+
+def check_loads(work: Path, manifest: Manifest) -> None:
+    """Create the ORT session once: kernels missing at load time (ConvTransposeGrad) show up here."""
+    try:
+        session = OrtTraining(work)
+    except Exception as exc:
+        message = ort_error_message(exc)
+        if "Grad" in message:
+            raise UnsupportedOperatorError(
+                f"ONNX Runtime has no CPU kernel for a gradient this model needs: {message}. "
+                "Freeze that layer (--freeze) or replace it."
+            ) from exc
+        raise ExportError(f"the generated artifacts do not load in ONNX Runtime: {message}") from exc
+    size = session.module.get_parameters_size(True)
+    if size != manifest.trainable_size:
+        raise ExportError(f"ORT's parameter buffer holds {size} values, the manifest {manifest.trainable_size}.")
+    feeds = session.input_names(True)
+    if tuple(feeds) != manifest.feed_names:
+        raise ExportError(f"training graph inputs {feeds} differ from the manifest's {list(manifest.feed_names)}.")
