@@ -145,6 +145,10 @@ class OrtTraining:
         grad = self.state.get_parameter(name).grad
         return grad.numpy() if grad.has_value() else None
 
+    def parameter_view(self, name: str) -> np.ndarray:
+        """The parameter's current value as a numpy view of ORT's buffer (read it, do not keep it)."""
+        return self.state.get_parameter(name).data.numpy()
+
     def set_parameter(self, name: str, value: np.ndarray) -> None:
         self.state.copy_parameter_from(name, OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))._ortvalue)
 

@@ -68,6 +68,7 @@ class Trainer:
         self._train_names = [o.name for o in manifest.outputs]
         self._buffers = [b.name for b in manifest.buffers]
         self._grad_views: list[np.ndarray] | None = None
+        self._proximal: tuple[float, list[np.ndarray]] | None = None
 
     @classmethod
     def load(
@@ -243,6 +244,10 @@ class Trainer:
             if micro_steps > 1 and self.manifest.loss.options.get("reduction", "mean") == "mean":
                 for grad in self._gradients():
                     grad *= np.float32(1.0 / micro_steps)
+            if self._proximal is not None:
+                mu, anchors = self._proximal
+                for spec, grad, anchor in zip(self.manifest.trainable, self._gradients(), anchors):
+                    grad += np.float32(mu) * (self._session.parameter_view(spec.name) - anchor)
             self._session.optimizer_step()
             self.step += 1
         self._session.reset_grad()
@@ -273,6 +278,21 @@ class Trainer:
         if not np.isfinite(flat).all():
             raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
         self._session.set_flat(flat, trainable_only=True)
+
+    def set_proximal(self, mu: float, anchor: np.ndarray | Mapping[str, np.ndarray] | None = None) -> None:
+        """Add FedProx's proximal term ``mu/2 * ||w - anchor||^2`` to every following step.
+
+        ``anchor`` defaults to the current weights (the global model a client just received);
+        ``mu=0`` turns the term off.
+        """
+        if not (mu >= 0 and math.isfinite(mu)):
+            raise ValueError(f"proximal mu must be >= 0 and finite, got {mu}.")
+        if mu == 0:
+            self._proximal = None
+            return
+        flat = self.get_flat_weights() if anchor is None else flatten_weights(self.manifest, anchor)
+        anchors = [flat[p.offset : p.offset + p.size].reshape(p.shape).copy() for p in self.manifest.trainable]
+        self._proximal = (float(mu), anchors)
 
     # -- checkpoints and export ----------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -189,3 +189,22 @@ def test_cached_gradient_views_keep_aliasing_ort_buffers(digits_no_dropout, digi
     for spec, view in zip(trainer.manifest.trainable, views):
         np.testing.assert_array_equal(view, trainer._session.get_gradient(spec.name), err_msg=spec.name)
         assert np.any(view != 0)
+
+
+def test_proximal_term_matches_pytorch(digits_no_dropout, digits_data):
+    directory, model = digits_no_dropout
+    trainer = Trainer.load(directory)
+    anchor = {k: v - 0.05 for k, v in trainer.get_weights().items()}
+    trainer.set_proximal(0.3, anchor)
+    batch = _subset(digits_data["train"], 32)
+    reference = copy.deepcopy(model).train()
+    params = list(reference.parameters())
+    loss = torch.nn.functional.cross_entropy(
+        reference(torch.from_numpy(batch["input"])), torch.from_numpy(batch["labels"])
+    )
+    prox = sum(((p - torch.from_numpy(a)) ** 2).sum() for p, a in zip(params, anchor.values()))
+    (loss + 0.3 / 2 * prox).backward()
+    ReferenceOptimizer(AdamW(), params).step()
+    trainer.train_step(batch)
+    for (name, value), ref in zip(trainer.get_weights().items(), params):
+        np.testing.assert_allclose(value, ref.detach().numpy(), atol=1e-6, err_msg=name)

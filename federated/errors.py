@@ -1,0 +1,27 @@
+"""Typed errors of the federated layer."""
+
+from __future__ import annotations
+
+from ondevice.errors import OdtError
+
+__all__ = ["FederatedError", "PartitionError", "CodecError", "ArtifactMismatchError", "DeployError"]
+
+
+class FederatedError(OdtError):
+    """Base class of every error the federated layer raises on purpose."""
+
+
+class PartitionError(FederatedError, ValueError):
+    """A partitioning request that cannot be met (too many partitions, bad alpha, ...)."""
+
+
+class CodecError(FederatedError, ValueError):
+    """An update payload that does not decode against the global weights."""
+
+
+class ArtifactMismatchError(FederatedError, ValueError):
+    """A node's artifacts differ from the server's (manifest sha256 mismatch)."""
+
+
+class DeployError(FederatedError, RuntimeError):
+    """A SuperLink/SuperNode process could not be started or did not finish the run."""

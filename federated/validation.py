@@ -1,0 +1,44 @@
+"""Server-side checks of a client's update before it may be aggregated."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ondevice.manifest import Manifest
+
+__all__ = ["update_problem", "hash_tag"]
+
+
+def hash_tag(manifest_sha256: str) -> int:
+    """The manifest hash as an integer that fits a Flower MetricRecord (first 52 bits)."""
+    return int(manifest_sha256[:13], 16)
+
+
+def update_problem(
+    weights: Mapping[str, np.ndarray],
+    manifest: Manifest,
+    *,
+    num_examples: object,
+    max_examples: int,
+    tag: object,
+    expected_tag: int,
+) -> str | None:
+    """Why an update must not be aggregated, or None when it is sound."""
+    if tag != expected_tag:
+        return "trained on other artifacts (manifest hash differs)"
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool):
+        return f"example count must be an integer, got {num_examples!r}"
+    if num_examples <= 0 or num_examples > max_examples:
+        return f"example count {num_examples} is outside 1..{max_examples}"
+    expected = {p.name: p.shape for p in manifest.trainable}
+    if set(weights) != set(expected):
+        return f"update names {len(weights)} tensors, the model has {len(expected)} (names differ)"
+    for name, shape in expected.items():
+        array = np.asarray(weights[name])
+        if array.shape != shape:
+            return f"tensor {name!r} has shape {array.shape}, expected {shape}"
+        if not np.isfinite(array).all():
+            return f"tensor {name!r} holds NaN/Inf"
+    return None
