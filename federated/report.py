@@ -1,0 +1,70 @@
+"""Per-round metrics of a federated run: a JSON file and a PNG of accuracy and loss per round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ondevice._io import atomic_write_bytes
+
+__all__ = ["round_rows", "write_report"]
+
+
+def round_rows(result: Any, rounds: dict[int, Any], num_rounds: int) -> list[dict[str, Any]]:
+    """One row per round (round 0 = the initial model) from Flower's Result and the guard's log."""
+    rows = []
+    for r in range(num_rounds + 1):
+        row: dict[str, Any] = {"round": r}
+        for prefix, source in (
+            ("central", result.evaluate_metrics_serverapp),
+            ("clients_train", result.train_metrics_clientapp),
+            ("clients_eval", result.evaluate_metrics_clientapp),
+        ):
+            for key, value in dict(source.get(r, {})).items():
+                row[f"{prefix}.{key}"] = value
+        seen = rounds.get(r)
+        if seen is not None:
+            row["bytes_down"] = seen.bytes_down
+            row["bytes_up"] = sum(seen.bytes_up.values())
+            row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
+            row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
+        rows.append(row)
+    return rows
+
+
+def write_report(rows: list[dict[str, Any]], out: Path, settings: dict[str, Any]) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.json"
+    atomic_write_bytes(metrics, json.dumps({"settings": settings, "rounds": rows}, indent=2).encode())
+    plot = out / "rounds.png"
+    _plot(rows, plot)
+    return metrics, plot
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [row["round"] for row in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for axis, key, title in ((left, "loss", "loss"), (right, "accuracy", "accuracy")):
+        for prefix, label in (
+            ("central", "global model, central test set"),
+            ("clients_eval", "clients, local validation"),
+        ):
+            points = [(r, row[f"{prefix}.{key}"]) for r, row in zip(x, rows) if f"{prefix}.{key}" in row]
+            if not points:
+                points = [(r, row[f"{prefix}.eval-{key}"]) for r, row in zip(x, rows) if f"{prefix}.eval-{key}" in row]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=label)
+        axis.set(xlabel="round", title=title)
+        axis.grid(alpha=0.3)
+        axis.legend(loc="best")
+    right.set_ylim(0.0, 1.0)
+    fig.suptitle("federated training on device (Flower + ONNX Runtime)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""The Flower ServerApp: rounds with a named Flower strategy, guarded updates, central evaluation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from ondevice import Manifest, Trainer
+from ondevice.data import load_npz
+
+from .report import round_rows, write_report
+from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
+from .task import Settings, manifest_sha256
+
+__all__ = ["app"]
+
+log = logging.getLogger(__name__)
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    settings = Settings.from_config(context.run_config)
+    artifacts = Path(settings.artifacts).resolve()
+    evaluator = Trainer.load(artifacts)
+    test = load_npz(str(Path(settings.data) / "test.npz"))
+    inner = make_strategy(
+        settings.strategy,
+        min_nodes=settings.min_nodes,
+        fraction_train=settings.fraction_train,
+        proximal_mu=settings.proximal_mu,
+        server_learning_rate=settings.server_lr,
+        server_momentum=settings.server_momentum,
+        beta=settings.trimmed_beta,
+        dp_noise=settings.dp_noise,
+        dp_clip=settings.dp_clip,
+    )
+    strategy = GuardedStrategy(
+        inner,
+        Manifest.load(artifacts),
+        manifest_sha256(artifacts),
+        codec=settings.codec,
+        max_examples=settings.max_examples,
+    )
+
+    def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        evaluator.set_weights(from_arrays(arrays))
+        metrics = evaluator.evaluate(test)
+        accuracy = metrics.get("accuracy", float("nan"))
+        print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
+        return MetricRecord(metrics)
+
+    result = strategy.start(
+        grid,
+        to_arrays(evaluator.get_weights()),
+        num_rounds=settings.num_server_rounds,
+        timeout=settings.round_timeout,
+        train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
+        evaluate_fn=central,
+    )
+    rows = round_rows(result, strategy.rounds, settings.num_server_rounds)
+    metrics, plot = write_report(rows, Path(settings.output), asdict(settings))
+    print(f"federated report: {metrics} and {plot}", flush=True)

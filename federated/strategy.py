@@ -1,0 +1,185 @@
+"""Flower strategies by name, wrapped so that every update is decoded and checked before aggregation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    Krum,
+    Strategy,
+)
+
+from ondevice.manifest import Manifest
+
+from .codec import CodecError, decode, payload_bytes
+from .errors import FederatedError
+from .validation import hash_tag, update_problem
+
+__all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy", "to_arrays", "from_arrays"]
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedmedian", "fedtrimmedavg", "krum")
+
+
+def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **options: float) -> Strategy:
+    """One of Flower's strategies by name; ``options`` are the strategy's own (e.g. proximal_mu).
+
+    With ``dp_noise`` and ``dp_clip`` > 0 it is wrapped in Flower's server-side fixed-clipping
+    differential privacy.
+    """
+    common: dict[str, Any] = {
+        "fraction_train": fraction_train,
+        "fraction_evaluate": fraction_train,
+        "min_train_nodes": min_nodes,
+        "min_evaluate_nodes": min_nodes,
+        "min_available_nodes": min_nodes,
+    }
+    dp_noise, dp_clip = options.pop("dp_noise", 0.0), options.pop("dp_clip", 0.0)
+    kinds: dict[str, Any] = {
+        "fedavg": (FedAvg, ()),
+        "fedavgm": (FedAvgM, ("server_learning_rate", "server_momentum")),
+        "fedprox": (FedProx, ("proximal_mu",)),
+        "fedadam": (FedAdam, ("eta", "eta_l", "beta_1", "beta_2", "tau")),
+        "fedmedian": (FedMedian, ()),
+        "fedtrimmedavg": (FedTrimmedAvg, ("beta",)),
+        "krum": (Krum, ("num_malicious_nodes",)),
+    }
+    if name not in kinds:
+        raise FederatedError(f"strategy must be one of {STRATEGIES}, got {name!r}.")
+    cls, accepted = kinds[name]
+    chosen = {k: v for k, v in options.items() if k in accepted}
+    strategy: Strategy = cls(**common, **chosen)
+    if dp_noise > 0 or dp_clip > 0:
+        if not (dp_noise > 0 and dp_clip > 0):
+            raise FederatedError("differential privacy needs both dp-noise > 0 and dp-clip > 0.")
+        strategy = DifferentialPrivacyServerSideFixedClipping(
+            strategy, noise_multiplier=dp_noise, clipping_norm=dp_clip, num_sampled_clients=min_nodes
+        )
+    return strategy
+
+
+def to_arrays(weights: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in weights.items()})
+
+
+def from_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+@dataclass
+class RoundLog:
+    """What the guard saw in one round: bytes moved and updates it excluded."""
+
+    bytes_down: int = 0
+    bytes_up: dict[int, int] = field(default_factory=dict)
+    excluded: dict[int, str] = field(default_factory=dict)
+
+
+class GuardedStrategy(Strategy):
+    """Wraps a Flower strategy: stamps each task with the manifest hash and codec, decodes the
+    replies to full weights and drops any update that fails :func:`update_problem`.
+
+    Flower's own strategy (and its differential-privacy wrapper) then aggregates what is left.
+    """
+
+    def __init__(
+        self, inner: Strategy, manifest: Manifest, manifest_sha256: str, *, codec: str, max_examples: int
+    ) -> None:
+        self.inner = inner
+        self.manifest = manifest
+        self.sha256 = manifest_sha256
+        self.codec = codec
+        self.max_examples = max_examples
+        self.rounds: dict[int, RoundLog] = {}
+        self._global: dict[str, np.ndarray] = {}
+
+    def summary(self) -> None:
+        self.inner.summary()
+
+    def _stamp(self, config: ConfigRecord) -> ConfigRecord:
+        config["manifest-sha256"] = self.sha256
+        config["codec"] = self.codec
+        return config
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._global = from_arrays(arrays)
+        messages = list(self.inner.configure_train(server_round, arrays, self._stamp(config), grid))
+        self.rounds[server_round] = RoundLog(bytes_down=payload_bytes(self._global) * len(messages))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        record = self.rounds.setdefault(server_round, RoundLog())
+        kept = []
+        for message in replies:
+            if message.has_error():
+                record.excluded[message.metadata.src_node_id] = f"client error: {message.error.reason}"
+                log.warning(
+                    "round %d: node %s failed: %s", server_round, message.metadata.src_node_id, message.error.reason
+                )
+                continue
+            problem = self._admit(message, record)
+            if problem:
+                record.excluded[message.metadata.src_node_id] = problem
+                log.warning(
+                    "round %d: update from node %s excluded: %s", server_round, message.metadata.src_node_id, problem
+                )
+            else:
+                kept.append(message)
+        return self.inner.aggregate_train(server_round, kept)
+
+    def _admit(self, message: Message, record: RoundLog) -> str | None:
+        content = message.content
+        if len(content.array_records) != 1 or len(content.metric_records) != 1:
+            return "a train reply needs exactly one ArrayRecord and one MetricRecord"
+        (arrays_key,), (metrics_key,) = content.array_records.keys(), content.metric_records.keys()
+        metrics = content[metrics_key]
+        payload = from_arrays(content[arrays_key])
+        record.bytes_up[message.metadata.src_node_id] = payload_bytes(payload)
+        try:
+            weights = decode(payload, self._global, self.codec)
+        except CodecError as exc:
+            return str(exc)
+        problem = update_problem(
+            weights,
+            self.manifest,
+            num_examples=metrics.get("num-examples"),
+            max_examples=self.max_examples,
+            tag=metrics.get("manifest-tag"),
+            expected_tag=hash_tag(self.sha256),
+        )
+        if problem is None:
+            content[arrays_key] = to_arrays({p.name: weights[p.name] for p in self.manifest.trainable})
+            del metrics["manifest-tag"]
+        return problem
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.inner.configure_evaluate(server_round, arrays, self._stamp(config), grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.inner.aggregate_evaluate(server_round, [m for m in replies if self._sound_evaluation(m)])
+
+    def _sound_evaluation(self, message: Message) -> bool:
+        if message.has_error() or len(message.content.metric_records) != 1:
+            return False
+        (metrics,) = message.content.metric_records.values()
+        count = metrics.get("num-examples")
+        return isinstance(count, int) and 0 < count <= self.max_examples

@@ -1,0 +1,108 @@
+"""What a node trains on: its artifacts (checked against the server's hash) and its data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ondevice import Trainer
+from ondevice._io import sha256_file
+from ondevice.data import load_npz
+from ondevice.manifest import MANIFEST_NAME
+
+from .errors import ArtifactMismatchError, FederatedError
+from .partition import partition
+
+__all__ = ["Settings", "node_trainer", "node_data", "manifest_sha256"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run config (``[tool.flwr.app.config]``) with types; every key has a default."""
+
+    num_server_rounds: int = 5
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.003
+    strategy: str = "fedavg"
+    fraction_train: float = 1.0
+    min_nodes: int = 2
+    proximal_mu: float = 0.0
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    trimmed_beta: float = 0.2
+    dp_noise: float = 0.0
+    dp_clip: float = 0.0
+    partitioning: str = "iid"
+    dirichlet_alpha: float = 0.5
+    seed: int = 0
+    codec: str = "none"
+    artifacts: str = "out/digits/artifacts"
+    data: str = "out/digits/data"
+    output: str = "out/federated"
+    max_examples: int = 100_000
+    round_timeout: float = 120.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Settings:
+        known = cls.__dataclass_fields__
+        values = {}
+        for key, value in config.items():
+            name = key.replace("-", "_")
+            if name in known:
+                values[name] = type(getattr(cls, name))(value)
+        return cls(**values)
+
+
+def manifest_sha256(artifacts: str | Path) -> str:
+    return sha256_file(Path(artifacts) / MANIFEST_NAME)
+
+
+@lru_cache(maxsize=4)
+def _checked_sha(artifacts: str) -> str:
+    Trainer.load(artifacts)  # hashes of every file, ORT version
+    return manifest_sha256(artifacts)
+
+
+def node_trainer(artifacts: str, expected_sha256: str) -> Trainer:
+    """A fresh trainer over the node's artifacts, refused when they are not the server's."""
+    found = _checked_sha(str(Path(artifacts).resolve()))
+    if found != expected_sha256:
+        raise ArtifactMismatchError(
+            f"this node's artifacts ({artifacts}, manifest sha256 {found[:12]}...) differ from the server's "
+            f"({expected_sha256[:12]}...). Copy the server's artifact directory to the node."
+        )
+    return Trainer.load(artifacts)
+
+
+def node_data(
+    settings: Settings, node_config: Mapping[str, Any]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(train, validation) arrays of this node: its own ``data`` .npz from node config, or its
+    partition of the shared ``train.npz``; 20 % of it (seeded) is held out for evaluation."""
+    if "data" in node_config:
+        data = load_npz(str(node_config["data"]))
+    else:
+        try:
+            pid, count = int(node_config["partition-id"]), int(node_config["num-partitions"])
+        except KeyError as exc:
+            raise FederatedError(
+                "node config needs partition-id and num-partitions, or data=PATH.npz for the node's own data."
+            ) from exc
+        full = load_npz(str(Path(settings.data) / "train.npz"))
+        labels = full.get("labels")
+        if labels is None:
+            raise FederatedError("partitioning needs a 'labels' array in train.npz.")
+        parts = partition(
+            labels, count, scheme=settings.partitioning, alpha=settings.dirichlet_alpha, seed=settings.seed
+        )
+        data = {k: v[parts[pid]] for k, v in full.items()}
+    size = len(next(iter(data.values())))
+    order = np.random.default_rng(settings.seed).permutation(size)
+    cut = max(1, size // 5) if size > 1 else 0
+    val, train = order[:cut], order[cut:]
+    return {k: v[train] for k, v in data.items()}, {k: v[val] for k, v in data.items()}
