@@ -1,0 +1,141 @@
+"""Start Flower's own processes (SuperLink, SuperNodes, `flwr run`) and always stop them by PID."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Sequence
+
+from .errors import DeployError
+
+__all__ = ["ProcessGroup", "free_port", "flower_env", "wait_healthy", "group_alive"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for Flower's processes: own FLWR_HOME, no telemetry, no update check, this venv first."""
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(flwr_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    return env
+
+
+def wait_healthy(
+    port: int, process: subprocess.Popen[bytes], log_path: Path, *, ca: Path | None = None, timeout: float = 30.0
+) -> None:
+    """Wait until a SuperLink answers on its HTTP(S) port, or fail with its log's last lines."""
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
+    url = f"{'https' if ca else 'http'}://127.0.0.1:{port}/health"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DeployError(f"flower-superlink exited with code {process.returncode}: {_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1, context=context) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise DeployError(f"flower-superlink did not become healthy within {timeout:.0f} s: {_tail(log_path)}")
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ProcessGroup:
+    """Processes started in their own sessions; leaving the block (also by error or Ctrl-C)
+    terminates each whole process group by PID, then kills what is still alive."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
+        handle = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(handle)
+        try:
+            process = subprocess.Popen(
+                list(command), stdout=handle, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        except OSError as exc:
+            raise DeployError(f"cannot start {command[0]}: {exc.strerror}") from exc
+        self.processes[name] = process
+        log.debug("started %s (pid %d): %s", name, process.pid, " ".join(command))
+        return process
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def kill(self, name: str) -> None:
+        """Kill one process group now (fault injection, or a node that must go)."""
+        process = self.processes[name]
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        for process in self.processes.values():  # what is left of each group
+            _signal_group(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(group_alive(p.pid) for p in self.processes.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for handle in self._logs:
+            handle.close()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is still in process group ``pgid``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -1,0 +1,150 @@
+"""`odt fl simulate` and `odt fl deploy`: Flower's real SuperLink/SuperNodes on 127.0.0.1, run to the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .errors import DeployError
+from .processes import ProcessGroup, flower_env, free_port, wait_healthy
+from .tls import make_node_keys, make_tls
+
+__all__ = ["simulate", "deploy", "APP_DIR"]
+
+log = logging.getLogger(__name__)
+
+APP_DIR = Path(__file__).resolve().parents[1]
+"""The Flower app is this source tree (its pyproject.toml has [tool.flwr.app])."""
+
+
+def _run_config(values: Mapping[str, Any]) -> str:
+    def text(value: Any) -> str:
+        return f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return " ".join(f"{key}={text(value)}" for key, value in values.items())
+
+
+def _write_connection(flwr_home: Path, port: int, ca: Path | None) -> None:
+    lines = ["[superlink]", 'default = "odt"', "", "[superlink.odt]", f'address = "127.0.0.1:{port}"']
+    lines += [f'root-certificates = "{ca}"'] if ca else ["insecure = true"]
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
+
+
+def _superlink(group: ProcessGroup, port: int, *, simulation: bool, tls: dict[str, Path] | None, auth: bool) -> None:
+    command = [
+        "flower-superlink", "--host", "127.0.0.1", "--port", str(port),
+        "--database", str(group.log_dir / "state.db"), "--disable-runtime-dependency-installation",
+        "--isolation", "subprocess",
+    ]  # fmt: skip
+    command += ["--simulation"] if simulation else []
+    if tls:
+        command += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
+    else:
+        command += ["--insecure"]
+    command += ["--enable-supernode-auth"] if auth else []
+    process = group.start("superlink", command)
+    wait_healthy(port, process, group.log_path("superlink"), ca=tls["ca"] if tls else None)
+
+
+def _flwr_run(
+    group: ProcessGroup, config: Mapping[str, Any], federation: str | None, on_line: Callable[[str], None]
+) -> None:
+    command = ["flwr", "run", str(APP_DIR), "odt", "--stream", "--run-config", _run_config(config)]
+    command += ["--federation-config", federation] if federation else []
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=group.env, text=True, cwd=APP_DIR,
+        start_new_session=True,
+    )  # fmt: skip
+    group.processes["flwr-run"] = process  # type: ignore[assignment]
+    assert process.stdout is not None
+    with open(group.log_path("flwr-run"), "w") as transcript:
+        for line in process.stdout:
+            transcript.write(line)
+            on_line(line.rstrip("\n"))
+    if process.wait() != 0:
+        raise DeployError(f"`flwr run` failed (exit {process.returncode}); see {group.log_path('flwr-run')}.")
+
+
+def _report(config: Mapping[str, Any], group: ProcessGroup) -> dict[str, Any]:
+    path = Path(config["output"]) / "metrics.json"
+    if not path.is_file():
+        raise DeployError(f"the run ended without a report ({path}); see the logs in {group.log_dir}.")
+    return json.loads(path.read_text())
+
+
+def _echo_rounds(line: str) -> None:
+    if line.startswith("round ") or "federated report:" in line:
+        print(line, flush=True)
+
+
+def simulate(
+    clients: int, config: Mapping[str, Any], *, work: Path | None = None, on_line: Callable[[str], None] = _echo_rounds
+) -> dict[str, Any]:
+    """Run the app with Flower's simulation runtime (a real `flower-superlink --simulation`)."""
+    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    _write_connection(work / "flwr-home", port, None)
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+        _superlink(group, port, simulation=True, tls=None, auth=False)
+        _flwr_run(group, config, f"num-supernodes={clients}", on_line)
+        return _report(config, group)
+
+
+def deploy(
+    nodes: int,
+    config: Mapping[str, Any],
+    *,
+    tls: bool = False,
+    work: Path | None = None,
+    node_config: Callable[[int], str] | None = None,
+    on_line: Callable[[str], None] = _echo_rounds,
+    after_start: Callable[[ProcessGroup], None] | None = None,
+) -> dict[str, Any]:
+    """A real deployment on 127.0.0.1: one SuperLink, ``nodes`` SuperNodes, then `flwr run`.
+
+    With ``tls`` a throwaway CA signs the SuperLink's certificate and SuperNode authentication
+    is on: each node's public key is registered before the run.
+    """
+    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    certs = make_tls(work / "tls") if tls else None
+    _write_connection(work / "flwr-home", port, certs["ca"] if certs else None)
+    describe = node_config or (lambda i: f"partition-id={i} num-partitions={nodes}")
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+        _superlink(group, port, simulation=False, tls=certs, auth=tls)
+        for i in range(nodes):
+            command = [
+                "flower-supernode", "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1",
+                "--port", str(free_port()), "--node-config", describe(i), "--isolation", "subprocess",
+                "--max-retries", "20", "--max-wait-time", "60",
+            ]  # fmt: skip
+            if certs:
+                keys = make_node_keys(work / "tls", f"node{i}")
+                register_node(group, keys["public"])
+                command += ["--root-certificates", str(certs["ca"])]
+                command += ["--auth-supernode-private-key", str(keys["private"])]
+            else:
+                command += ["--insecure"]
+            group.start(f"supernode-{i}", command)
+        if after_start:
+            after_start(group)
+        _flwr_run(group, config, None, on_line)
+        return _report(config, group)
+
+
+def register_node(group: ProcessGroup, public_key: Path) -> None:
+    """`flwr supernode register KEY.pub` against this deployment's SuperLink."""
+    result = subprocess.run(
+        ["flwr", "supernode", "register", str(public_key), "odt"],
+        env=group.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise DeployError(f"registering {public_key.name} failed: {(result.stdout + result.stderr).strip()[-300:]}")
+
