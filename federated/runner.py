@@ -43,7 +43,14 @@ def _superlink(group: ProcessGroup, port: int, *, simulation: bool, tls: dict[st
     ]  # fmt: skip
     command += ["--simulation"] if simulation else []
     if tls:
-        command += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
+        command += [
+            "--ssl-ca-certfile",
+            str(tls["ca"]),
+            "--ssl-certfile",
+            str(tls["cert"]),
+            "--ssl-keyfile",
+            str(tls["key"]),
+        ]
     else:
         command += ["--insecure"]
     command += ["--enable-supernode-auth"] if auth else []
@@ -77,13 +84,8 @@ def _report(config: Mapping[str, Any], group: ProcessGroup) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _echo_rounds(line: str) -> None:
-    if line.startswith("round ") or "federated report:" in line:
-        print(line, flush=True)
-
-
 def simulate(
-    clients: int, config: Mapping[str, Any], *, work: Path | None = None, on_line: Callable[[str], None] = _echo_rounds
+    clients: int, config: Mapping[str, Any], *, work: Path | None = None, on_line: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the app with Flower's simulation runtime (a real `flower-superlink --simulation`)."""
     work = Path(work or tempfile.mkdtemp(prefix="odt-fl-"))
@@ -103,7 +105,7 @@ def deploy(
     tls: bool = False,
     work: Path | None = None,
     node_config: Callable[[int], str] | None = None,
-    on_line: Callable[[str], None] = _echo_rounds,
+    on_line: Callable[[str], None] = print,
     after_start: Callable[[ProcessGroup], None] | None = None,
 ) -> dict[str, Any]:
     """A real deployment on 127.0.0.1: one SuperLink, ``nodes`` SuperNodes, then `flwr run`.
@@ -147,4 +149,3 @@ def register_node(group: ProcessGroup, public_key: Path) -> None:
     )  # fmt: skip
     if result.returncode != 0:
         raise DeployError(f"registering {public_key.name} failed: {(result.stdout + result.stderr).strip()[-300:]}")
-

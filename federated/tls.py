@@ -71,5 +71,7 @@ def make_node_keys(directory: Path, name: str) -> dict[str, Path]:
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = directory / name, directory / f"{name}.pub"
     _write_key(private, key, serialization.PrivateFormat.OpenSSH)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
     return {"private": private, "public": public}

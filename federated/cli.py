@@ -1,0 +1,95 @@
+"""`odt fl simulate` and `odt fl deploy`: thin shells over federated.runner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    fl = commands.add_parser("fl", help="federated training with Flower (simulation or a real local deployment)")
+    modes = fl.add_subparsers(dest="mode", required=True, metavar="MODE")
+    sim = modes.add_parser("simulate", help="Flower's simulation runtime: N virtual clients on this machine")
+    sim.add_argument("--clients", type=int, default=10, help="number of virtual SuperNodes (default 10)")
+    dep = modes.add_parser("deploy", help="a real SuperLink and N SuperNode processes on 127.0.0.1")
+    dep.add_argument("--nodes", type=int, default=2, help="number of SuperNode processes (default 2)")
+    dep.add_argument("--tls", action="store_true", help="throwaway CA + certificates and SuperNode authentication")
+    for p in (sim, dep):
+        p.add_argument("--rounds", type=int, default=5, help="server rounds (default 5)")
+        p.add_argument("--artifacts", default="out/digits/artifacts", help="artifact directory (default: the demo's)")
+        p.add_argument("--data", default="out/digits/data", help="directory with train.npz and test.npz")
+        p.add_argument("--out", default="out/federated", help="where metrics.json, rounds.png and logs go")
+        p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
+        p.add_argument("--codec", default="none", choices=["none", "fp16", "int8"], help="update encoding")
+        p.add_argument("--partitioning", default="iid", choices=["iid", "dirichlet"], help="default iid")
+        p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
+        p.add_argument("--local-epochs", type=int, default=1, help="default 1")
+        p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
+        p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
+        p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other run-config key")
+        p.add_argument("--json", action="store_true", help="print the per-round report as JSON")
+        p.set_defaults(run=_run)
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out).resolve()
+    config: dict[str, Any] = {
+        "num-server-rounds": args.rounds,
+        "artifacts": str(Path(args.artifacts).resolve()),
+        "data": str(Path(args.data).resolve()),
+        "output": str(out),
+        "strategy": args.strategy,
+        "codec": args.codec,
+        "partitioning": args.partitioning,
+        "dirichlet-alpha": args.alpha,
+        "local-epochs": args.local_epochs,
+        "min-nodes": args.min_nodes,
+        "fraction-train": args.fraction,
+        "round-timeout": args.round_timeout,
+    }
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"odt fl: --set needs KEY=VALUE, got {item!r}")
+        config[key] = _scalar(value)
+    return config
+
+
+def _scalar(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ondevice.manifest import Manifest
+
+    from .runner import deploy, simulate
+
+    config = _config(args)
+    Manifest.load(config["artifacts"])  # a clear error here beats one from every node
+    work = Path(config["output"]) / "logs"
+    if args.mode == "simulate":
+        report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else _echo)
+    else:
+        report = deploy(args.nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else _echo)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _echo(line: str) -> None:
+    if line.startswith("round ") or "federated report:" in line:
+        print(line, flush=True)
+
+
+def _quiet(line: str) -> None:
+    pass
