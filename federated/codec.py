@@ -23,6 +23,8 @@ def encode(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray
     if codec == "none":
         return {k: np.asarray(v, np.float32) for k, v in weights.items()}
     deltas = {k: np.asarray(weights[k], np.float32) - np.asarray(reference[k], np.float32) for k in weights}
+    if not all(np.isfinite(d).all() for d in deltas.values()):
+        raise CodecError("the update holds NaN/Inf values; it would be refused by the server, so it is not sent.")
     if codec == "fp16":
         return {k: d.astype(np.float16) for k, d in deltas.items()}
     if codec == "int8":

@@ -138,3 +138,10 @@ def test_sound_update_passes(manifest):
     tag = hash_tag("cd" * 32)
     problem = update_problem(_weights(manifest), manifest, num_examples=10, max_examples=10, tag=tag, expected_tag=tag)
     assert problem is None
+
+
+def test_codec_refuses_to_encode_non_finite(tensors):
+    weights, reference = tensors
+    weights["b"][0] = np.inf
+    with pytest.raises(CodecError, match="NaN/Inf"):
+        encode(weights, reference, "int8")

@@ -1,0 +1,152 @@
+"""The guarded strategy on real Flower messages (against numpy) and a ClientApp round on real artifacts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
+
+from federated.client_app import app as client_app
+from federated.codec import encode
+from federated.errors import ArtifactMismatchError
+from federated.strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
+from federated.task import manifest_sha256
+from federated.validation import hash_tag
+from ondevice import Manifest, Trainer
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    # Flower stamps messages with the identity of the running task; tests are that task.
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+@pytest.fixture()
+def setup(digits_artifacts):
+    manifest = Manifest.load(digits_artifacts)
+    sha = manifest_sha256(digits_artifacts)
+    global_weights = Trainer.load(digits_artifacts).get_weights()
+    return manifest, sha, global_weights
+
+
+def _reply(node: int, payload: dict, count, tag) -> Message:
+    task = Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    metrics = MetricRecord({"num-examples": count, "train-loss": 0.5, "manifest-tag": tag})
+    return Message(RecordDict({"arrays": to_arrays(payload), "metrics": metrics}), reply_to=task)
+
+
+def _shifted(weights: dict, by: float) -> dict:
+    return {k: v + np.float32(by) for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_guard_excludes_bad_updates_and_fedavg_equals_numpy(setup, codec):
+    manifest, sha, global_weights = setup
+    tag = hash_tag(sha)
+    strategy = GuardedStrategy(FedAvg(), manifest, sha, codec=codec, max_examples=1000)
+    strategy._global = global_weights  # what configure_train stores for the round
+    good = {7: (_shifted(global_weights, 0.01), 30), 8: (_shifted(global_weights, -0.02), 10), 9: (global_weights, 60)}
+    replies = [_reply(n, encode(w, global_weights, codec), count, tag) for n, (w, count) in good.items()]
+    nan = encode(global_weights, global_weights, codec)
+    nan["5.bias"] = np.full(10, np.nan, np.float16 if codec == "fp16" else np.float32)
+    if codec == "int8":
+        nan["5.bias"], nan["5.bias::scale"] = np.zeros(10, np.int8), np.array([np.nan], np.float32)
+    bad_size = {**global_weights, "5.bias": np.zeros(12, np.float32)}
+    replies += [
+        _reply(20, nan, 10, tag),  # NaN
+        _reply(21, encode(bad_size, global_weights, "none"), 10, tag),  # wrong size (and wrong dtype for codecs)
+        _reply(22, encode(global_weights, global_weights, codec), 10**9, tag),  # absurd example count
+        _reply(23, encode(global_weights, global_weights, codec), 10, tag + 1),  # foreign manifest hash
+        Message(
+            Error(code=0, reason="node crashed"),
+            reply_to=Message(RecordDict(), dst_node_id=24, message_type=MessageType.TRAIN),
+        ),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert set(strategy.rounds[1].excluded) == {20, 21, 22, 23, 24}
+    counts = np.array([c for _, c in good.values()], np.float64)
+    result = from_arrays(arrays)
+    tolerance = {"none": 1e-6, "fp16": 2e-5, "int8": 2e-4}[codec]
+    for p in manifest.trainable:
+        expected = np.average(np.stack([w[p.name] for w, _ in good.values()]), axis=0, weights=counts)
+        np.testing.assert_allclose(result[p.name], expected, atol=tolerance, err_msg=p.name)
+    assert "manifest-tag" not in metrics and metrics["train-loss"] == pytest.approx(0.5)
+
+
+def test_make_strategy_by_name():
+    assert type(make_strategy("fedprox", min_nodes=2, proximal_mu=0.1)).__name__ == "FedProx"
+    assert make_strategy("fedprox", min_nodes=2, proximal_mu=0.1).proximal_mu == 0.1
+    dp = make_strategy("fedavg", min_nodes=3, dp_noise=0.5, dp_clip=1.0)
+    assert type(dp).__name__ == "DifferentialPrivacyServerSideFixedClipping"
+    for name in ("fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum"):
+        assert make_strategy(name, min_nodes=2) is not None
+    from federated.errors import FederatedError
+
+    with pytest.raises(FederatedError, match="strategy must be one of"):
+        make_strategy("fedbest", min_nodes=2)
+
+
+def _context(digits_artifacts, data_dir, **node) -> Context:
+    run = {"artifacts": str(digits_artifacts), "data": str(data_dir), "local-epochs": 1, "batch-size": 16}
+    node = {"partition-id": 1, "num-partitions": 4, **node}
+    return Context(run_id=1, node_id=5, node_config=node, state=RecordDict(), run_config=run)
+
+
+@pytest.fixture()
+def data_dir(digits_data, tmp_path):
+    for split, arrays in digits_data.items():
+        np.savez(tmp_path / f"{split}.npz", **arrays)
+    return tmp_path
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_client_round_on_real_artifacts(setup, digits_artifacts, data_dir, codec):
+    manifest, sha, global_weights = setup
+    config = ConfigRecord({"manifest-sha256": sha, "codec": codec, "server-round": 1, "proximal-mu": 0.0})
+    task = Message(
+        RecordDict({"arrays": to_arrays(global_weights), "config": config}),
+        dst_node_id=5,
+        message_type=MessageType.TRAIN,
+    )
+    reply = client_app(task, _context(digits_artifacts, data_dir))
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    metrics = reply.content["metrics"]
+    assert metrics["num-examples"] == 1257 // 4 - (1257 // 4) // 5  # partition minus the 20 % held out
+    assert metrics["manifest-tag"] == hash_tag(sha)
+    strategy = GuardedStrategy(FedAvg(), manifest, sha, codec=codec, max_examples=10_000)
+    strategy._global = global_weights
+    arrays, _ = strategy.aggregate_train(1, [reply])
+    trained = from_arrays(arrays)
+    moved = max(float(np.abs(trained[k] - global_weights[k]).max()) for k in trained)
+    assert moved > 1e-3  # it trained
+
+
+def test_client_refuses_foreign_artifacts(setup, digits_artifacts, digits_sgd, data_dir):
+    _, sha, global_weights = setup
+    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 1})
+    task = Message(
+        RecordDict({"arrays": to_arrays(global_weights), "config": config}),
+        dst_node_id=5,
+        message_type=MessageType.TRAIN,
+    )
+    # Called directly the ClientApp raises; Flower's runtime turns that into an error reply
+    # that the server logs (see the deployment test).
+    with pytest.raises(ArtifactMismatchError, match="differ from the server's"):
+        client_app(task, _context(digits_artifacts, data_dir, artifacts=str(digits_sgd)))
+
+
+def test_client_uses_its_own_npz(setup, digits_artifacts, data_dir, digits_data, tmp_path):
+    _, sha, global_weights = setup
+    own = tmp_path / "own.npz"
+    np.savez(own, **{k: v[:50] for k, v in digits_data["train"].items()})
+    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 1})
+    task = Message(
+        RecordDict({"arrays": to_arrays(global_weights), "config": config}),
+        dst_node_id=5,
+        message_type=MessageType.TRAIN,
+    )
+    reply = client_app(task, _context(digits_artifacts, data_dir, data=str(own)))
+    assert reply.content["metrics"]["num-examples"] == 40
