@@ -16,7 +16,7 @@ from typing import IO, Sequence
 
 from .errors import DeployError
 
-__all__ = ["ProcessGroup", "free_port", "flower_env", "wait_healthy", "group_alive"]
+__all__ = ["ProcessGroup", "free_port", "flower_env", "wait_healthy", "started_by"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.env = env
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.port: int | None = None  # the SuperLink's, once started
         self._logs: list[IO[bytes]] = []
 
     def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -109,8 +110,15 @@ class ProcessGroup:
                 process.wait(timeout=10)
         for process in self.processes.values():  # what is left of each group
             _signal_group(process.pid, signal.SIGKILL)
+        # Descendants that started sessions of their own still carry this run's FLWR_HOME.
+        home = self.env.get("FLWR_HOME", "")
         deadline = time.monotonic() + 10
-        while any(group_alive(p.pid) for p in self.processes.values()) and time.monotonic() < deadline:
+        while (stray := started_by(home)) and time.monotonic() < deadline:
+            for pid in stray:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             time.sleep(0.05)
         for handle in self._logs:
             handle.close()
@@ -129,13 +137,18 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is still in process group ``pgid``."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def started_by(flwr_home: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``FLWR_HOME=flwr_home``."""
+    if not flwr_home:
+        return []
+    needle = f"FLWR_HOME={flwr_home}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if int(proc.name) == os.getpid() or needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return found

@@ -13,7 +13,7 @@ from .errors import DeployError
 from .processes import ProcessGroup, flower_env, free_port, wait_healthy
 from .tls import make_node_keys, make_tls
 
-__all__ = ["simulate", "deploy", "APP_DIR"]
+__all__ = ["simulate", "deploy", "supernode_command", "register_node", "APP_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ def _superlink(group: ProcessGroup, port: int, *, simulation: bool, tls: dict[st
         command += ["--insecure"]
     command += ["--enable-supernode-auth"] if auth else []
     process = group.start("superlink", command)
+    group.port = port
     wait_healthy(port, process, group.log_path("superlink"), ca=tls["ca"] if tls else None)
 
 
@@ -122,23 +123,37 @@ def deploy(
     with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
         _superlink(group, port, simulation=False, tls=certs, auth=tls)
         for i in range(nodes):
-            command = [
-                "flower-supernode", "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1",
-                "--port", str(free_port()), "--node-config", describe(i), "--isolation", "subprocess",
-                "--max-retries", "20", "--max-wait-time", "60",
-            ]  # fmt: skip
+            key = None
             if certs:
-                keys = make_node_keys(work / "tls", f"node{i}")
-                register_node(group, keys["public"])
-                command += ["--root-certificates", str(certs["ca"])]
-                command += ["--auth-supernode-private-key", str(keys["private"])]
-            else:
-                command += ["--insecure"]
+                key = make_node_keys(work / "tls", f"node{i}")
+                register_node(group, key["public"])
+            command = supernode_command(port, describe(i), ca=certs["ca"] if certs else None, key=key)
             group.start(f"supernode-{i}", command)
         if after_start:
             after_start(group)
         _flwr_run(group, config, None, on_line)
         return _report(config, group)
+
+
+def supernode_command(
+    port: int,
+    node_config: str,
+    *,
+    ca: Path | None = None,
+    key: dict[str, Path] | None = None,
+    retries: int = 20,
+    max_wait: float = 60.0,
+) -> list[str]:
+    """A `flower-supernode` for the SuperLink on 127.0.0.1:``port``; it retries with Flower's
+    bounded back-off (``retries`` attempts, ``max_wait`` seconds) and then exits with a message."""
+    command = [
+        "flower-supernode", "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(free_port()),
+        "--node-config", node_config, "--isolation", "subprocess",
+        "--max-retries", str(retries), "--max-wait-time", str(max_wait),
+    ]  # fmt: skip
+    command += ["--root-certificates", str(ca)] if ca else ["--insecure"]
+    command += ["--auth-supernode-private-key", str(key["private"])] if key else []
+    return command
 
 
 def register_node(group: ProcessGroup, public_key: Path) -> None:

@@ -22,6 +22,15 @@ def digits_data(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     return {split: load_npz(str(path)) for split, path in paths.items()}
 
 
+@pytest.fixture(scope="session")
+def data_dir(digits_data, tmp_path_factory) -> Path:
+    """train/val/test .npz files of the digits sample in one directory."""
+    directory = tmp_path_factory.mktemp("digits-npz")
+    for split, arrays in digits_data.items():
+        np.savez(directory / f"{split}.npz", **arrays)
+    return directory
+
+
 def _generate(tmp_path_factory, name: str, dropout: bool = True, **options):  # type: ignore[no-untyped-def]
     import torch
     from model import build

@@ -95,13 +95,6 @@ def _context(digits_artifacts, data_dir, **node) -> Context:
     return Context(run_id=1, node_id=5, node_config=node, state=RecordDict(), run_config=run)
 
 
-@pytest.fixture()
-def data_dir(digits_data, tmp_path):
-    for split, arrays in digits_data.items():
-        np.savez(tmp_path / f"{split}.npz", **arrays)
-    return tmp_path
-
-
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_client_round_on_real_artifacts(setup, digits_artifacts, data_dir, codec):
     manifest, sha, global_weights = setup

@@ -1,0 +1,136 @@
+"""Real Flower processes on 127.0.0.1: simulation, deployment (plain, faulty, TLS), interruption.
+
+Every test checks that no process it started is still alive afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from federated.processes import ProcessGroup, flower_env, free_port, started_by
+from federated.runner import deploy, simulate, supernode_command
+from federated.tls import make_node_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(artifacts: Path, data: Path, out: Path, **extra) -> dict:
+    return {"artifacts": str(artifacts), "data": str(data), "output": str(out), "num-server-rounds": 2, **extra}
+
+
+def _alive_with_home(flwr_home: Path) -> list[int]:
+    return started_by(str(flwr_home))
+
+
+def _accuracies(report: dict) -> list[float]:
+    return [row["central.accuracy"] for row in report["rounds"]]
+
+
+def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path):
+    report = simulate(
+        4, _config(digits_artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 3}), work=tmp_path / "w"
+    )
+    accuracy = _accuracies(report)
+    assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.3
+    assert all(row["bytes_up"] > 0 for row in report["rounds"][1:])
+    assert (tmp_path / "out" / "rounds.png").stat().st_size > 10_000
+    assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
+
+
+def test_deployment_survives_a_foreign_node(digits_artifacts, digits_sgd, data_dir, tmp_path):
+    nodes = 3
+
+    def node_config(i: int) -> str:
+        extra = f' artifacts="{digits_sgd}"' if i == 2 else ""
+        return f"partition-id={i} num-partitions={nodes}{extra}"
+
+    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"round-timeout": 60.0})
+    report = deploy(nodes, config, work=tmp_path / "w", node_config=node_config)
+    first = report["rounds"][1]
+    assert len(first["excluded"]) == 1
+    (reason,) = first["excluded"].values()
+    assert "differ from the server's" in reason
+    assert len(first["bytes_up_per_client"]) == 2
+    accuracy = _accuracies(report)
+    assert accuracy[-1] > accuracy[0] + 0.3
+    assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
+
+
+def test_deployment_finishes_when_a_node_is_killed_mid_round(digits_artifacts, data_dir, tmp_path):
+    groups: list[ProcessGroup] = []
+    killed: list[float] = []
+
+    def kill_when_round_starts(line: str) -> None:
+        if line.startswith("round 0:") and not killed:  # initial evaluation done: round 1 is being sent
+            groups[0].kill("supernode-2")
+            killed.append(time.monotonic())
+
+    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"round-timeout": 20.0})
+    report = deploy(3, config, work=tmp_path / "w", after_start=groups.append, on_line=kill_when_round_starts)
+    assert killed, "the node was never killed"
+    assert len(report["rounds"]) == 3
+    assert all(1 <= len(row["bytes_up_per_client"]) <= 2 for row in report["rounds"][1:])
+    assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.2
+    assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
+
+
+def test_tls_deployment_refuses_an_unregistered_node(digits_artifacts, data_dir, tmp_path):
+    intruder: dict[str, Path] = {}
+
+    def start_intruder(group: ProcessGroup) -> None:
+        ca = tmp_path / "w" / "tls" / "ca.crt"
+        key = make_node_keys(tmp_path / "intruder", "intruder")  # never registered
+        command = supernode_command(
+            group.port, "partition-id=0 num-partitions=2", ca=ca, key=key, retries=3, max_wait=5
+        )
+        group.start("intruder", command)
+        intruder["log"] = group.log_path("intruder")
+
+    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 1})
+    report = deploy(2, config, tls=True, work=tmp_path / "w", after_start=start_intruder)
+    assert len(report["rounds"][1]["bytes_up_per_client"]) == 2  # only the two registered nodes trained
+    text = intruder["log"].read_text(errors="replace")
+    assert "could not establish a connection" in text or "not registered" in text.lower() or "PERMISSION" in text, text[
+        -2000:
+    ]
+    assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
+
+
+def test_unreachable_superlink_gives_up_with_a_message(tmp_path):
+    command = supernode_command(free_port(), "partition-id=0 num-partitions=1", retries=2, max_wait=3)
+    start = time.monotonic()
+    with ProcessGroup(tmp_path, flower_env(tmp_path / "home")) as group:
+        assert group.start("node", command).wait(timeout=60) != 0
+    assert time.monotonic() - start < 60
+    assert "could not establish a connection to the SuperLink" in group.log_path("node").read_text(errors="replace")
+    assert _alive_with_home(tmp_path / "home") == []
+
+
+def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_path):
+    out = tmp_path / "out"
+    command = [
+        str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "5",
+        "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("round 1:"):
+            break
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    time.sleep(0.5)
+    assert _alive_with_home(out / "logs" / "flwr-home") == []
+    assert os.path.exists(out / "logs" / "superlink.log")
+
+
+@pytest.fixture(autouse=True)
+def _flower_on_path(monkeypatch):
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
