@@ -47,6 +47,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     x = [row["round"] for row in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -61,6 +62,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
             if points:
                 axis.plot(*zip(*points), marker="o", label=label)
         axis.set(xlabel="round", title=title)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
         axis.legend(loc="best")
     right.set_ylim(0.0, 1.0)
