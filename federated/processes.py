@@ -28,12 +28,14 @@ def free_port() -> int:
 
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for Flower's processes: own FLWR_HOME, no telemetry, no update check, this venv first."""
+    """Environment for Flower's processes: own FLWR_HOME, no telemetry, update check or dependency
+    installation, this venv's executables first."""
     env = dict(os.environ)
     env.update(
         FLWR_HOME=str(flwr_home),
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",  # the apps run in this environment, no `uv sync`
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
     return env

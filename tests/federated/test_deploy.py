@@ -134,3 +134,23 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
 @pytest.fixture(autouse=True)
 def _flower_on_path(monkeypatch):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_flwr_run_dot_runs_a_local_simulation(digits_artifacts, data_dir, tmp_path):
+    """Flower's own runner on this repo: `flwr run . --stream` with its managed local SuperLink."""
+    home = tmp_path / "flwr-home"
+    env = flower_env(home)
+    config = _config(digits_artifacts, data_dir, tmp_path / "out")
+    overrides = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in config.items())
+    command = ["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=3", "--run-config", overrides]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        for pid in started_by(str(home)):  # Flower leaves its managed SuperLink running: stop it
+            os.kill(pid, signal.SIGKILL)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "round 2: global accuracy" in result.stdout
+    report = __import__("json").loads((tmp_path / "out" / "metrics.json").read_text())
+    assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.3
+    time.sleep(0.5)
+    assert _alive_with_home(home) == []
