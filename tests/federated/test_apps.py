@@ -143,3 +143,12 @@ def test_client_uses_its_own_npz(setup, digits_artifacts, data_dir, digits_data,
     )
     reply = client_app(task, _context(digits_artifacts, data_dir, data=str(own)))
     assert reply.content["metrics"]["num-examples"] == 40
+
+
+def test_client_side_is_torch_free():
+    import subprocess
+    import sys
+
+    code = "import sys, federated.client_app; assert 'torch' not in sys.modules; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -88,7 +88,8 @@ def main() -> int:
     lines = [
         f"Centralized (20 epochs on all training data): test accuracy {centralized:.4f}",
         "",
-        "| run | clients | rounds | final accuracy | vs centralized | bytes up / round | bytes down / round | wall time |",
+        "| run | clients | rounds | final accuracy | vs centralized | bytes up / round | bytes down / round"
+        " | wall time |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
