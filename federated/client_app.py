@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from .codec import encode, payload_bytes
 from .strategy import from_arrays, to_arrays
@@ -12,7 +15,16 @@ from .validation import hash_tag
 
 __all__ = ["app"]
 
-app = ClientApp()
+
+def clipping_when_asked(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's client-side fixed clipping, for tasks from its client-side DP strategy wrapper."""
+    config = msg.content.config_records.get("config")
+    if config is not None and KEY_CLIPPING_NORM in config:
+        return fixedclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[clipping_when_asked])
 
 
 def _task(msg: Message, context: Context):  # type: ignore[no-untyped-def]

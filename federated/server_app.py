@@ -12,6 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 from ondevice import Manifest, Trainer
 from ondevice.data import load_npz
 
+from .errors import FederatedError
 from .report import round_rows, write_report
 from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
 from .task import Settings, manifest_sha256
@@ -38,7 +39,10 @@ def main(grid: Grid, context: Context) -> None:
         beta=settings.trimmed_beta,
         dp_noise=settings.dp_noise,
         dp_clip=settings.dp_clip,
+        dp_mode=settings.dp_mode,
     )
+    if settings.dp_mode == "client" and settings.dp_clip > 0 and settings.codec != "none":
+        raise FederatedError("client-side clipping needs codec 'none': the clipping mod reads full weights.")
     strategy = GuardedStrategy(
         inner,
         Manifest.load(artifacts),

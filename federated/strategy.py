@@ -10,6 +10,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
     FedAdam,
     FedAvg,
@@ -37,8 +38,9 @@ STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedmedian", "fedtrimme
 def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **options: float) -> Strategy:
     """One of Flower's strategies by name; ``options`` are the strategy's own (e.g. proximal_mu).
 
-    With ``dp_noise`` and ``dp_clip`` > 0 it is wrapped in Flower's server-side fixed-clipping
-    differential privacy.
+    With ``dp_noise`` and ``dp_clip`` > 0 it is wrapped in Flower's fixed-clipping differential
+    privacy, clipping on the server (``dp_mode="server"``) or on the clients (``"client"``, with
+    the ClientApp's clipping mod; needs codec ``none``).
     """
     common: dict[str, Any] = {
         "fraction_train": fraction_train,
@@ -48,6 +50,7 @@ def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **o
         "min_available_nodes": min_nodes,
     }
     dp_noise, dp_clip = options.pop("dp_noise", 0.0), options.pop("dp_clip", 0.0)
+    dp_mode = str(options.pop("dp_mode", "server"))
     kinds: dict[str, Any] = {
         "fedavg": (FedAvg, ()),
         "fedavgm": (FedAvgM, ("server_learning_rate", "server_momentum")),
@@ -65,7 +68,13 @@ def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **o
     if dp_noise > 0 or dp_clip > 0:
         if not (dp_noise > 0 and dp_clip > 0):
             raise FederatedError("differential privacy needs both dp-noise > 0 and dp-clip > 0.")
-        strategy = DifferentialPrivacyServerSideFixedClipping(
+        wrappers = {
+            "server": DifferentialPrivacyServerSideFixedClipping,
+            "client": DifferentialPrivacyClientSideFixedClipping,  # clients clip (ClientApp mod)
+        }
+        if dp_mode not in wrappers:
+            raise FederatedError(f"dp-mode must be 'server' or 'client', got {dp_mode!r}.")
+        strategy = wrappers[dp_mode](
             strategy, noise_multiplier=dp_noise, clipping_norm=dp_clip, num_sampled_clients=min_nodes
         )
     return strategy

@@ -37,6 +37,7 @@ class Settings:
     trimmed_beta: float = 0.2
     dp_noise: float = 0.0
     dp_clip: float = 0.0
+    dp_mode: str = "server"
     partitioning: str = "iid"
     dirichlet_alpha: float = 0.5
     seed: int = 0

@@ -152,3 +152,24 @@ def test_client_side_is_torch_free():
     code = "import sys, federated.client_app; assert 'torch' not in sys.modules; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_client_side_clipping_mod_clips_the_update(setup, digits_artifacts, data_dir):
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    _, sha, global_weights = setup
+    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 1, KEY_CLIPPING_NORM: 0.05})
+    task = Message(
+        RecordDict({"arrays": to_arrays(global_weights), "config": config}),
+        dst_node_id=5,
+        message_type=MessageType.TRAIN,
+    )
+    reply = client_app(task, _context(digits_artifacts, data_dir))
+    update = from_arrays(reply.content["arrays"])
+    norm = np.sqrt(sum(float(((update[k] - global_weights[k]) ** 2).sum()) for k in update))
+    assert norm == pytest.approx(0.05, rel=1e-3)  # trained far beyond 0.05, then clipped to it
+
+
+def test_client_side_dp_strategy_by_name():
+    strategy = make_strategy("fedavg", min_nodes=2, dp_noise=0.1, dp_clip=0.5, dp_mode="client")
+    assert type(strategy).__name__ == "DifferentialPrivacyClientSideFixedClipping"
