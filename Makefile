@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
+	$(PY) benchmarks/federation.py
 
 clean:
 	rm -rf $(VENV) $(OUT)
