@@ -1,0 +1,164 @@
+"""Bundles: what a phone or browser runtime needs to train, hashed, optionally signed.
+
+A bundle directory holds the training/eval/optimizer models (ONNX and ORT format), the
+checkpoint, ``required_operators.config`` for reduced ORT builds, an updated ``manifest.json``
+(so the Python runtime can load it), ``bundle.json`` (file hashes, the input/output spec and the
+weight-buffer layout an app needs) and, when signed, ``bundle.sig`` (Ed25519 over ``bundle.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ondevice import Manifest, Trainer
+from ondevice._io import fsync_dir, sha256_file
+from ondevice.manifest import MANIFEST_NAME
+
+from .errors import BundleError, SignatureError
+from .learning_rate import bake_learning_rate
+from .signing import sign, verify
+
+__all__ = ["BUNDLE_FORMAT", "make_bundle", "verify_bundle", "load_trainer"]
+
+BUNDLE_FORMAT = 1
+BUNDLE_JSON = "bundle.json"
+SIGNATURE = "bundle.sig"
+MODELS = ("training_model", "eval_model", "optimizer_model")
+
+
+def make_bundle(
+    artifacts: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    sign_key: str | os.PathLike[str] | None = None,
+    lr: float | None = None,
+    schedule: str = "constant",
+    total_steps: int = 1,
+    warmup: int = 0,
+    min_lr: float = 0.0,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Build a bundle from an artifact directory; the learning rate (default: the manifest's) and
+    its schedule are baked into the optimizer graph. Returns the bundle description.
+
+    Examples
+    --------
+    >>> make_bundle("out/digits/artifacts", "out/digits/bundle", sign_key="keys/odt")  # doctest: +SKIP
+    """
+    source, target = Path(artifacts), Path(out).absolute()
+    manifest = Manifest.load(source)
+    if target.exists() and not force:
+        raise BundleError(f"{target} already exists; pass --force to replace it.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        rate = {
+            "kind": schedule,
+            "base": lr or manifest.optimizer.lr,
+            "total": total_steps,
+            "warmup": warmup,
+            "min_lr": min_lr,
+        }
+        for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
+            shutil.copy2(source / name, work / name)
+        optimizer = onnx.load(source / "optimizer_model.onnx")
+        onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
+        _to_ort_format(work)
+        files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)")
+        bundled.save(work)
+        description = _describe(bundled, sha256_file(work / MANIFEST_NAME), work, rate)
+        text = json.dumps(description, indent=2, sort_keys=True).encode()
+        (work / BUNDLE_JSON).write_bytes(text)
+        if sign_key is not None:
+            (work / SIGNATURE).write_bytes(sign(text, sign_key))
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(work, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return description
+
+
+def _to_ort_format(work: Path) -> None:
+    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+
+    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
+
+
+def _describe(manifest: Manifest, manifest_sha: str, work: Path, rate: dict[str, Any]) -> dict[str, Any]:
+    def tensor(spec: Any) -> dict[str, Any]:
+        return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+
+    return {
+        "format": BUNDLE_FORMAT,
+        "name": manifest.name,
+        "manifest_sha256": manifest_sha,
+        "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(work.iterdir())},
+        "inputs": [tensor(t) for t in manifest.inputs],
+        "targets": [tensor(t) for t in manifest.targets],
+        "outputs": [tensor(t) for t in manifest.outputs],
+        "feed_order": list(manifest.feed_names),
+        "num_classes": manifest.num_classes,
+        "loss": asdict(manifest.loss),
+        "weights": {
+            "dtype": "float32",
+            "size": manifest.trainable_size,
+            "tensors": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in manifest.trainable],
+        },
+        "learning_rate": {"baked": True, **rate},
+    }
+
+
+def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Check a bundle: its signature (when a public key is given, a signature is required) and
+    the sha256 of every file. Returns the bundle description."""
+    bundle = Path(bundle)
+    try:
+        text = (bundle / BUNDLE_JSON).read_bytes()
+    except OSError:
+        raise BundleError(f"{bundle} has no {BUNDLE_JSON}: it is not a bundle made by `odt bundle`.") from None
+    if public_key is not None:
+        signature = bundle / SIGNATURE
+        if not signature.is_file():
+            raise SignatureError(f"{bundle} is not signed ({SIGNATURE} missing) but a public key was given.")
+        verify(text, signature.read_bytes(), public_key)
+    try:
+        description = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{BUNDLE_JSON} is not valid JSON: {exc}") from exc
+    if description.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"bundle format {description.get('format')!r} is not {BUNDLE_FORMAT}; rebuild it.")
+    problems = []
+    for name, entry in description["files"].items():
+        path = bundle / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != entry["sha256"]:
+            problems.append(f"{name} was altered")
+    if problems:
+        raise BundleError(f"bundle {bundle}: {'; '.join(problems)}. Download it again.")
+    return description
+
+
+def load_trainer(
+    bundle: str | os.PathLike[str], public_key: str | os.PathLike[str] | None, *, threads: int | None = None
+) -> Trainer:
+    """The Python runtime over a bundle, refused before any training if the signature or a hash fails."""
+    verify_bundle(bundle, public_key)
+    return Trainer.load(bundle, threads=threads)

@@ -1,0 +1,63 @@
+"""`odt bundle`, `odt keygen`, `odt verify-bundle`: thin shells over mobile_bridge."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["register"]
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    b = commands.add_parser("bundle", help="package artifacts for phone/browser runtimes (hashed, optionally signed)")
+    b.add_argument("directory", help="artifact directory made by `odt generate`")
+    b.add_argument("--out", required=True, help="bundle directory to create")
+    b.add_argument("--sign-key", help="Ed25519 private key from `odt keygen` (default: unsigned)")
+    b.add_argument("--lr", type=float, help="learning rate baked into the optimizer (default: the manifest's)")
+    b.add_argument("--schedule", default="constant", choices=["constant", "linear", "cosine"], help="default constant")
+    b.add_argument("--total-steps", type=int, default=1, help="optimizer steps the schedule spans (default 1)")
+    b.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
+    b.add_argument("--force", action="store_true", help="replace --out if it exists")
+    b.add_argument("--json", action="store_true", help="print bundle.json")
+    b.set_defaults(run=_run_bundle)
+    k = commands.add_parser("keygen", help="write an Ed25519 key pair: KEY (private) and KEY.pub")
+    k.add_argument("--out", required=True, help="path of the private key; the public key goes to OUT.pub")
+    k.add_argument("--force", action="store_true", help="replace an existing key pair")
+    k.set_defaults(run=_run_keygen)
+    v = commands.add_parser("verify-bundle", help="check a bundle's signature and file hashes")
+    v.add_argument("bundle", help="bundle directory")
+    v.add_argument("--public-key", help="KEY.pub; when given the bundle must be signed by it")
+    v.set_defaults(run=_run_verify)
+
+
+def _run_bundle(args: argparse.Namespace) -> int:
+    from .bundle import make_bundle
+
+    description = make_bundle(
+        args.directory, args.out, sign_key=args.sign_key, lr=args.lr, schedule=args.schedule,
+        total_steps=args.total_steps, warmup=args.warmup, force=args.force,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(description, indent=2))
+    else:
+        size = sum(f["bytes"] for f in description["files"].values())
+        print(f"bundle: {args.out} ({len(description['files'])} files, {size / 1024:.0f} KiB"
+              f"{', signed' if args.sign_key else ', unsigned'})")  # fmt: skip
+    return 0
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    from .signing import keygen
+
+    private, public = keygen(args.out, force=args.force)
+    print(f"private key: {private}\npublic key: {public}")
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from .bundle import verify_bundle
+
+    description = verify_bundle(args.bundle, args.public_key)
+    signed = "signature and " if args.public_key else ""
+    print(f"ok: {signed}{len(description['files'])} file hashes verified")
+    return 0

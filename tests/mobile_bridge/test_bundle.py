@@ -1,0 +1,128 @@
+"""Bundles: the baked learning rate against set_learning_rate in Python ORT, signatures, tampering."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mobile_bridge import BundleError, SignatureError, keygen, load_trainer, make_bundle, verify_bundle
+from ondevice import Trainer, lr_at
+from ondevice._ort import OrtTraining
+from ondevice.cli import main
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    return keygen(tmp_path_factory.mktemp("keys") / "odt")
+
+
+def _feeds(digits_data, step: int) -> list[np.ndarray]:
+    batch = slice(16 * step, 16 * step + 16)
+    return [digits_data["train"]["input"][batch], digits_data["train"]["labels"][batch]]
+
+
+@pytest.mark.parametrize(
+    "rate",
+    [
+        {"kind": "constant", "base": 0.01},
+        {"kind": "linear", "base": 0.02, "total": 6, "warmup": 2, "min_lr": 0.001},
+        {"kind": "cosine", "base": 0.02, "total": 6, "warmup": 2},
+    ],
+)
+def test_baked_rate_equals_set_learning_rate(digits_no_dropout, digits_data, tmp_path, rate):
+    directory = digits_no_dropout[0]
+    make_bundle(
+        directory,
+        tmp_path / "bundle",
+        lr=rate["base"],
+        schedule=rate["kind"],
+        total_steps=rate.get("total", 1),
+        warmup=rate.get("warmup", 0),
+        min_lr=rate.get("min_lr", 0.0),
+    )
+    reference, baked = OrtTraining(directory), OrtTraining(tmp_path / "bundle")
+    for step in range(8):
+        lr = lr_at(
+            step,
+            kind=rate["kind"],
+            base=rate["base"],
+            total=rate.get("total", 1),
+            warmup=rate.get("warmup", 0),
+            min_lr=rate.get("min_lr", 0.0),
+        )
+        reference.set_learning_rate(lr)
+        for session in (reference, baked):
+            session.train_step(_feeds(digits_data, step))
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_allclose(baked.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(reference.get_flat(), OrtTraining(directory).get_flat())  # it trained
+
+
+def test_bundle_contents(digits_artifacts, tmp_path, keys):
+    description = make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
+    names = set(description["files"])
+    assert {"training_model.ort", "eval_model.ort", "optimizer_model.ort", "required_operators.config"} <= names
+    assert {"checkpoint", "manifest.json", "training_model.onnx"} <= names
+    assert description["feed_order"] == ["input", "labels"]
+    assert description["weights"]["size"] == 17226
+    assert description["weights"]["tensors"][1] == {"name": "0.bias", "shape": [128], "offset": 8192}
+    assert description["learning_rate"] == {
+        "baked": True,
+        "kind": "constant",
+        "base": 0.001,
+        "total": 1,
+        "warmup": 0,
+        "min_lr": 0.0,
+    }
+    trainer = load_trainer(tmp_path / "b", keys[1])
+    assert isinstance(trainer, Trainer) and trainer.manifest.trainable_size == 17226
+
+
+def _tamper_file(bundle):
+    path = bundle / "eval_model.onnx"
+    path.write_bytes(path.read_bytes() + b"\0")
+
+
+def _tamper_description(bundle):
+    data = json.loads((bundle / "bundle.json").read_text())
+    data["learning_rate"]["base"] = 1.0
+    (bundle / "bundle.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "message"),
+    [
+        (_tamper_file, BundleError, "eval_model.onnx was altered"),  # a model file changed
+        (_tamper_description, SignatureError, "signature does not match"),  # bundle.json changed
+        (lambda b: (b / "bundle.sig").unlink(), SignatureError, "is not signed"),  # signature removed
+        (lambda b: (b / "checkpoint").unlink(), BundleError, "checkpoint is missing"),  # file removed
+    ],
+)
+def test_tampered_bundles_are_refused_before_training(digits_artifacts, tmp_path, keys, damage, error, message):
+    make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
+    damage(tmp_path / "b")
+    with pytest.raises(error, match=message):
+        load_trainer(tmp_path / "b", keys[1])
+
+
+def test_other_key_is_refused(digits_artifacts, tmp_path, keys):
+    make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
+    _, other = keygen(tmp_path / "other")
+    with pytest.raises(SignatureError, match="signed with another key"):
+        verify_bundle(tmp_path / "b", other)
+
+
+def test_cli_keygen_bundle_verify(digits_artifacts, tmp_path, capsys):
+    key = tmp_path / "k"
+    assert main(["keygen", "--out", str(key)]) == 0
+    assert main(["keygen", "--out", str(key)]) == 1  # never overwrites silently
+    assert main(["bundle", str(digits_artifacts), "--out", str(tmp_path / "b"), "--sign-key", str(key)]) == 0
+    assert main(["verify-bundle", str(tmp_path / "b"), "--public-key", f"{key}.pub"]) == 0
+    capsys.readouterr()
+    _tamper_file(tmp_path / "b")
+    assert main(["verify-bundle", str(tmp_path / "b"), "--public-key", f"{key}.pub"]) == 1
+    assert "eval_model.onnx was altered" in capsys.readouterr().err
+    assert (key.stat().st_mode & 0o777) == 0o600
