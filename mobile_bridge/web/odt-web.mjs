@@ -1,0 +1,163 @@
+// Browser client for ondevice-training bundles, on onnxruntime-web 1.19.2's training build.
+//
+//   const client = await OdtClient.load(ort, "/bundle/", { publicKeyPem });
+//   await client.fit({ input: Float32Array, labels: BigInt64Array }, { epochs: 1, batchSize: 32, onProgress });
+//   const weights = await client.getWeights();   // Float32Array in manifest order
+//   await client.setWeights(weights);
+//
+// Every check happens before ORT sees the data: ORT web reports bad dtypes or shapes as bare numbers.
+
+export class BundleError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "BundleError";
+  }
+}
+
+export class InputError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "InputError";
+  }
+}
+
+const MODELS = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
+const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
+
+async function fetchBytes(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new BundleError(`cannot fetch ${url}: HTTP ${response.status}`);
+  return new Uint8Array(await response.arrayBuffer());
+}
+
+async function sha256Hex(bytes) {
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function pemToBytes(pem) {
+  const body = pem.replace(/-----(BEGIN|END) PUBLIC KEY-----/g, "").replace(/\s+/g, "");
+  return Uint8Array.from(atob(body), (c) => c.charCodeAt(0));
+}
+
+/** Verify bundle.json against bundle.sig with an Ed25519 public key (PEM, SubjectPublicKeyInfo). */
+export async function verifySignature(descriptionBytes, signatureBytes, publicKeyPem) {
+  let key;
+  try {
+    key = await crypto.subtle.importKey("spki", pemToBytes(publicKeyPem), { name: "Ed25519" }, false, ["verify"]);
+  } catch (error) {
+    throw new BundleError(`the public key is not an Ed25519 PEM key (${error.message})`);
+  }
+  const ok = await crypto.subtle.verify({ name: "Ed25519" }, key, signatureBytes, descriptionBytes);
+  if (!ok) throw new BundleError("the bundle's signature does not match: altered after signing or signed with another key");
+}
+
+/** Check one named array against the bundle's spec; returns an ORT tensor. */
+export function toTensor(ort, spec, values, batch) {
+  const Expected = ARRAYS[spec.dtype];
+  if (!Expected) throw new InputError(`${spec.name}: dtype ${spec.dtype} is not supported in the browser`);
+  if (!(values instanceof Expected)) {
+    const found = values?.constructor?.name ?? typeof values;
+    throw new InputError(`${spec.name} must be a ${Expected.name} (${spec.dtype}), got ${found}`);
+  }
+  const dims = spec.shape.map((d) => (d === "batch" ? batch : d));
+  if (dims.some((d) => typeof d !== "number")) throw new InputError(`${spec.name}: only the batch dimension may be dynamic`);
+  const size = dims.reduce((a, b) => a * b, 1);
+  if (values.length !== size) {
+    throw new InputError(`${spec.name} needs ${size} values for shape [${dims}], got ${values.length}`);
+  }
+  if (Expected === Float32Array && !values.every(Number.isFinite)) throw new InputError(`${spec.name} holds NaN/Inf`);
+  return new ort.Tensor(spec.dtype, values, dims);
+}
+
+export class OdtClient {
+  constructor(ort, session, description) {
+    this.ort = ort;
+    this.session = session;
+    this.description = description;
+    this.specs = [...description.inputs, ...description.targets];
+  }
+
+  /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT. */
+  static async load(ort, baseUrl, { publicKeyPem = null } = {}) {
+    const base = baseUrl.endsWith("/") ? baseUrl : `${baseUrl}/`;
+    const descriptionBytes = await fetchBytes(`${base}bundle.json`);
+    if (publicKeyPem) {
+      const signature = await fetch(`${base}bundle.sig`);
+      if (!signature.ok) throw new BundleError("the bundle is not signed (bundle.sig missing) but a public key was given");
+      await verifySignature(descriptionBytes, new Uint8Array(await signature.arrayBuffer()), publicKeyPem);
+    }
+    const description = JSON.parse(new TextDecoder().decode(descriptionBytes));
+    const files = {};
+    for (const name of MODELS) {
+      const entry = description.files[name];
+      if (!entry) throw new BundleError(`bundle.json lists no ${name}`);
+      files[name] = await fetchBytes(`${base}${name}`);
+      if ((await sha256Hex(files[name])) !== entry.sha256) throw new BundleError(`${name} was altered (sha256 differs)`);
+    }
+    const session = await ort.TrainingSession.create({
+      checkpointState: files["checkpoint"],
+      trainModel: files["training_model.onnx"],
+      evalModel: files["eval_model.onnx"],
+      optimizerModel: files["optimizer_model.onnx"],
+    });
+    return new OdtClient(ort, session, description);
+  }
+
+  feeds(batch, size) {
+    const feeds = {};
+    for (const spec of this.specs) {
+      if (!(spec.name in batch)) throw new InputError(`missing input ${spec.name}; expected ${this.specs.map((s) => s.name)}`);
+      feeds[spec.name] = toTensor(this.ort, spec, batch[spec.name], size);
+    }
+    return feeds;
+  }
+
+  /** One optimizer step on a batch of `size` examples; returns the loss. */
+  async trainStep(batch, size) {
+    const outputs = await this.session.runTrainStep(this.feeds(batch, size));
+    const loss = Number(Object.values(outputs)[0].data[0]);
+    if (!Number.isFinite(loss)) {
+      await this.session.lazyResetGrad();
+      return { loss, applied: false };
+    }
+    await this.session.runOptimizerStep();
+    await this.session.lazyResetGrad();
+    return { loss, applied: true };
+  }
+
+  /** Epochs over `data` (arrays keyed by input name, `count` examples) in order; progress per step. */
+  async fit(data, count, { epochs = 1, batchSize = 32, onProgress = () => {} } = {}) {
+    const losses = [];
+    const steps = epochs * Math.ceil(count / batchSize);
+    for (let epoch = 0; epoch < epochs; epoch++) {
+      for (let start = 0; start < count; start += batchSize) {
+        const size = Math.min(batchSize, count - start);
+        const batch = {};
+        for (const spec of this.specs) {
+          const per = data[spec.name].length / count;
+          batch[spec.name] = data[spec.name].subarray(start * per, (start + size) * per);
+        }
+        const { loss } = await this.trainStep(batch, size);
+        losses.push(loss);
+        onProgress({ step: losses.length, steps, loss });
+      }
+    }
+    return losses;
+  }
+
+  /** Trainable weights as one Float32Array in manifest order (the federated exchange format). */
+  async getWeights() {
+    const value = await this.session.getContiguousParameters(true);
+    return new Float32Array(value.data);
+  }
+
+  async setWeights(weights) {
+    const expected = this.description.weights.size;
+    if (!(weights instanceof Float32Array) || weights.length !== expected) {
+      throw new InputError(`weights must be a Float32Array of ${expected} values, got ${weights?.length}`);
+    }
+    if (!weights.every(Number.isFinite)) throw new InputError("weights hold NaN/Inf");
+    await this.session.loadParametersBuffer(new Uint8Array(weights.buffer, weights.byteOffset, weights.byteLength), true);
+  }
+}

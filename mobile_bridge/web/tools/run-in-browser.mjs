@@ -1,0 +1,65 @@
+// Run a function of the browser client in headless Chromium and print its JSON result.
+//   node tools/run-in-browser.mjs URL TASK.json
+// The page at URL must serve odt-web.mjs at /odt-web.mjs and onnxruntime-web's dist at /ort/.
+import { readFileSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const [url, taskPath] = process.argv.slice(2);
+const task = JSON.parse(readFileSync(taskPath, "utf8"));
+const profile = mkdtempSync(join(tmpdir(), "odt-chromium-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+  headless: true,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"],
+});
+try {
+  const page = await context.newPage();
+  page.on("console", (message) => process.stderr.write(`[browser] ${message.text()}\n`));
+  await page.goto(url);
+  const result = await page.evaluate(async (task) => {
+    const ort = await import("/ort/ort.training.wasm.min.mjs");
+    ort.env.wasm.wasmPaths = "/ort/";
+    ort.env.wasm.numThreads = 1;
+    const odt = await import("/odt-web.mjs");
+    const t0 = performance.now();
+    try {
+      const client = await odt.OdtClient.load(ort, "/bundle/", { publicKeyPem: task.publicKeyPem ?? null });
+      const loaded = performance.now() - t0;
+      if (task.weights) await client.setWeights(Float32Array.from(task.weights));
+      const initial = Array.from(await client.getWeights());
+      const losses = [];
+      const stepTimes = [];
+      for (const step of task.steps ?? []) {
+        const batch = {};
+        for (const spec of client.specs) {
+          const Array_ = spec.dtype === "int64" ? BigInt64Array : Float32Array;
+          batch[spec.name] = spec.dtype === "int64" ? Array_.from(step[spec.name].map(BigInt)) : Array_.from(step[spec.name]);
+        }
+        const s0 = performance.now();
+        const { loss } = await client.trainStep(batch, step.size);
+        stepTimes.push(performance.now() - s0);
+        losses.push(loss);
+      }
+      let badInput = null;
+      if (task.badInput) {
+        try {
+          await client.trainStep({ input: new Float64Array(4), labels: new BigInt64Array(1) }, 1);
+        } catch (error) {
+          badInput = `${error.name}: ${error.message}`;
+        }
+      }
+      return { ok: true, loadMs: loaded, firstStepMs: stepTimes[0] ?? null, stepTimes, losses,
+               initial, weights: Array.from(await client.getWeights()), badInput };
+    } catch (error) {
+      return { ok: false, error: `${error.name}: ${error.message}` };
+    }
+  }, task);
+  process.stdout.write(JSON.stringify(result));
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}

@@ -1,0 +1,140 @@
+"""The browser client in real headless Chromium against Python ORT (parity, baked rate, tampering).
+
+Needs Debian's chromium and `npm ci` in mobile_bridge/web (`.ci/run` and `make` install both).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mimetypes
+import os
+import shutil
+import subprocess
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mobile_bridge import keygen, make_bundle
+from ondevice._ort import OrtTraining
+
+WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
+mimetypes.add_type("text/javascript", ".mjs")
+mimetypes.add_type("application/wasm", ".wasm")
+
+
+@pytest.fixture()
+def site(tmp_path):
+    """A static site on 127.0.0.1: /odt-web.mjs, /ort/ (onnxruntime-web dist), /bundle/; stopped after."""
+    root = tmp_path / "site"
+    root.mkdir()
+    shutil.copy(WEB / "odt-web.mjs", root / "odt-web.mjs")
+    (root / "index.html").write_text("<!doctype html><title>odt test</title>")
+    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", root / "ort")
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/index.html"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _browser(url: str, task: dict, tmp_path: Path) -> dict:
+    path = tmp_path / "task.json"
+    path.write_text(json.dumps(task))
+    result = subprocess.run(
+        ["node", str(WEB / "tools" / "run-in-browser.mjs"), url, str(path)],
+        cwd=WEB, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _steps(digits_data, count: int, size: int = 16) -> list[dict]:
+    train = digits_data["train"]
+    return [
+        {"size": size, "input": train["input"][i * size : (i + 1) * size].ravel().tolist(),
+         "labels": train["labels"][i * size : (i + 1) * size].tolist()}
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def _python(bundle: Path, steps: list[dict], weights: np.ndarray | None = None) -> tuple[list[float], np.ndarray]:
+    session = OrtTraining(bundle)
+    if weights is not None:
+        session.set_flat(weights)
+    losses = []
+    for step in steps:
+        x = np.asarray(step["input"], np.float32).reshape(step["size"], 64)
+        fetched = session.train_step([x, np.asarray(step["labels"], np.int64)])
+        losses.append(float(fetched[0]))
+        session.optimizer_step()
+        session.reset_grad()
+    return losses, session.get_flat()
+
+
+def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tmp_path):
+    root, url = site
+    make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01, schedule="cosine", total_steps=6, warmup=2)
+    steps = _steps(digits_data, 8)
+    result = _browser(url, {"steps": steps, "badInput": True}, tmp_path)
+    assert result["ok"], result
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["badInput"].startswith("InputError: input must be a Float32Array")
+
+
+def test_weight_buffers_round_trip_exactly(digits_artifacts, site, tmp_path):
+    root, url = site
+    make_bundle(digits_artifacts, root / "bundle")
+    weights = np.random.default_rng(0).standard_normal(17226).astype(np.float32)
+    result = _browser(url, {"weights": weights.tolist()}, tmp_path)
+    assert result["ok"], result
+    np.testing.assert_array_equal(np.asarray(result["initial"], np.float32), weights)  # Python -> browser
+    session = OrtTraining(root / "bundle")
+    session.set_flat(np.asarray(result["weights"], np.float32))  # browser -> Python
+    np.testing.assert_array_equal(session.get_flat(), weights)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda b: (b / "eval_model.onnx").write_bytes((b / "eval_model.onnx").read_bytes() + b"\0"),
+            "eval_model.onnx was altered",
+        ),
+        (
+            lambda b: (b / "bundle.json").write_text(
+                (b / "bundle.json").read_text().replace('"base": 0.001', '"base": 0.5')
+            ),
+            "signature does not match",
+        ),
+        (lambda b: (b / "bundle.sig").unlink(), "is not signed"),
+    ],
+)
+def test_browser_refuses_tampered_bundles(digits_artifacts, site, tmp_path, damage, message):
+    root, url = site
+    private, public = keygen(tmp_path / "key")
+    make_bundle(digits_artifacts, root / "bundle", sign_key=private)
+    damage(root / "bundle")
+    result = _browser(url, {"publicKeyPem": public.read_text(), "steps": []}, tmp_path)
+    assert not result["ok"] and message in result["error"], result
+
+
+def test_signed_bundle_loads_in_the_browser(digits_artifacts, site, tmp_path):
+    root, url = site
+    private, public = keygen(tmp_path / "key")
+    make_bundle(digits_artifacts, root / "bundle", sign_key=private)
+    result = _browser(url, {"publicKeyPem": public.read_text(), "steps": []}, tmp_path)
+    assert result["ok"], result
