@@ -8,7 +8,7 @@ from typing import Any
 
 from ondevice._io import atomic_write_bytes
 
-__all__ = ["round_rows", "write_report"]
+__all__ = ["round_rows", "write_report", "save_weights"]
 
 
 def round_rows(result: Any, rounds: dict[int, Any], num_rounds: int) -> list[dict[str, Any]]:
@@ -31,6 +31,19 @@ def round_rows(result: Any, rounds: dict[int, Any], num_rounds: int) -> list[dic
             row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
         rows.append(row)
     return rows
+
+
+def save_weights(path: Path, weights: dict[str, Any], **extra: Any) -> Path:
+    """Weights by parameter name as .npz; ``extra`` values go in as ``__name__`` arrays."""
+    import io
+
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, **weights, **{f"__{k}__": np.asarray(v) for k, v in extra.items()})
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
 
 
 def write_report(rows: list[dict[str, Any]], out: Path, settings: dict[str, Any]) -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ from ondevice import Manifest, Trainer
 from ondevice.data import load_npz
 
 from .errors import FederatedError
-from .report import round_rows, write_report
+from .report import round_rows, save_weights, write_report
 from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
 from .task import Settings, manifest_sha256
 
@@ -49,6 +49,7 @@ def main(grid: Grid, context: Context) -> None:
         manifest_sha256(artifacts),
         codec=settings.codec,
         max_examples=settings.max_examples,
+        keep_updates=settings.save_updates,
     )
 
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -67,5 +68,10 @@ def main(grid: Grid, context: Context) -> None:
         evaluate_fn=central,
     )
     rows = round_rows(result, strategy.rounds, settings.num_server_rounds)
-    metrics, plot = write_report(rows, Path(settings.output), asdict(settings))
+    out = Path(settings.output)
+    metrics, plot = write_report(rows, out, asdict(settings))
+    save_weights(out / "global_weights.npz", from_arrays(result.arrays))
+    for server_round, seen in strategy.rounds.items():
+        for node, (count, weights) in seen.accepted.items():
+            save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)
     print(f"federated report: {metrics} and {plot}", flush=True)

@@ -95,6 +95,7 @@ class RoundLog:
     bytes_down: int = 0
     bytes_up: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
 
 
 class GuardedStrategy(Strategy):
@@ -105,9 +106,17 @@ class GuardedStrategy(Strategy):
     """
 
     def __init__(
-        self, inner: Strategy, manifest: Manifest, manifest_sha256: str, *, codec: str, max_examples: int
+        self,
+        inner: Strategy,
+        manifest: Manifest,
+        manifest_sha256: str,
+        *,
+        codec: str,
+        max_examples: int,
+        keep_updates: bool = False,
     ) -> None:
         self.inner = inner
+        self.keep_updates = keep_updates
         self.manifest = manifest
         self.sha256 = manifest_sha256
         self.codec = codec
@@ -174,8 +183,11 @@ class GuardedStrategy(Strategy):
             expected_tag=hash_tag(self.sha256),
         )
         if problem is None:
-            content[arrays_key] = to_arrays({p.name: weights[p.name] for p in self.manifest.trainable})
+            ordered = {p.name: weights[p.name] for p in self.manifest.trainable}
+            content[arrays_key] = to_arrays(ordered)
             del metrics["manifest-tag"]
+            if self.keep_updates:
+                record.accepted[message.metadata.src_node_id] = (int(metrics["num-examples"]), ordered)
         return problem
 
     def configure_evaluate(

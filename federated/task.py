@@ -47,6 +47,7 @@ class Settings:
     output: str = "out/federated"
     max_examples: int = 100_000
     round_timeout: float = 120.0
+    save_updates: bool = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -55,7 +56,9 @@ class Settings:
         for key, value in config.items():
             name = key.replace("-", "_")
             if name in known:
-                values[name] = type(getattr(cls, name))(value)
+                kind = type(getattr(cls, name))
+                text = isinstance(value, str)
+                values[name] = value.lower() in ("1", "true", "yes") if kind is bool and text else kind(value)
         return cls(**values)
 
 

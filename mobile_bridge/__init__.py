@@ -2,14 +2,12 @@
 
 from .bundle import load_trainer, make_bundle, verify_bundle
 from .errors import BridgeError, BundleError, SignatureError
-from .learning_rate import bake_learning_rate
 from .signing import keygen
 
 __all__ = [
     "make_bundle",
     "verify_bundle",
     "load_trainer",
-    "bake_learning_rate",
     "keygen",
     "BridgeError",
     "BundleError",

@@ -19,14 +19,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from ondevice import Manifest, Trainer
 from ondevice._io import fsync_dir, sha256_file
 from ondevice.manifest import MANIFEST_NAME
 
 from .errors import BundleError, SignatureError
-from .learning_rate import bake_learning_rate
 from .signing import sign, verify
 
 __all__ = ["BUNDLE_FORMAT", "make_bundle", "verify_bundle", "load_trainer"]
@@ -72,13 +69,18 @@ def make_bundle(
         }
         for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
             shutil.copy2(source / name, work / name)
+        import onnx
+
+        from .learning_rate import bake_learning_rate
+
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         _to_ort_format(work)
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
         bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)")
         bundled.save(work)
-        description = _describe(bundled, sha256_file(work / MANIFEST_NAME), work, rate)
+        artifacts_sha = sha256_file(source / MANIFEST_NAME)
+        description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)
         text = json.dumps(description, indent=2, sort_keys=True).encode()
         (work / BUNDLE_JSON).write_bytes(text)
         if sign_key is not None:
@@ -101,7 +103,9 @@ def _to_ort_format(work: Path) -> None:
         convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
 
 
-def _describe(manifest: Manifest, manifest_sha: str, work: Path, rate: dict[str, Any]) -> dict[str, Any]:
+def _describe(
+    manifest: Manifest, manifest_sha: str, artifacts_sha: str, work: Path, rate: dict[str, Any]
+) -> dict[str, Any]:
     def tensor(spec: Any) -> dict[str, Any]:
         return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
 
@@ -109,6 +113,7 @@ def _describe(manifest: Manifest, manifest_sha: str, work: Path, rate: dict[str,
         "format": BUNDLE_FORMAT,
         "name": manifest.name,
         "manifest_sha256": manifest_sha,
+        "artifacts_manifest_sha256": artifacts_sha,
         "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(work.iterdir())},
         "inputs": [tensor(t) for t in manifest.inputs],
         "targets": [tensor(t) for t in manifest.targets],
