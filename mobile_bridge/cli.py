@@ -28,6 +28,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     v.add_argument("bundle", help="bundle directory")
     v.add_argument("--public-key", help="KEY.pub; when given the bundle must be signed by it")
     v.set_defaults(run=_run_verify)
+    bridge = commands.add_parser("bridge", help="the HTTP bridge that lets phones and browsers join Flower rounds")
+    modes = bridge.add_subparsers(dest="mode", required=True, metavar="MODE")
+    serve = modes.add_parser("serve", help="serve a bundle, tasks and updates (OpenAPI at /docs)")
+    serve.add_argument("bundle", help="bundle directory made by `odt bundle`")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8765, help="default 8765")
+    serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
+    serve.set_defaults(run=_run_serve)
 
 
 def _run_bundle(args: argparse.Namespace) -> int:
@@ -60,4 +68,22 @@ def _run_verify(args: argparse.Namespace) -> int:
     description = verify_bundle(args.bundle, args.public_key)
     signed = "signature and " if args.public_key else ""
     print(f"ok: {signed}{len(description['files'])} file hashes verified")
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+    import secrets
+
+    import uvicorn
+
+    from .server import create_app
+
+    secret = os.environ.get("ODT_BRIDGE_SECRET")
+    if not secret:
+        secret = secrets.token_urlsafe(32)
+        print(f"relay secret (give it to relay SuperNodes as ODT_BRIDGE_SECRET): {secret}", flush=True)
+    app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples)
+    print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -24,8 +24,8 @@ export class InputError extends Error {
 const MODELS = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
 
-async function fetchBytes(url) {
-  const response = await fetch(url);
+async function fetchBytes(url, headers = {}) {
+  const response = await fetch(url, { headers });
   if (!response.ok) throw new BundleError(`cannot fetch ${url}: HTTP ${response.status}`);
   return new Uint8Array(await response.arrayBuffer());
 }
@@ -79,11 +79,11 @@ export class OdtClient {
   }
 
   /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT. */
-  static async load(ort, baseUrl, { publicKeyPem = null } = {}) {
+  static async load(ort, baseUrl, { publicKeyPem = null, headers = {} } = {}) {
     const base = baseUrl.endsWith("/") ? baseUrl : `${baseUrl}/`;
-    const descriptionBytes = await fetchBytes(`${base}bundle.json`);
+    const descriptionBytes = await fetchBytes(`${base}bundle.json`, headers);
     if (publicKeyPem) {
-      const signature = await fetch(`${base}bundle.sig`);
+      const signature = await fetch(`${base}bundle.sig`, { headers });
       if (!signature.ok) throw new BundleError("the bundle is not signed (bundle.sig missing) but a public key was given");
       await verifySignature(descriptionBytes, new Uint8Array(await signature.arrayBuffer()), publicKeyPem);
     }
@@ -92,7 +92,7 @@ export class OdtClient {
     for (const name of MODELS) {
       const entry = description.files[name];
       if (!entry) throw new BundleError(`bundle.json lists no ${name}`);
-      files[name] = await fetchBytes(`${base}${name}`);
+      files[name] = await fetchBytes(`${base}${name}`, headers);
       if ((await sha256Hex(files[name])) !== entry.sha256) throw new BundleError(`${name} was altered (sha256 differs)`);
     }
     const session = await ort.TrainingSession.create({
@@ -159,5 +159,71 @@ export class OdtClient {
     }
     if (!weights.every(Number.isFinite)) throw new InputError("weights hold NaN/Inf");
     await this.session.loadParametersBuffer(new Uint8Array(weights.buffer, weights.byteOffset, weights.byteLength), true);
+  }
+}
+
+export function floatsToBase64(values) {
+  const bytes = new Uint8Array(values.buffer, values.byteOffset, values.byteLength);
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
+export function base64ToFloats(text) {
+  const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+  return new Float32Array(bytes.buffer);
+}
+
+/** A device's side of the bridge protocol (see mobile_bridge/README.md). */
+export class BridgeClient {
+  constructor(baseUrl, deviceId, token) {
+    this.base = baseUrl.replace(/\/$/, "");
+    this.deviceId = deviceId;
+    this.token = token;
+  }
+
+  static async register(baseUrl, name) {
+    const response = await fetch(`${baseUrl.replace(/\/$/, "")}/v1/devices`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ name }),
+    });
+    if (!response.ok) throw new BundleError(`registration refused: HTTP ${response.status} ${await response.text()}`);
+    const { device_id, token } = await response.json();
+    return new BridgeClient(baseUrl, device_id, token);
+  }
+
+  get headers() {
+    return { Authorization: `Bearer ${this.token}` };
+  }
+
+  loadBundle(ort, options = {}) {
+    return OdtClient.load(ort, `${this.base}/v1/bundle/`, { ...options, headers: this.headers });
+  }
+
+  /** Poll until the server has a task for this device (HTTP 204 means: not yet). */
+  async nextTask({ pollMs = 500, timeoutMs = 120000 } = {}) {
+    const end = Date.now() + timeoutMs;
+    while (Date.now() < end) {
+      const response = await fetch(`${this.base}/v1/task`, { headers: this.headers });
+      if (response.status === 200) return response.json();
+      if (response.status !== 204) throw new BundleError(`task request failed: HTTP ${response.status}`);
+      await new Promise((resolve) => setTimeout(resolve, pollMs));
+    }
+    throw new BundleError(`no task within ${timeoutMs} ms`);
+  }
+
+  async pushUpdate(task, weights, numExamples, metrics = {}) {
+    const response = await fetch(`${this.base}/v1/tasks/${task.task_id}/update`, {
+      method: "POST",
+      headers: { ...this.headers, "Content-Type": "application/json" },
+      body: JSON.stringify({
+        bundle_sha256: task.bundle_sha256,
+        num_examples: numExamples,
+        weights_b64: floatsToBase64(weights),
+        metrics,
+      }),
+    });
+    if (response.status !== 202) throw new BundleError(`update refused: HTTP ${response.status} ${await response.text()}`);
   }
 }

@@ -21,10 +21,25 @@ try {
   page.on("console", (message) => process.stderr.write(`[browser] ${message.text()}\n`));
   await page.goto(url);
   const result = await page.evaluate(async (task) => {
-    const ort = await import("/ort/ort.training.wasm.min.mjs");
-    ort.env.wasm.wasmPaths = "/ort/";
+    const ortBase = task.ortBase ?? "/ort/";
+    const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
+    ort.env.wasm.wasmPaths = ortBase;
     ort.env.wasm.numThreads = 1;
-    const odt = await import("/odt-web.mjs");
+    const odt = await import(task.module ?? "/odt-web.mjs");
+    if (task.bridge) {
+      // One device's round: register, load the bundle, pull the task, train, push the update.
+      const b = task.bridge;
+      const device = await odt.BridgeClient.register(location.origin, b.name);
+      const client = await device.loadBundle(ort, { publicKeyPem: task.publicKeyPem ?? null });
+      const job = await device.nextTask({ timeoutMs: b.timeoutMs ?? 120000 });
+      await client.setWeights(odt.base64ToFloats(job.weights_b64));
+      const data = { input: Float32Array.from(b.input), labels: BigInt64Array.from(b.labels.map(BigInt)) };
+      const epochs = Number(job.config["local-epochs"] ?? 1);
+      const losses = await client.fit(data, b.labels.length, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });
+      const weights = await client.getWeights();
+      await device.pushUpdate(job, weights, b.labels.length, { "train-loss": losses[losses.length - 1] });
+      return { ok: true, round: job.round, losses, weights: Array.from(weights) };
+    }
     const t0 = performance.now();
     try {
       const client = await odt.OdtClient.load(ort, "/bundle/", { publicKeyPem: task.publicKeyPem ?? null });
