@@ -99,10 +99,14 @@ def _reply(
         p.name: flat[p.offset : p.offset + p.size].reshape(p.shape).astype(np.float32) for p in manifest.trainable
     }
     payload = encode(weights, global_weights, codec)
+    device = update.get("metrics", {})
+    # The same keys as a Python client's reply: Flower aggregates metric records key by key.
     metrics = {
         "num-examples": int(update["num_examples"]),
+        "train-loss": float(device.get("train-loss", float("nan"))),
+        "train-accuracy": float(device.get("train-accuracy", float("nan"))),
+        "skipped-steps": int(device.get("skipped-steps", 0)),
         "bytes-up": payload_bytes(payload),
         "manifest-tag": hash_tag(sha),
-        **{f"device-{k}": float(v) for k, v in update.get("metrics", {}).items()},
     }
     return Message(RecordDict({"arrays": to_arrays(payload), "metrics": MetricRecord(metrics)}), reply_to=msg)

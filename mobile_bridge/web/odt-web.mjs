@@ -115,20 +115,36 @@ export class OdtClient {
 
   /** One optimizer step on a batch of `size` examples; returns the loss. */
   async trainStep(batch, size) {
-    const outputs = await this.session.runTrainStep(this.feeds(batch, size));
-    const loss = Number(Object.values(outputs)[0].data[0]);
+    const outputs = Object.values(await this.session.runTrainStep(this.feeds(batch, size)));
+    const loss = Number(outputs[0].data[0]);
+    const correct = this.countCorrect(outputs[1], batch, size);
     if (!Number.isFinite(loss)) {
       await this.session.lazyResetGrad();
-      return { loss, applied: false };
+      return { loss, correct, applied: false };
     }
     await this.session.runOptimizerStep();
     await this.session.lazyResetGrad();
-    return { loss, applied: true };
+    return { loss, correct, applied: true };
+  }
+
+  /** Correct argmax predictions of a classifier's batch (null when the bundle is no classifier). */
+  countCorrect(scores, batch, size) {
+    const classes = this.description.num_classes;
+    const target = this.description.targets[0];
+    if (!classes || !scores || !target || scores.data.length !== size * classes) return null;
+    let correct = 0;
+    for (let row = 0; row < size; row++) {
+      let best = 0;
+      for (let c = 1; c < classes; c++) if (scores.data[row * classes + c] > scores.data[row * classes + best]) best = c;
+      if (BigInt(best) === BigInt(batch[target.name][row])) correct++;
+    }
+    return correct;
   }
 
   /** Epochs over `data` (arrays keyed by input name, `count` examples) in order; progress per step. */
   async fit(data, count, { epochs = 1, batchSize = 32, onProgress = () => {} } = {}) {
     const losses = [];
+    this.lastEpoch = { correct: 0, seen: 0, skipped: 0 };
     const steps = epochs * Math.ceil(count / batchSize);
     for (let epoch = 0; epoch < epochs; epoch++) {
       for (let start = 0; start < count; start += batchSize) {
@@ -138,7 +154,10 @@ export class OdtClient {
           const per = data[spec.name].length / count;
           batch[spec.name] = data[spec.name].subarray(start * per, (start + size) * per);
         }
-        const { loss } = await this.trainStep(batch, size);
+        const { loss, correct, applied } = await this.trainStep(batch, size);
+        if (start === 0) this.lastEpoch = { correct: 0, seen: 0, skipped: this.lastEpoch.skipped };
+        if (correct !== null) Object.assign(this.lastEpoch, { correct: this.lastEpoch.correct + correct, seen: this.lastEpoch.seen + size });
+        if (!applied) this.lastEpoch.skipped++;
         losses.push(loss);
         onProgress({ step: losses.length, steps, loss });
       }

@@ -37,7 +37,12 @@ try {
       const epochs = Number(job.config["local-epochs"] ?? 1);
       const losses = await client.fit(data, b.labels.length, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });
       const weights = await client.getWeights();
-      await device.pushUpdate(job, weights, b.labels.length, { "train-loss": losses[losses.length - 1] });
+      const epoch = client.lastEpoch;
+      await device.pushUpdate(job, weights, b.labels.length, {
+        "train-loss": losses[losses.length - 1],
+        "train-accuracy": epoch.seen ? epoch.correct / epoch.seen : 0,
+        "skipped-steps": epoch.skipped,
+      });
       return { ok: true, round: job.round, losses, weights: Array.from(weights) };
     }
     const t0 = performance.now();

@@ -1,0 +1,85 @@
+"""A real Flower round with two Python SuperNodes and a browser behind the bridge (relay SuperNode).
+
+The aggregate must equal the numpy weighted average of the three updates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from federated.processes import ProcessGroup, flower_env, free_port, started_by
+from federated.runner import deploy
+from federated.task import Settings, node_data
+from mobile_bridge import make_bundle
+
+WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
+
+
+def _wait_for(url: str, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{url} did not come up")
+
+
+def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, data_dir, tmp_path):
+    make_bundle(digits_artifacts, tmp_path / "bundle")
+    port, secret = free_port(), "bridge-secret-for-this-test"
+    env = {**flower_env(tmp_path / "bridge-home"), "ODT_BRIDGE_SECRET": secret}
+    odt = str(Path(sys.executable).parent / "odt")
+    settings = Settings.from_config({"data": str(data_dir)})
+    device_data, _ = node_data(settings, {"partition-id": 2, "num-partitions": 3})
+    task = {
+        "module": "/web/odt-web.mjs",
+        "ortBase": "/web/ort/",
+        "bridge": {
+            "name": "browser-1",
+            "input": device_data["input"].ravel().tolist(),
+            "labels": device_data["labels"].tolist(),
+            "timeoutMs": 180000,
+        },
+    }
+    (tmp_path / "task.json").write_text(json.dumps(task))
+
+    def node_config(i: int) -> str:
+        if i < 2:
+            return f"partition-id={i} num-partitions=3"
+        return f'bridge-url="http://127.0.0.1:{port}" bridge-device="browser-1" bridge-secret="{secret}"'
+
+    config = {
+        "artifacts": str(digits_artifacts), "data": str(data_dir), "output": str(tmp_path / "out"),
+        "num-server-rounds": 1, "min-nodes": 3, "round-timeout": 120.0, "save-updates": True,
+    }  # fmt: skip
+    with ProcessGroup(tmp_path, env) as group:
+        group.start("bridge", [odt, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port)])
+        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
+        browser = group.start("browser", ["node", str(WEB / "tools" / "run-in-browser.mjs"),
+                                          f"http://127.0.0.1:{port}/web/", str(tmp_path / "task.json")])  # fmt: skip
+        report = deploy(3, config, work=tmp_path / "fl", node_config=node_config)
+        assert browser.wait(timeout=120) == 0, group.log_path("browser").read_text()[-3000:]
+    device = json.loads(group.log_path("browser").read_text().strip().splitlines()[-1])
+    assert device["ok"] and device["round"] == 1
+
+    updates = [np.load(p) for p in sorted((tmp_path / "out" / "updates").glob("round1-*.npz"))]
+    assert len(updates) == 3 and report["rounds"][1]["excluded"] == {}
+    names = [n for n in updates[0].files if not n.startswith("__")]
+    counts = np.array([int(u["__num_examples__"]) for u in updates], np.float64)
+    assert len(device_data["labels"]) in counts.tolist()
+    flat = [np.concatenate([u[n].ravel() for n in names]) for u in updates]
+    assert any(np.array_equal(f, np.asarray(device["weights"], np.float32)) for f in flat)  # the browser's own update
+    expected = np.average(np.stack(flat), axis=0, weights=counts)
+    result = np.load(tmp_path / "out" / "global_weights.npz")
+    np.testing.assert_allclose(np.concatenate([result[n].ravel() for n in names]), expected, atol=1e-6)
+    assert started_by(str(tmp_path / "bridge-home")) == []
+    assert os.path.exists(tmp_path / "bridge.log")
