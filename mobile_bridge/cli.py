@@ -35,6 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8765, help="default 8765")
     serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
+    serve.add_argument("--demo-data", help=".npz the demo page at /web/ trains on (default: none)")
     serve.set_defaults(run=_run_serve)
 
 
@@ -83,7 +84,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not secret:
         secret = secrets.token_urlsafe(32)
         print(f"relay secret (give it to relay SuperNodes as ODT_BRIDGE_SECRET): {secret}", flush=True)
-    app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples)
+    app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data)
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -121,9 +121,15 @@ def decode_weights(text: str, size: int) -> np.ndarray:
 
 
 def create_app(
-    bundle: str | Path, *, relay_secret: str | None = None, max_examples: int = 100_000, max_body: int | None = None
+    bundle: str | Path,
+    *,
+    relay_secret: str | None = None,
+    max_examples: int = 100_000,
+    max_body: int | None = None,
+    demo_data: str | Path | None = None,
 ) -> FastAPI:
-    """The bridge application over a verified bundle directory."""
+    """The bridge application over a verified bundle directory (``demo_data``: an .npz the demo
+    page may train on, served at /v1/demo-data)."""
     bundle = Path(bundle)
     description = verify_bundle(bundle)
     state = BridgeState(bundle, description, relay_secret or secrets.token_urlsafe(32), max_examples)
@@ -174,6 +180,14 @@ def create_app(
         if name not in allowed or not (bundle / name).is_file():
             raise _error(404, f"no bundle file {name!r}")
         return FileResponse(bundle / name)
+
+    @app.get("/v1/demo-data", summary="the demo page's training data (only with --demo-data)")
+    def demo(_: str = Depends(device)) -> dict[str, Any]:
+        if demo_data is None:
+            raise _error(404, "this bridge was started without --demo-data")
+        from ondevice.data import load_npz
+
+        return {name: array.ravel().tolist() for name, array in load_npz(str(demo_data)).items()}
 
     @app.get("/v1/task", response_model=TaskOut, responses={204: {"description": "no task yet: poll again"}})
     def pull_task(device_id: str = Depends(device)) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -83,3 +84,32 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
     np.testing.assert_allclose(np.concatenate([result[n].ravel() for n in names]), expected, atol=1e-6)
     assert started_by(str(tmp_path / "bridge-home")) == []
     assert os.path.exists(tmp_path / "bridge.log")
+
+
+def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_path):
+    make_bundle(digits_artifacts, tmp_path / "bundle")
+    port = free_port()
+    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s"}
+    odt = str(Path(sys.executable).parent / "odt")
+    shot = tmp_path / "demo.png"
+    (tmp_path / "task.json").write_text(json.dumps({"click": "#train", "screenshot": str(shot)}))
+    serve = [
+        odt,
+        "bridge",
+        "serve",
+        str(tmp_path / "bundle"),
+        "--port",
+        str(port),
+        "--demo-data",
+        str(data_dir / "val.npz"),
+    ]
+    with ProcessGroup(tmp_path, env) as group:
+        group.start("bridge", serve)
+        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
+        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
+        result = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300)
+    page = json.loads(result.stdout)
+    assert page["ok"], page
+    assert len(page["losses"]) == 2 * 9 and page["losses"][-1] < page["losses"][0]  # 2 epochs of 270 / 32
+    assert "verified: 17226 trainable weights" in page["log"]
+    assert shot.stat().st_size > 10_000

@@ -20,6 +20,17 @@ try {
   const page = await context.newPage();
   page.on("console", (message) => process.stderr.write(`[browser] ${message.text()}\n`));
   await page.goto(url);
+  if (task.click) {
+    // Drive the demo page like a person: click, wait for the status line, screenshot.
+    await page.click(task.click);
+    await page.waitForFunction(() => /^(done|error)/.test(document.getElementById("status").textContent), null,
+                               { timeout: task.timeoutMs ?? 120000 });
+    if (task.screenshot) await page.screenshot({ path: task.screenshot, fullPage: true });
+    const status = await page.textContent("#status");
+    const losses = await page.evaluate(() => window.losses);
+    process.stdout.write(JSON.stringify({ ok: status === "done", status, losses, log: await page.textContent("#log") }));
+    process.exit(0);
+  }
   const result = await page.evaluate(async (task) => {
     const ortBase = task.ortBase ?? "/ort/";
     const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
