@@ -27,10 +27,11 @@ test: $(STAMP) $(WEB_STAMP)
 	$(VENV)/bin/ruff check artifacts ondevice samples benchmarks tests
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) $(WEB_STAMP)
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/federation.py
+	$(PY) benchmarks/browser.py
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -73,6 +73,7 @@ try {
         const s0 = performance.now();
         const { loss } = await client.trainStep(batch, step.size);
         stepTimes.push(performance.now() - s0);
+        if (stepTimes.length === 1) task.sinceOpenMs = performance.now(); // ms since the page's navigation began
         losses.push(loss);
       }
       let badInput = null;
@@ -83,7 +84,7 @@ try {
           badInput = `${error.name}: ${error.message}`;
         }
       }
-      return { ok: true, loadMs: loaded, firstStepMs: stepTimes[0] ?? null, stepTimes, losses,
+      return { ok: true, loadMs: loaded, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
                initial, weights: Array.from(await client.getWeights()), badInput };
     } catch (error) {
       return { ok: false, error: `${error.name}: ${error.message}` };

@@ -1,0 +1,126 @@
+"""Browser benchmark: ORT web (headless Chromium, 1 thread) against Python ORT on the same bundle.
+
+Figures per model: median training step, page open to first step, bundle size.
+Run: .venv/bin/python benchmarks/browser.py
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mimetypes
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
+WEB = ROOT / "mobile_bridge" / "web"
+STEPS, BATCH = 60, 32
+
+from benchmarks._machine import machine  # noqa: E402
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def models():
+    import torch
+    from model import build
+
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+    return [("digits MLP", build()), ("MLP 64-512-512-10", wide)]
+
+
+def measure(name, model, work: Path) -> dict:
+    import torch
+
+    from artifacts import generate
+    from mobile_bridge import make_bundle
+    from ondevice._ort import OrtTraining
+
+    artifacts, site = work / name.replace(" ", "_"), work / "site"
+    generate(model, {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir()
+    make_bundle(artifacts, site / "bundle")
+    shutil.copy(WEB / "odt-web.mjs", site / "odt-web.mjs")
+    (site / "index.html").write_text("<!doctype html><title>bench</title>")
+    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", site / "ort")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, 64)).astype(np.float32)
+    y = rng.integers(0, 10, BATCH)
+    steps = [{"size": BATCH, "input": x.ravel().tolist(), "labels": y.tolist()}] * STEPS
+    (work / "task.json").write_text(json.dumps({"steps": steps}))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/index.html"
+        start = time.perf_counter()
+        out = subprocess.run(["node", str(WEB / "tools" / "run-in-browser.mjs"), url, str(work / "task.json")],
+                             capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+        wall = time.perf_counter() - start
+    finally:
+        server.shutdown()
+        server.server_close()
+    browser = json.loads(out.stdout)
+    session = OrtTraining(site / "bundle", threads=1)
+    python_steps = []
+    for _ in range(STEPS):
+        t = time.perf_counter()
+        session.train_step([x, y.astype(np.int64)])
+        session.optimizer_step()
+        session.reset_grad()
+        python_steps.append(1e3 * (time.perf_counter() - t))
+    web_step = statistics.median(browser["stepTimes"][5:])
+    py_step = statistics.median(python_steps[5:])
+    return {
+        "model": name,
+        "browser_step_ms": web_step,
+        "python_step_ms": py_step,
+        "ratio": web_step / py_step,
+        "open_to_first_step_ms": browser["sinceOpenMs"],
+        "bundle_bytes": sum(p.stat().st_size for p in (site / "bundle").iterdir()),
+        "browser_process_s": wall,
+    }
+
+
+def main() -> int:
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    mimetypes.add_type("text/javascript", ".mjs")
+    mimetypes.add_type("application/wasm", ".wasm")
+    work = Path(tempfile.mkdtemp(prefix="odt-browser-bench-"))
+    rows = [measure(name, model, work) for name, model in models()]
+    (out / "browser.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    lines = [
+        f"| model (batch {BATCH}, 1 thread) | browser step | Python ORT step | browser / Python "
+        "| page open to first step | bundle size |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['browser_step_ms']:.2f} ms | {r['python_step_ms']:.2f} ms | {r['ratio']:.1f}x | "
+            f"{r['open_to_first_step_ms']:.0f} ms | {r['bundle_bytes'] / 1024:.0f} KiB |"
+        )
+    (out / "browser.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
