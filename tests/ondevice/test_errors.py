@@ -210,56 +210,18 @@ def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, caps
     np.savez(tmp_path / "train.npz", **_good(digits_data, 128))
     np.savez(tmp_path / "test.npz", **digits_data["test"])
     ckpt = tmp_path / "ckpt"
-    assert (
-        main(
-            [
-                "train",
-                str(digits_artifacts),
-                "--data",
-                str(tmp_path / "train.npz"),
-                "--epochs",
-                "2",
-                "--checkpoint",
-                str(ckpt),
-                "--json",
-            ]
-        )
-        == 0
-    )
+
+    def train(epochs: int, *extra: str) -> int:
+        data = ["--data", str(tmp_path / "train.npz"), "--checkpoint", str(ckpt), "--json"]
+        return main(["train", str(digits_artifacts), *data, "--epochs", str(epochs), *extra])
+
+    assert train(2) == 0
     history = json.loads(capsys.readouterr().out)
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
-    assert (
-        main(
-            [
-                "train",
-                str(digits_artifacts),
-                "--data",
-                str(tmp_path / "train.npz"),
-                "--epochs",
-                "3",
-                "--checkpoint",
-                str(ckpt),
-                "--resume",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert train(3, "--resume") == 0
     assert [e["epoch"] for e in json.loads(capsys.readouterr().out)["epochs"]] == [3]
-    assert (
-        main(
-            [
-                "evaluate",
-                str(digits_artifacts),
-                "--data",
-                str(tmp_path / "test.npz"),
-                "--checkpoint",
-                str(ckpt),
-                "--json",
-            ]
-        )
-        == 0
-    )
+    evaluate = ["evaluate", str(digits_artifacts), "--data", str(tmp_path / "test.npz"), "--checkpoint", str(ckpt)]
+    assert main([*evaluate, "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     trained = Trainer.load(digits_artifacts, checkpoint=ckpt / "latest.ckpt").evaluate(digits_data["test"])
     assert metrics == pytest.approx(trained)
