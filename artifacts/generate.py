@@ -43,6 +43,7 @@ from .export import (
     check_gradient_ops,
     complete_gradient_outputs,
     export_onnx,
+    gather_to_slice,
     reaching,
 )
 from .losses import CrossEntropy, Loss
@@ -199,6 +200,7 @@ def _build(
     onnx_model, outputs = export_onnx(model, example, input_names, o.output_names, opset)
     complete_gradient_outputs(onnx_model)
     average_pool_to_conv(onnx_model)
+    gather_to_slice(onnx_model)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     exported = [n for n, _ in model.named_parameters() if n in initializers]
     trainable = select_trainable(

@@ -82,10 +82,13 @@ def _batches(case: Case, count: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _train_flops(model: nn.Module, batch: dict[str, np.ndarray]) -> float:
+def _train_flops(model: nn.Module, batch: dict[str, np.ndarray], trainable: set[str]) -> float:
+    """FLOPs of one training step (forward + backward) with only ``trainable`` requiring grad."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = model.train()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trainable)
     inputs = [torch.from_numpy(v) for k, v in batch.items() if k != "labels"]
     with FlopCounterMode(display=False) as counter:
         loss = nn.functional.cross_entropy(model(*inputs), torch.from_numpy(batch["labels"]))
@@ -134,7 +137,7 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int) ->
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            torch_losses.append(float(loss))
+            torch_losses.append(float(loss.detach()))
         return (time.perf_counter() - t) / n
 
     ort_block(3, 0), torch_block(3, 0)  # warm-up
@@ -143,7 +146,7 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int) ->
         ort_times.append(ort_block(steps, b * steps))
         torch_times.append(torch_block(steps, b * steps))
     ort_step, torch_step = statistics.median(ort_times), statistics.median(torch_times)
-    flops = _train_flops(case.build(), batches[0])
+    flops = _train_flops(case.build(), batches[0], {t.name for t in manifest.trainable})
     return {
         "model": case.name,
         "batch": case.batch,

@@ -211,3 +211,15 @@ def test_force_replaces_existing_output(tmp_path):
     )
     assert Manifest.load(tmp_path / "m") == second != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_constant_index_gathers_become_slices(tmp_path):
+    import onnx
+
+    ids = torch.randint(0, 50, (2, 16))
+    generate(models.encoder(), ids, tmp_path / "enc", verify=False)
+    graph = onnx.load(tmp_path / "enc" / "training_model.onnx").graph
+    parameters = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    gathers = [n for n in graph.node if n.op_type == "Gather"]
+    assert all(n.input[0] in parameters for n in gathers)  # only the embedding lookup is left
+    assert any(n.name.endswith("/odt_squeeze") for n in graph.node)
