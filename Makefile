@@ -28,6 +28,7 @@ test: $(STAMP) $(WEB_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP) $(WEB_STAMP)
+	$(VENV)/bin/odt bench
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/federation.py
