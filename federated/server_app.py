@@ -9,13 +9,13 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from ondevice import Manifest, Trainer
+from ondevice import Trainer
 from ondevice.data import load_npz
 
 from .errors import FederatedError
 from .report import round_rows, save_weights, write_report
 from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
-from .task import Settings, manifest_sha256
+from .task import Settings
 
 __all__ = ["app"]
 
@@ -45,8 +45,8 @@ def main(grid: Grid, context: Context) -> None:
         raise FederatedError("client-side clipping needs codec 'none': the clipping mod reads full weights.")
     strategy = GuardedStrategy(
         inner,
-        Manifest.load(artifacts),
-        manifest_sha256(artifacts),
+        evaluator.manifest,
+        evaluator.manifest_sha256,
         codec=settings.codec,
         max_examples=settings.max_examples,
         keep_updates=settings.save_updates,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -66,21 +65,16 @@ def manifest_sha256(artifacts: str | Path) -> str:
     return sha256_file(Path(artifacts) / MANIFEST_NAME)
 
 
-@lru_cache(maxsize=4)
-def _checked_sha(artifacts: str) -> str:
-    Trainer.load(artifacts)  # hashes of every file, ORT version
-    return manifest_sha256(artifacts)
-
-
 def node_trainer(artifacts: str, expected_sha256: str) -> Trainer:
-    """A fresh trainer over the node's artifacts, refused when they are not the server's."""
-    found = _checked_sha(str(Path(artifacts).resolve()))
-    if found != expected_sha256:
+    """A fresh trainer over the node's artifacts (every file hash checked once), refused when
+    they are not the server's."""
+    trainer = Trainer.load(artifacts)
+    if trainer.manifest_sha256 != expected_sha256:
         raise ArtifactMismatchError(
-            f"this node's artifacts ({artifacts}, manifest sha256 {found[:12]}...) differ from the server's "
-            f"({expected_sha256[:12]}...). Copy the server's artifact directory to the node."
+            f"this node's artifacts ({artifacts}, manifest sha256 {trainer.manifest_sha256[:12]}...) differ from "
+            f"the server's ({expected_sha256[:12]}...). Copy the server's artifact directory to the node."
         )
-    return Trainer.load(artifacts)
+    return trainer
 
 
 def node_data(

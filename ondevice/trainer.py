@@ -102,6 +102,11 @@ class Trainer:
             trainer._restore_progress()
         return trainer
 
+    @property
+    def manifest_sha256(self) -> str:
+        """sha256 of the artifact directory's manifest.json: the identity federated peers compare."""
+        return self._manifest_sha
+
     # -- learning rate -------------------------------------------------------------------------
     @property
     def lr(self) -> float:

@@ -81,8 +81,10 @@ def test_make_strategy_by_name():
     assert make_strategy("fedprox", min_nodes=2, proximal_mu=0.1).proximal_mu == 0.1
     dp = make_strategy("fedavg", min_nodes=3, dp_noise=0.5, dp_clip=1.0)
     assert type(dp).__name__ == "DifferentialPrivacyServerSideFixedClipping"
-    for name in ("fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum"):
-        assert make_strategy(name, min_nodes=2) is not None
+    expected = {"fedavgm": "FedAvgM", "fedadam": "FedAdam", "fedmedian": "FedMedian",
+                "fedtrimmedavg": "FedTrimmedAvg", "krum": "Krum"}  # fmt: skip
+    for name, cls in expected.items():
+        assert type(make_strategy(name, min_nodes=2)).__name__ == cls
     from federated.errors import FederatedError
 
     with pytest.raises(FederatedError, match="strategy must be one of"):
