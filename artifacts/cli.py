@@ -32,7 +32,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         metavar="NAME:SHAPE:DTYPE",
         help="example input in forward() order, e.g. input:32x64:float32 (repeat per input; "
-        "the first dimension is the batch and becomes dynamic)",
+        "the first dimension is the batch and becomes dynamic; AXIS=SIZE makes another dimension dynamic, "
+        "e.g. ids:32xseq=20:int64)",
     )
     p.add_argument(
         "--output-name",
@@ -87,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from .generate import generate
-    from .loading import DTYPES, load_factory, load_weights, parse_input
+    from .loading import DTYPES, dynamic_axes_of, load_factory, load_weights, parse_input
     from .losses import loss_from_name
     from .optimizers import optimizer_from_name
     from .verify import Tolerances, format_table
@@ -103,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         model,
         example,
         args.out,
+        dynamic_axes=dynamic_axes_of([spec for spec, _ in specs]),
         output_names=args.output_name,
         loss=loss_from_name(args.loss, **_loss_options(args)),
         loss_output=args.loss_output,

@@ -6,7 +6,7 @@ import copy
 import io
 import math
 import warnings
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import onnx
 import torch
@@ -18,6 +18,7 @@ from .errors import ExportError, InputSpecError, UnsupportedOperatorError
 __all__ = [
     "export_onnx",
     "complete_gradient_outputs",
+    "infer_shapes",
     "average_pool_to_conv",
     "gather_to_slice",
     "zero_dropout",
@@ -56,8 +57,11 @@ def export_onnx(
     input_names: Sequence[str],
     output_names: Sequence[str] | None,
     opset: int,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Export ``model`` in training mode (Dropout and BatchNorm as in training), batch dynamic.
+
+    ``dynamic_axes`` names further dynamic input axes (``{input: {axis: name}}``).
 
     The model's parameters and buffers are left exactly as they were.
     Returns the model and its output names.
@@ -86,6 +90,8 @@ def export_onnx(
                 f"{len(output_names)} output names given, but the model returns {len(outputs)} outputs."
             )
         dynamic = {name: {0: "batch"} for name in (*input_names, *output_names)}
+        for name, axes in (dynamic_axes or {}).items():
+            dynamic[name].update(axes)
         for name, out in zip(output_names, outputs):
             if out.dim() == 0:
                 dynamic.pop(name)
@@ -118,6 +124,26 @@ def export_onnx(
             value = saved[initializer.name].detach().cpu().numpy()
             exported.graph.initializer[index].CopyFrom(numpy_helper.from_array(value, initializer.name))
     return exported, list(output_names)
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with symbolic shapes on every value (ONNX Runtime's symbolic shape inference).
+
+    ORT 1.19's gradient builder reads broadcast shapes from the graph: where ONNX's own inference
+    leaves a dimension unknown (a Slice with computed ends, as in Hugging Face's
+    ``position_ids[:, :seq]``), it assumes no broadcast and a ``(1, seq)`` lookup added to a
+    ``(batch, seq)`` activation gets the unreduced gradient (measured: position row 0 wrong).
+    Falls back to the model as it is when the inference cannot handle it.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inferred = SymbolicShapeInference.infer_shapes(copy.deepcopy(model), auto_merge=True)
+    except Exception:  # an op it does not know: ORT's own inference still runs
+        return model
+    return inferred if inferred is not None else model
 
 
 def complete_gradient_outputs(model: onnx.ModelProto) -> None:

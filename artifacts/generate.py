@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -30,7 +31,9 @@ from ondevice.manifest import (
 )
 
 from ._batchnorm import expose_batchnorm_updates
+from ._edges import edge_batches, embedding_inputs
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
+from ._padding import mask_padding_gradients, padding_rows
 from .errors import (
     ArtifactError,
     InputSpecError,
@@ -44,12 +47,13 @@ from .export import (
     complete_gradient_outputs,
     export_onnx,
     gather_to_slice,
+    infer_shapes,
     reaching,
 )
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
 from .selection import select_trainable
-from .verify import Tolerances, format_table, make_targets, verify_artifacts
+from .verify import Tolerances, format_table, verify_batches
 
 __all__ = ["generate"]
 
@@ -71,6 +75,7 @@ def generate(
     out_dir: str | os.PathLike[str],
     *,
     input_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     output_names: Sequence[str] | None = None,
     loss: Loss = CrossEntropy(),
     loss_output: str | None = None,
@@ -90,7 +95,8 @@ def generate(
     """Export ``model``, build ORT training artifacts in ``out_dir`` and prove them against PyTorch.
 
     ``example_inputs`` are the inputs of ``forward`` in order (or by name); their first dimension
-    is the batch and becomes dynamic. The directory appears complete or not at all.
+    is the batch and becomes dynamic, as do the axes named in ``dynamic_axes``
+    (``{"ids": {1: "seq"}}``). The directory appears complete or not at all.
 
     Examples
     --------
@@ -102,6 +108,7 @@ def generate(
     out_dir = Path(out_dir).absolute()
     _check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
+    axes = _dynamic_axes(names, example, dynamic_axes or {})
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         options = _Options(
@@ -115,16 +122,20 @@ def generate(
             bias_only,
             opset,
             ort_format,
+            axes,
         )
-        manifest, loss_index = _build(model, example, names, options, work, name or out_dir.name)
+        manifest, loss_index, original = _build(model, example, names, options, work, name or out_dir.name)
         if verify:
-            targets = make_targets(manifest, loss, example[0].shape[0], seed)
-            report = verify_artifacts(work, manifest, model, example, targets, loss, loss_index, optimizer, tolerances)
+            examples = edge_batches(names, example, axes, embedding_inputs(original, manifest.padding))
+            report, causes = verify_batches(
+                work, manifest, model, examples, loss, loss_index, optimizer, tolerances, seed
+            )
             manifest = replace(manifest, verification=report)
             if not report.passed:
                 raise VerificationError(
                     f"the artifacts disagree with PyTorch beyond tolerance; nothing was written to {out_dir}.\n"
-                    + format_table(report),
+                    + format_table(report)
+                    + "".join(f"\nlikely cause: {c}" for c in causes),
                     report,
                 )
         manifest.save(work)
@@ -168,6 +179,25 @@ def _examples(
     return names, tensors
 
 
+def _dynamic_axes(
+    names: list[str], example: list[torch.Tensor], given: Mapping[str, Mapping[int, str]]
+) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for name, dims in given.items():
+        if name not in names:
+            raise InputSpecError(f"dynamic_axes names input {name!r}; the inputs are {names}.")
+        rank = example[names.index(name)].dim()
+        for axis, dim in dims.items():
+            if not isinstance(axis, int) or not 0 < axis < rank:
+                raise InputSpecError(
+                    f"dynamic axis {axis!r} of {name!r} must be an integer from 1 to {rank - 1} (0 is the batch)."
+                )
+            if not isinstance(dim, str) or not dim.isidentifier() or dim == BATCH:
+                raise InputSpecError(f"dynamic axis {axis} of {name!r} needs a name such as 'seq', got {dim!r}.")
+        axes[name] = dict(dims)
+    return axes
+
+
 def _forward_names(model: nn.Module, count: int) -> list[str]:
     params = [
         p.name
@@ -191,13 +221,15 @@ class _Options:
     bias_only: bool
     opset: int
     ort_format: bool
+    dynamic_axes: Mapping[str, Mapping[int, str]]
 
 
 def _build(
     model: nn.Module, example: list[torch.Tensor], input_names: list[str], o: _Options, work: Path, name: str
-) -> tuple[Manifest, int]:
+) -> tuple[Manifest, int, onnx.ModelProto]:
     loss, optimizer, opset = o.loss, o.optimizer, o.opset
-    onnx_model, outputs = export_onnx(model, example, input_names, o.output_names, opset)
+    onnx_model, outputs = export_onnx(model, example, input_names, o.output_names, opset, o.dynamic_axes)
+    original = copy.deepcopy(onnx_model)
     complete_gradient_outputs(onnx_model)
     average_pool_to_conv(onnx_model)
     gather_to_slice(onnx_model)
@@ -218,11 +250,13 @@ def _build(
     float_states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
     frozen = [n for n in float_states if n not in trainable]
     check_gradient_ops(onnx_model, trainable, model)
+    onnx_model = infer_shapes(onnx_model)
     updates = expose_batchnorm_updates(onnx_model, frozen, opset)
 
     output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
     run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
+    padding = _mask_padding(work / "training_model.onnx", padding_rows(model), trainable)
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:
         convert_to_ort_format(work)
@@ -237,7 +271,12 @@ def _build(
     manifest = Manifest(
         name=name,
         files={p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file() and p.name != MANIFEST_NAME},
-        inputs=tuple(TensorSpec(n, _dtype_name(t), (BATCH, *t.shape[1:])) for n, t in zip(input_names, example)),
+        inputs=tuple(
+            TensorSpec(
+                n, _dtype_name(t), (BATCH, *(o.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(t.shape) if i))
+            )
+            for n, t in zip(input_names, example)
+        ),
         targets=() if target is None else (target,),
         loss_output=_loss_output_name(work),
         loss_input=None if loss.kind == "model" else loss_output,
@@ -247,6 +286,7 @@ def _build(
         buffers=tuple(BufferUpdate(b, o) for b, o in updates.items()),
         loss=LossSpec(loss.kind, loss.options()),
         optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
+        padding=padding,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,
@@ -257,7 +297,18 @@ def _build(
         },
     )
     check_loads(work, manifest)
-    return manifest, outputs.index(loss_output)
+    return manifest, outputs.index(loss_output), original
+
+
+def _mask_padding(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
+    rows = {name: row for name, row in rows.items() if name in trainable}
+    if not rows:
+        return {}
+    model = onnx.load(training_model)
+    done = mask_padding_gradients(model, rows)
+    onnx.save(model, training_model)
+    log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
+    return {name: rows[name] for name in done}
 
 
 def _parameter_order(training_model: Path) -> list[str]:

@@ -14,7 +14,7 @@ from ondevice.manifest import BATCH, TensorSpec
 
 from .errors import InputSpecError, ModelLoadError
 
-__all__ = ["load_factory", "load_weights", "parse_input"]
+__all__ = ["load_factory", "load_weights", "parse_input", "dynamic_axes_of"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -98,20 +98,41 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
 
 
 def parse_input(spec: str) -> tuple[TensorSpec, tuple[int, ...]]:
-    """Parse ``NAME:SHAPE:DTYPE`` (e.g. ``input:32x64:float32``).
+    """Parse ``NAME:SHAPE:DTYPE``, e.g. ``input:32x64:float32`` or ``ids:32xseq=20:int64``.
 
-    Returns the manifest spec (first dimension dynamic, named ``batch``) and the example shape.
+    A dimension is a size, or ``AXIS=SIZE`` for a named dynamic axis with that example size.
+    The first dimension is the batch and always dynamic (named ``batch``). Returns the manifest
+    spec (dynamic dimensions by name) and the example shape.
     """
     parts = spec.split(":")
     if len(parts) != 3 or not parts[0]:
-        raise InputSpecError(f"--input must look like NAME:SHAPE:DTYPE (e.g. input:32x64:float32), got {spec!r}.")
+        raise InputSpecError(
+            f"--input must look like NAME:SHAPE:DTYPE (e.g. input:32x64:float32 or ids:32xseq=20:int64), got {spec!r}."
+        )
     name, shape_text, dtype = parts
-    try:
-        shape = tuple(int(d) for d in shape_text.lower().split("x"))
-    except ValueError:
-        raise InputSpecError(f"--input {spec!r}: shape must be sizes joined by 'x' (e.g. 32x64).") from None
-    if not shape or any(d < 1 for d in shape):
+    dims: list[int | str] = []
+    shape: list[int] = []
+    for text in shape_text.lower().split("x"):
+        axis, _, size = text.rpartition("=")
+        try:
+            shape.append(int(size))
+        except ValueError:
+            raise InputSpecError(
+                f"--input {spec!r}: each dimension is a size or AXIS=SIZE joined by 'x' (e.g. 32x64, 32xseq=20)."
+            ) from None
+        if axis and not axis.isidentifier():
+            raise InputSpecError(f"--input {spec!r}: axis name {axis!r} must be a plain identifier such as seq.")
+        dims.append(axis or shape[-1])
+    if any(d < 1 for d in shape):
         raise InputSpecError(f"--input {spec!r}: every dimension must be >= 1, the first is the batch.")
+    if BATCH in dims[1:]:
+        raise InputSpecError(f"--input {spec!r}: {BATCH!r} names the first dimension only; name this axis otherwise.")
     if dtype not in DTYPES:
         raise InputSpecError(f"--input {spec!r}: dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    return TensorSpec(name, dtype, (BATCH, *shape[1:])), shape
+    return TensorSpec(name, dtype, (BATCH, *dims[1:])), tuple(shape)
+
+
+def dynamic_axes_of(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
+    """``{input: {axis: name}}`` of the named dynamic axes beyond the batch."""
+    axes = {s.name: {i: d for i, d in enumerate(s.shape) if i and isinstance(d, str)} for s in specs}
+    return {name: found for name, found in axes.items() if found}

@@ -5,16 +5,16 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
 import torch
 from torch import nn
 
-from ondevice._ort import OrtTraining
+from ondevice._ort import OrtTraining, ort_error_message
 from ondevice.manifest import Manifest, Verification, VerificationRow
 
 from .errors import VerificationError
@@ -22,7 +22,7 @@ from .export import zero_dropout
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 
-__all__ = ["Tolerances", "compare", "make_targets", "verify_artifacts", "format_table"]
+__all__ = ["Tolerances", "compare", "make_targets", "verify_artifacts", "verify_batches", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,15 @@ def compare(item: str, ort: np.ndarray, ref: np.ndarray, tol: Tolerances) -> Ver
     return VerificationRow(item, max_abs, max_rel, tol.atol, tol.rtol, passed)
 
 
-def make_targets(manifest: Manifest, loss: Loss, batch: int, seed: int) -> list[np.ndarray]:
-    """Deterministic targets for the loss inputs that are not model inputs."""
+def make_targets(manifest: Manifest, loss: Loss, sizes: Mapping[str, int], seed: int) -> list[np.ndarray]:
+    """Deterministic targets for the loss inputs that are not model inputs.
+
+    ``sizes`` gives the size of each named dimension (``batch`` and any dynamic axis).
+    """
     rng = np.random.default_rng(seed)
     targets = []
     for spec in manifest.targets:
-        shape = (batch, *(d for d in spec.shape[1:]))
+        shape = tuple(sizes.get(d, 1) if isinstance(d, str) else d for d in spec.shape)
         if spec.dtype == "int64":
             high = manifest.num_classes or 2
             targets.append(rng.integers(0, high, size=shape, dtype=np.int64))
@@ -62,6 +65,99 @@ def make_targets(manifest: Manifest, loss: Loss, batch: int, seed: int) -> list[
         else:
             targets.append(rng.standard_normal(shape).astype(np.float32))
     return targets
+
+
+def axis_sizes(manifest: Manifest, example: Sequence[torch.Tensor]) -> dict[str, int]:
+    """Size of every named dimension of the inputs in ``example``."""
+    return {
+        dim: int(tensor.shape[axis])
+        for spec, tensor in zip(manifest.inputs, example)
+        for axis, dim in enumerate(spec.shape)
+        if isinstance(dim, str)
+    }
+
+
+def verify_batches(
+    directory: Path,
+    manifest: Manifest,
+    model: nn.Module,
+    examples: Sequence[Sequence[torch.Tensor]],
+    loss: Loss,
+    loss_index: int,
+    optimizer: AdamW | SGD,
+    tol: Tolerances,
+    seed: int,
+) -> tuple[Verification, list[str]]:
+    """Verify on each example batch; one row per item (the worst over batches) and the likely causes."""
+    reports = []
+    for index, example in enumerate(examples):
+        targets = make_targets(manifest, loss, axis_sizes(manifest, example), seed)
+        try:
+            reports.append(
+                verify_artifacts(directory, manifest, model, example, targets, loss, loss_index, optimizer, tol)
+            )
+        except VerificationError:
+            raise
+        except Exception as exc:
+            if not index:
+                raise
+            shape = "x".join(str(d) for d in example[0].shape)
+            raise VerificationError(
+                f"the artifacts fail at input shape {shape} (another batch size or length than the example): "
+                f"{ort_error_message(exc)}. A size is baked into the graph, e.g. a reshape to a constant; "
+                "use x.shape[...] in forward or name the axis dynamic."
+            ) from exc
+    rows = []
+    for item in [r.item for r in reports[0].rows]:
+        same = [r for report in reports for r in report.rows if r.item == item]
+        worst = max(same, key=lambda r: (not r.passed, r.max_abs))
+        rows.append(
+            replace(
+                worst,
+                max_abs=max(r.max_abs for r in same),
+                max_rel=max(r.max_rel for r in same),
+                passed=all(r.passed for r in same),
+            )
+        )
+    shapes = " and ".join("x".join(str(d) for d in example[0].shape) for example in examples)
+    note = "; ".join(n for n in (reports[0].note, f"checked at input shapes {shapes}") if n)
+    report = Verification(passed=all(r.passed for r in rows), rows=tuple(rows), note=note)
+    return report, likely_causes(report, manifest, [r.passed for r in reports])
+
+
+def likely_causes(report: Verification, manifest: Manifest, per_batch: Sequence[bool]) -> list[str]:
+    """What a failed verification most likely means, from which rows failed."""
+    failed = [r.item for r in report.rows if not r.passed]
+    causes = []
+    if per_batch[0] and not all(per_batch):
+        causes.append(
+            "only the second batch (another batch size or sequence length) fails: a size is baked into the "
+            "graph, e.g. a reshape to a constant; use x.shape[...] in forward or name the axis dynamic"
+        )
+    embeddings = [i for i in failed if i.startswith("grad ") and i[5:] in _embedding_weights(manifest)]
+    if embeddings:
+        causes.append(
+            f"{', '.join(embeddings)}: an embedding's padding row gets a gradient in ORT but not in PyTorch "
+            "(a padding_idx passed to F.embedding is not seen; use nn.Embedding(padding_idx=...))"
+        )
+    if any(i.startswith("buffer ") for i in failed):
+        causes.append(
+            "BatchNorm running statistics differ: momentum=None (cumulative average) is not supported; "
+            "set a momentum or freeze the statistics (model.eval() on that layer)"
+        )
+    train_only = [i for i in failed if i.startswith(("train ", "grad ", "step "))]
+    if train_only and not any(i.startswith("eval ") for i in failed) and not embeddings:
+        causes.append(
+            "eval agrees but the train step does not: a layer behaves differently in training mode "
+            "(Dropout variants other than nn.Dropout, BatchNorm on a batch of 1, custom train-mode code)"
+        )
+    return causes
+
+
+def _embedding_weights(manifest: Manifest) -> set[str]:
+    return {p.name for p in manifest.trainable if len(p.shape) == 2} & (
+        set(manifest.padding) | {p.name for p in manifest.trainable if "embed" in p.name}
+    )
 
 
 def verify_artifacts(

@@ -47,9 +47,26 @@ def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bo
         raise DataError(f"every array needs the same number of examples (dimension 0), found {sizes}.")
     if not next(iter(sizes.values())):
         raise DataError("the dataset is empty: dimension 0 of every array is 0.")
+    _check_axes(specs, checked)
     if labels:
         _check_labels(manifest, checked)
     return checked
+
+
+def _check_axes(specs: list[TensorSpec], data: dict[str, np.ndarray]) -> None:
+    """A named dynamic axis (e.g. ``seq``) must have one size across all arrays."""
+    seen: dict[str, tuple[str, int]] = {}
+    for spec in specs:
+        for axis, dim in enumerate(spec.shape):
+            if not axis or not isinstance(dim, str):
+                continue
+            size = data[spec.name].shape[axis]
+            first = seen.setdefault(dim, (spec.name, size))
+            if first[1] != size:
+                raise DataError(
+                    f"axis {dim!r} must have one size in every array: {first[0]!r} has {first[1]}, "
+                    f"{spec.name!r} has {size}. Pad or truncate them to the same length."
+                )
 
 
 def _check_array(spec: TensorSpec, value: object) -> np.ndarray:

@@ -127,6 +127,8 @@ class Manifest:
     versions: Mapping[str, Any]
     verification: Verification | None = None
     schema_version: int = SCHEMA_VERSION
+    padding: Mapping[str, int] = field(default_factory=dict)
+    """Embedding weights whose padding row (value) gets no gradient, as with PyTorch's ``padding_idx``."""
 
     @property
     def trainable_size(self) -> int:
@@ -236,6 +238,7 @@ def _from_dict(data: Any) -> Manifest:
             optimizer=OptimizerSpec(**data["optimizer"]),
             versions=dict(data["versions"]),
             verification=None if verification is None else _verification(verification),
+            padding={str(k): int(v) for k, v in data.get("padding", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

