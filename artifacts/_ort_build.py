@@ -6,8 +6,10 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
@@ -32,7 +34,9 @@ def run_ort_generator(
     optimizer: AdamW | SGD,
     extra_outputs: list[str],
     work: Path,
+    describe: Callable[[str], str] = lambda node: node,
 ) -> None:
+    """Run ORT's ``generate_artifacts`` into ``work``; ``describe`` names the layer of a graph node."""
     from onnxruntime.training import artifacts as ort_artifacts
 
     # Path mode writes temporary files into the working directory: keep them in `work`.
@@ -52,6 +56,12 @@ def run_ort_generator(
             raise
         except Exception as exc:
             message = ort_error_message(exc)
+            missing = re.search(r"not been registered: (\w+) for node (\S+)", message)
+            if missing:
+                raise UnsupportedOperatorError(
+                    f"layer {describe(missing.group(2))} exports as ONNX {missing.group(1)}, which has no gradient "
+                    "in ONNX Runtime 1.19 training. Freeze the parameters before it (--freeze) or replace it."
+                ) from exc
             if "gradient_builder" in str(exc) or "Grad" in message and "implementation" in message:
                 raise UnsupportedOperatorError(
                     f"ONNX Runtime cannot differentiate this model: {message}. Freeze the layers it names "

@@ -24,6 +24,8 @@ __all__ = [
     "zero_dropout",
     "dropout_to_inference",
     "check_gradient_ops",
+    "on_trained_path",
+    "torch_module",
     "reaching",
 ]
 
@@ -276,15 +278,24 @@ def zero_dropout(model: onnx.ModelProto) -> int:
     return count
 
 
+def on_trained_path(model: onnx.ModelProto, trainable: Iterable[str]) -> set[str]:
+    """First output names of the nodes that depend on a trainable parameter (forward from it)."""
+    live = set(trainable)
+    nodes = set()
+    for node in model.graph.node:  # exported graphs are topologically sorted
+        if any(name in live for name in node.input):
+            nodes.add(node.output[0])
+            live.update(o for o in node.output if o)
+    return nodes
+
+
 def check_gradient_ops(model: onnx.ModelProto, trainable: Iterable[str], torch_model: nn.Module) -> None:
     """Raise UnsupportedOperatorError for an op without gradient on the path from a trainable weight."""
     trainable = list(trainable)
-    live = set(trainable)
-    for node in model.graph.node:  # exported graphs are topologically sorted
-        if not any(name in live for name in node.input):
-            continue
-        if node.op_type in NO_GRADIENT:
-            path, kind = _torch_module(node.name, torch_model)
+    live = on_trained_path(model, trainable)
+    for node in model.graph.node:
+        if node.output[0] in live and node.op_type in NO_GRADIENT:
+            path, kind = torch_module(node.name, torch_model)
             upstream = set().union(*(reaching(model, trainable, i) for i in node.input if i))
             owners = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in upstream})
             freeze = " ".join(f"--freeze '{o}.*'" for o in owners)
@@ -293,18 +304,25 @@ def check_gradient_ops(model: onnx.ModelProto, trainable: Iterable[str], torch_m
                 f"in ONNX Runtime 1.19 training. Freeze the parameters before it ({freeze}) or replace it "
                 f"with {NO_GRADIENT[node.op_type]}."
             )
-        live.update(o for o in node.output if o)
 
 
-def _torch_module(node_name: str, model: nn.Module) -> tuple[str, str]:
-    # TorchScript node names look like "/encoder/layers.0/act/HardSwish".
-    parts = [p for p in node_name.split("/") if p][:-1]
-    while parts:
-        path = ".".join(parts)
+def torch_module(node_name: str, model: nn.Module) -> tuple[str, str]:
+    """The innermost module (dotted path, type name) that an exported node belongs to.
+
+    TorchScript names nodes by their module scopes, each the module's full dotted path:
+    ``/classifier/classifier.3/classifier.3.1/Celu``.
+    """
+    parts = [p for p in node_name.split("/") if p]
+    op = parts[-1].split("_")[0].lower() if parts else ""
+    for scope in reversed(parts[:-1]):
         try:
-            return path, type(model.get_submodule(path)).__name__
+            module = model.get_submodule(scope)
         except AttributeError:
-            parts.pop()
+            continue
+        # a leaf module exported as one op (GRU, LSTM) may have no scope of its own: find it below
+        below = [(f"{scope}.{n}", m) for n, m in module.named_modules() if n and type(m).__name__.lower() == op]
+        path, module = below[0] if len(below) == 1 else (scope, module)
+        return path, type(module).__name__
     return "", type(model).__name__
 
 

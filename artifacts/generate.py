@@ -30,6 +30,7 @@ from ondevice.manifest import (
     TensorSpec,
 )
 
+from ._activations import rewrite_activations
 from ._batchnorm import expose_batchnorm_updates
 from ._edges import edge_batches, embedding_inputs
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
@@ -48,7 +49,9 @@ from .export import (
     export_onnx,
     gather_to_slice,
     infer_shapes,
+    on_trained_path,
     reaching,
+    torch_module,
 )
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
@@ -249,13 +252,27 @@ def _build(
             raise SelectionError(f"no selected parameter affects the loss output {loss_output!r}.")
     float_states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
     frozen = [n for n in float_states if n not in trainable]
+    live = on_trained_path(onnx_model, trainable)
+    rewritten = rewrite_activations(onnx_model, lambda node: node.output[0] in live)
+    if rewritten:
+        log.info("rewritten for ORT's gradient builder: %s", ", ".join(sorted(set(rewritten))))
     check_gradient_ops(onnx_model, trainable, model)
     onnx_model = infer_shapes(onnx_model)
     updates = expose_batchnorm_updates(onnx_model, frozen, opset)
 
     output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
-    run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()), work)
+    run_ort_generator(
+        onnx_model,
+        trainable,
+        frozen,
+        loss,
+        loss_output,
+        optimizer,
+        extra + list(updates.values()),
+        work,
+        describe=lambda node: "{!r} ({})".format(*torch_module(node, model)),
+    )
     padding = _mask_padding(work / "training_model.onnx", padding_rows(model), trainable)
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:

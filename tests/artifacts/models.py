@@ -100,6 +100,21 @@ def hardswish_head() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3))
 
 
+class _LastStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0][:, -1]
+
+
+def gru_head() -> nn.Module:
+    """A recurrent layer (no ORT gradient, no exact rewrite) nested two modules deep."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), _LastStep(), nn.Linear(8, 3))
+
+
 def not_a_module() -> str:
     return "not a model"
 

@@ -20,6 +20,7 @@ from artifacts import (
 )
 from artifacts.errors import ArtifactError
 from ondevice.cli import main
+from tests.artifacts import models
 
 MODELS = str(Path(__file__).with_name("models.py"))
 
@@ -48,10 +49,10 @@ def _odt(capsys, *args: str) -> tuple[int, str]:
         (["--model", f"{MODELS}:mlp", "--input", "x:4x16:float32", "--trainable", "head.*"], "matches no parameter"),
         # zero trainable parameters
         (["--model", f"{MODELS}:no_bias", "--input", "x:4x4:float32", "--bias-only"], "no parameter is left to train"),
-        # operator without a gradient on the trained path: names op, module and remedy
+        # operator without a gradient (or exact rewrite) on the trained path: innermost module, op, remedy
         (
-            ["--model", f"{MODELS}:hardswish_head", "--input", "x:4x8:float32"],
-            "layer '1' (Hardswish) exports as ONNX HardSwish",
+            ["--model", f"{MODELS}:gru_head", "--input", "x:4x5x8:float32"],
+            "layer '1.gru' (GRU) exports as ONNX GRU",
         ),
         # an optimizer option ORT cannot express
         (
@@ -84,12 +85,12 @@ def test_cli_usage_error_exits_2(capsys):
 def test_unsupported_op_error_suggests_freeze_and_replacement():
     with pytest.raises(UnsupportedOperatorError) as caught:
         generate(
-            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Mish(), torch.nn.Linear(4, 2)),
-            torch.randn(2, 4),
+            models.gru_head(),
+            torch.randn(2, 5, 8),
             Path("/tmp/never-written"),
         )
     text = str(caught.value)
-    assert "layer '1' (Mish)" in text and "(--freeze '0.*')" in text and "replace it" in text
+    assert "layer '1.gru' (GRU)" in text and "--freeze '0.*' --freeze '1.gru.*'" in text and "replace it" in text
     assert not Path("/tmp/never-written").exists()
 
 

@@ -1,0 +1,57 @@
+"""Operators ORT 1.19 cannot differentiate are rewritten exactly, and the result is verified against PyTorch."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from artifacts import generate
+
+
+def _dense(activation: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), activation, nn.Linear(16, 3))
+
+
+def _conv(*layers: nn.Module, features: int = 4 * 6 * 6) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 4, 3), *layers, nn.Flatten(), nn.Linear(features, 3))
+
+
+CASES = [
+    # MobileNetV3's classifier: Linear, Hardswish, Dropout, Linear, everything trainable
+    ("HardSwish", nn.Sequential(nn.Linear(8, 16), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(16, 3))),
+    ("HardSigmoid", _dense(nn.Hardsigmoid())),
+    ("Mish", _dense(nn.Mish())),
+    ("Softplus", _dense(nn.Softplus())),
+    ("Elu", _dense(nn.ELU(alpha=0.7))),
+    ("Celu", _dense(nn.CELU(alpha=0.5))),
+    ("Selu", _dense(nn.SELU())),
+    # PReLU's slope is itself trained
+    ("PRelu", _dense(nn.PReLU(16))),
+    ("PRelu", _conv(nn.PReLU(4))),
+    ("GlobalMaxPool", _conv(nn.AdaptiveMaxPool2d(1), features=4)),
+    ("InstanceNormalization", _conv(nn.InstanceNorm2d(4, affine=True), nn.ReLU())),
+    # GroupNorm exports as InstanceNormalization between reshapes at opset 17
+    ("InstanceNormalization", _conv(nn.GroupNorm(2, 4), nn.ReLU())),
+]
+
+
+@pytest.mark.parametrize("op, model", CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(CASES)])
+def test_rewrite_trains_everything_and_matches_pytorch(tmp_path, op, model):
+    torch.manual_seed(0)
+    dense = isinstance(model[0], nn.Linear)
+    # wide inputs reach every branch: Softplus's large-x tail, ELU's negative side, HardSwish's flat parts
+    example = torch.randn(6, 8) * 4 if dense else torch.randn(6, 2, 8, 8)
+    manifest = generate(model, example, tmp_path / "a", input_names=["x"])
+    assert manifest.verification.passed
+    assert {p.name for p in manifest.trainable} == {n for n, _ in model.named_parameters()}
+    training = onnx.load(tmp_path / "a" / "training_model.onnx")
+    assert op not in {n.op_type for n in training.graph.node}
+
+
+def test_frozen_path_keeps_the_original_operator(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3))
+    generate(model, torch.randn(4, 8), tmp_path / "a", trainable=["2"])
+    ops = {n.op_type for n in onnx.load(tmp_path / "a" / "eval_model.onnx").graph.node}
+    assert "HardSwish" in ops
