@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ondevice import Manifest, Trainer
+from ondevice import ConfigError, Manifest, Schedule, Trainer
 from ondevice._io import fsync_dir, sha256_file
 from ondevice.manifest import MANIFEST_NAME
 
@@ -41,13 +41,15 @@ def make_bundle(
     sign_key: str | os.PathLike[str] | None = None,
     lr: float | None = None,
     schedule: str = "constant",
-    total_steps: int = 1,
+    total_steps: int | None = None,
     warmup: int = 0,
     min_lr: float = 0.0,
     force: bool = False,
 ) -> dict[str, Any]:
     """Build a bundle from an artifact directory; the learning rate (default: the manifest's) and
-    its schedule are baked into the optimizer graph. Returns the bundle description.
+    its schedule are baked into the optimizer graph. A linear or cosine schedule needs
+    ``total_steps``, the optimizer steps it spans (after them the rate stays at ``min_lr``).
+    Returns the bundle description.
 
     Examples
     --------
@@ -55,17 +57,32 @@ def make_bundle(
     """
     source, target = Path(artifacts), Path(out).absolute()
     manifest = Manifest.load(source)
+    if schedule != "constant" and total_steps is None:
+        raise BundleError(
+            f"a {schedule} schedule needs --total-steps N (total_steps=N): the optimizer steps it spans on the "
+            "device, e.g. epochs x batches per epoch. Without it the rate would reach its end after one step."
+        )
+    try:
+        curve = Schedule(
+            schedule,
+            manifest.optimizer.lr if lr is None else lr,
+            1 if total_steps is None else total_steps,
+            warmup,
+            min_lr,
+        )
+    except ConfigError as exc:
+        raise BundleError(f"bundle learning rate: {exc}") from exc
     if target.exists() and not force:
         raise BundleError(f"{target} already exists; pass --force to replace it.")
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         rate = {
-            "kind": schedule,
-            "base": lr or manifest.optimizer.lr,
-            "total": total_steps,
-            "warmup": warmup,
-            "min_lr": min_lr,
+            "kind": curve.kind,
+            "base": curve.base,
+            "total": curve.total,
+            "warmup": curve.warmup,
+            "min_lr": curve.min_lr,
         }
         for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
             shutil.copy2(source / name, work / name)

@@ -15,7 +15,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     b.add_argument("--sign-key", help="Ed25519 private key from `odt keygen` (default: unsigned)")
     b.add_argument("--lr", type=float, help="learning rate baked into the optimizer (default: the manifest's)")
     b.add_argument("--schedule", default="constant", choices=["constant", "linear", "cosine"], help="default constant")
-    b.add_argument("--total-steps", type=int, default=1, help="optimizer steps the schedule spans (default 1)")
+    b.add_argument(
+        "--total-steps", type=int, help="optimizer steps a linear/cosine schedule spans (required for those)"
+    )
     b.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
     b.add_argument("--force", action="store_true", help="replace --out if it exists")
     b.add_argument("--json", action="store_true", help="print bundle.json")

@@ -8,6 +8,8 @@ import math
 import onnx
 from onnx import TensorProto, helper
 
+from .errors import BundleError
+
 __all__ = ["bake_learning_rate"]
 
 LR_INPUT = "learning_rate"
@@ -22,7 +24,7 @@ def bake_learning_rate(
     The ``learning_rate`` input stays (unused) so every runtime can bind the graph as before.
     """
     if kind not in ("constant", "linear", "cosine"):
-        raise ValueError(f"schedule must be constant, linear or cosine, got {kind!r}.")
+        raise BundleError(f"schedule must be constant, linear or cosine, got {kind!r}.")
     baked = onnx.ModelProto()
     baked.CopyFrom(model)
     graph = baked.graph
@@ -62,7 +64,7 @@ def bake_learning_rate(
             rate = add("Where", add("Less", k, const(float(warmup))), ramp, rate)
     consumers = [n for n in graph.node if LR_INPUT in n.input]
     if not consumers:
-        raise ValueError("the optimizer graph has no 'learning_rate' input to replace.")
+        raise BundleError("the optimizer graph has no 'learning_rate' input to replace; regenerate the artifacts.")
     for node in consumers:
         node.input[list(node.input).index(LR_INPUT)] = rate
     for index, node in enumerate(nodes):

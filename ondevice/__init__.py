@@ -3,6 +3,7 @@
 from .errors import (
     ArtifactIntegrityError,
     CheckpointError,
+    ConfigError,
     DataError,
     ManifestError,
     OdtError,
@@ -33,4 +34,5 @@ __all__ = [
     "DataError",
     "WeightsError",
     "CheckpointError",
+    "ConfigError",
 ]

@@ -84,15 +84,15 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         choices=["constant", "linear", "cosine"],
-        default="constant",
-        help="learning-rate schedule over all optimizer steps (default constant)",
+        help="learning-rate schedule over all optimizer steps up to --epochs (default: constant; with --resume, "
+        "the checkpoint's schedule continues unless --schedule, --lr or --warmup is given)",
     )
-    p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps for linear/cosine (default 0)")
+    p.add_argument("--warmup", type=int, help="linear warm-up steps for linear/cosine (default 0)")
     p.add_argument(
         "--checkpoint", metavar="CKPT_DIR", help="save CKPT_DIR/latest.ckpt after every epoch (default: no checkpoint)"
     )
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.ckpt")
-    p.add_argument("--seed", type=int, default=0, help="data order and dropout seed (default 0)")
+    p.add_argument("--seed", type=int, help="data order and dropout seed (default 0; with --resume, the checkpoint's)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads (default: ORT's choice)")
     p.add_argument("--json", action="store_true", help="print the history as JSON")
     p.set_defaults(run=_run_train)
@@ -143,8 +143,10 @@ def _run_train(args: argparse.Namespace) -> int:
     val = load_npz(args.val) if args.val else None
     size = len(next(iter(train.values()))) if train else 0
     steps = args.epochs * math.ceil(math.ceil(size / max(args.batch_size, 1)) / max(args.accumulate, 1))
-    base = args.lr or trainer.manifest.optimizer.lr
-    schedule = Schedule(args.schedule, base, total=max(steps, 1), warmup=args.warmup)
+    schedule = None  # resuming: the checkpoint's schedule continues
+    if trainer.schedule is None or (args.schedule, args.lr, args.warmup) != (None, None, None):
+        base = trainer.manifest.optimizer.lr if args.lr is None else args.lr
+        schedule = Schedule(args.schedule or "constant", base, total=max(steps, 1), warmup=args.warmup or 0)
     history = trainer.fit(
         train,
         epochs=args.epochs,

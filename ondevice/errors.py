@@ -12,6 +12,7 @@ __all__ = [
     "DataError",
     "WeightsError",
     "CheckpointError",
+    "ConfigError",
 ]
 
 
@@ -49,3 +50,7 @@ class WeightsError(OndeviceError, ValueError):
 
 class CheckpointError(OndeviceError, ValueError):
     """A checkpoint is missing, truncated, from other artifacts, or cannot be written."""
+
+
+class ConfigError(OndeviceError, ValueError):
+    """An option is out of range or of the wrong kind (epochs, batch size, learning rate, schedule)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 __all__ = ["Schedule", "lr_at"]
 
 KINDS = ("constant", "linear", "cosine")
@@ -27,7 +29,7 @@ def lr_at(step: int, *, kind: str, base: float, total: int, warmup: int = 0, min
     if kind == "constant":
         return base
     if kind not in KINDS:
-        raise ValueError(f"schedule must be one of {KINDS}, got {kind!r}.")
+        raise ConfigError(f"schedule must be one of {KINDS}, got {kind!r}.")
     if step < warmup:
         return base * (step + 1) / warmup
     span = max(total - warmup, 1)
@@ -49,12 +51,21 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"schedule must be one of {KINDS}, got {self.kind!r}.")
-        if not (self.base > 0 and math.isfinite(self.base)) or self.warmup < 0 or self.total < 1:
-            raise ValueError(
-                f"schedule needs base > 0, warmup >= 0 and total >= 1; got base={self.base}, "
-                f"warmup={self.warmup}, total={self.total}."
+            raise ConfigError(f"schedule must be one of {KINDS}, got {self.kind!r}.")
+        numbers = (self.base, self.min_lr, self.total, self.warmup)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
+            raise ConfigError(f"schedule settings must be finite numbers, got {numbers}.")
+        if not (self.base > 0 and 0 <= self.min_lr < self.base) or self.warmup < 0 or self.total < 1:
+            raise ConfigError(
+                f"schedule needs base > 0, 0 <= min_lr < base, warmup >= 0 and total >= 1; got base={self.base}, "
+                f"min_lr={self.min_lr}, warmup={self.warmup}, total={self.total}."
             )
+        if self.kind != "constant" and self.warmup >= self.total:
+            raise ConfigError(f"warm-up ({self.warmup} steps) must be shorter than the schedule ({self.total} steps).")
+
+    def covers(self, steps: int) -> bool:
+        """Whether ``steps`` optimizer steps stay on the curve (a constant rate never ends)."""
+        return self.kind == "constant" or steps <= self.total
 
     def __call__(self, step: int) -> float:
         return lr_at(step, kind=self.kind, base=self.base, total=self.total, warmup=self.warmup, min_lr=self.min_lr)

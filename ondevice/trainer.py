@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -15,7 +16,7 @@ from ._io import sha256_file
 from ._metrics import Meter, flatten_weights
 from ._ort import ORT_VERSION, C, OrtTraining, ort_error_message
 from .data import batches, check_data
-from .errors import CheckpointError, DataError, OndeviceError, VersionMismatchError, WeightsError
+from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
 
@@ -63,6 +64,7 @@ class Trainer:
         self.step = 0
         self.seed = 0
         self.skipped_steps = 0
+        self.schedule: Schedule | None = None
         self._lr = manifest.optimizer.lr
         session.set_learning_rate(self._lr)
         self._train_names = [o.name for o in manifest.outputs]
@@ -113,8 +115,8 @@ class Trainer:
         return self._lr
 
     def set_lr(self, lr: float) -> None:
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"learning rate must be positive and finite, got {lr}.")
+        if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+            raise ConfigError(f"learning rate must be positive and finite, got {lr!r}.")
         if lr != self._lr:
             self._session.set_learning_rate(lr)
             self._lr = lr
@@ -170,7 +172,7 @@ class Trainer:
         epochs: int,
         batch_size: int,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         val_data: Mapping[str, np.ndarray] | None = None,
         schedule: Schedule | None = None,
         accumulate: int = 1,
@@ -180,21 +182,34 @@ class Trainer:
         """Train until ``epochs`` epochs are complete (a resumed trainer continues where it stopped).
 
         Each optimizer step averages ``accumulate`` micro-batches of ``batch_size``; the learning
-        rate follows ``schedule`` by optimizer step (default: the manifest's constant rate). With
-        ``checkpoint``, a checkpoint is saved atomically after every epoch.
+        rate follows ``schedule`` by optimizer step (default: the schedule of the checkpoint this
+        trainer resumed from, else the current constant rate). A schedule that ends before the
+        run does is refused up front. ``seed`` sets the data order and dropout (default: the
+        checkpoint's, else 0). With ``checkpoint``, a checkpoint is saved atomically after every
+        epoch; it holds the seed and the schedule, so a resumed run continues exactly.
         """
         from ._progress import progress_bar
 
-        if epochs < 1 or accumulate < 1:
-            raise ValueError(f"epochs and accumulate must be >= 1, got {epochs} and {accumulate}.")
+        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", accumulate)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
         train = check_data(self.manifest, data)
         val = None if val_data is None else check_data(self.manifest, val_data)
         size = len(next(iter(train.values())))
         if batch_size > size:
             raise DataError(f"batch size {batch_size} is larger than the dataset ({size} examples).")
-        self.seed = seed
-        history = History()
         per_epoch = math.ceil(size / batch_size)
+        schedule = schedule if schedule is not None else self.schedule
+        last = self.step + max(epochs - self.epoch, 0) * math.ceil(per_epoch / accumulate)
+        if schedule is not None and not schedule.covers(last):
+            raise ConfigError(
+                f"the {schedule.kind} schedule spans {schedule.total} optimizer steps, but training to epoch "
+                f"{epochs} takes {last}. Give the schedule total={last} (or more), or train fewer epochs."
+            )
+        self.schedule = schedule
+        if seed is not None:
+            self.seed = seed
+        history = History()
         with progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
             while self.epoch < epochs:
                 metrics = self._epoch(train, batch_size, shuffle, accumulate, schedule, bar)
@@ -291,7 +306,7 @@ class Trainer:
         ``mu=0`` turns the term off.
         """
         if not (mu >= 0 and math.isfinite(mu)):
-            raise ValueError(f"proximal mu must be >= 0 and finite, got {mu}.")
+            raise ConfigError(f"proximal mu must be >= 0 and finite, got {mu}.")
         if mu == 0:
             self._proximal = None
             return
@@ -317,6 +332,7 @@ class Trainer:
             "odt.seed": self.seed,
             "odt.skipped_steps": self.skipped_steps,
             "odt.lr": float(self._lr),
+            "odt.schedule": "" if self.schedule is None else json.dumps(asdict(self.schedule)),
         }
 
     def _restore_progress(self) -> None:
@@ -326,6 +342,8 @@ class Trainer:
         self.seed = int(state.get_property("odt.seed"))
         self.skipped_steps = int(state.get_property("odt.skipped_steps"))
         self._lr = float(state.get_property("odt.lr"))
+        if state.has_property("odt.schedule") and state.get_property("odt.schedule"):
+            self.schedule = Schedule(**json.loads(str(state.get_property("odt.schedule"))))
         self._session.set_learning_rate(self._lr)
 
     def export(self, path: str | os.PathLike[str]) -> Path:

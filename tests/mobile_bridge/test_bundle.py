@@ -108,6 +108,23 @@ def test_tampered_bundles_are_refused_before_training(digits_artifacts, tmp_path
         load_trainer(tmp_path / "b", keys[1])
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        # a cosine schedule without its length would end after one step
+        ({"schedule": "cosine"}, "needs --total-steps N"),
+        # a negative rate diverges
+        ({"lr": -1.0}, "base > 0"),
+        ({"schedule": "linear", "total_steps": 0}, "total >= 1"),
+        ({"schedule": "linear", "total_steps": 4, "warmup": 4}, "warm-up"),
+    ],
+)
+def test_bad_rate_options_are_refused(digits_artifacts, tmp_path, options, message):
+    with pytest.raises(BundleError, match=message):
+        make_bundle(digits_artifacts, tmp_path / "bundle", **options)
+    assert not (tmp_path / "bundle").exists()
+
+
 def test_other_key_is_refused(digits_artifacts, tmp_path, keys):
     make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
     _, other = keygen(tmp_path / "other")

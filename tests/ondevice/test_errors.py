@@ -16,6 +16,7 @@ from ondevice import (
     CheckpointError,
     DataError,
     ManifestError,
+    Schedule,
     SchemaVersionError,
     Trainer,
     VersionMismatchError,
@@ -204,6 +205,27 @@ def test_cli_errors_are_one_line(digits_artifacts, tmp_path, capsys):
     assert err == f"error: data file {tmp_path / 'none.npz'} does not exist.\n"
     assert main(["train", str(digits_artifacts), "--data", "x.npz", "--resume"]) == 1
     assert "--resume needs --checkpoint" in capsys.readouterr().err
+
+
+def test_cli_bad_training_options_are_typed_errors(digits_artifacts, digits_data, tmp_path, capsys):
+    np.savez(tmp_path / "train.npz", **_good(digits_data, 64))
+    for option, message in (("--epochs", "epochs must be an integer >= 1"), ("--lr", "schedule needs base > 0")):
+        argv = ["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), option, "0"]
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "unexpected" not in err, err
+
+
+def test_cli_resume_continues_the_checkpoints_cosine(digits_artifacts, digits_data, tmp_path, capsys):
+    """`odt train --resume` with more epochs keeps the original curve; a too-long run is refused."""
+    np.savez(tmp_path / "train.npz", **_good(digits_data, 64))
+    base = ["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--checkpoint", str(tmp_path)]
+    assert main([*base, "--epochs", "2", "--schedule", "cosine", "--lr", "0.01", "--batch-size", "16"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--epochs", "3", "--resume", "--batch-size", "16"]) == 1
+    assert "the cosine schedule spans 8 optimizer steps, but training to epoch 3 takes 12" in capsys.readouterr().err
+    resumed = Trainer.load(digits_artifacts, checkpoint=tmp_path / "latest.ckpt")
+    assert resumed.schedule == Schedule("cosine", 0.01, total=8) and resumed.epoch == 2
 
 
 def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from artifacts.optimizers import AdamW, ReferenceOptimizer
-from ondevice import Predictor, Schedule, Trainer, lr_at
+from ondevice import ConfigError, Predictor, Schedule, Trainer, lr_at
 from ondevice.data import check_data
 from ondevice.manifest import Manifest
 
@@ -111,6 +111,65 @@ def test_resume_is_exact_even_with_dropout(digits_artifacts, digits_data, tmp_pa
     assert (resumed.epoch, resumed.step, resumed.seed) == (1, 8, 7)
     resumed.fit(data, epochs=2, batch_size=32, seed=7, progress=False)
     np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
+
+
+def test_resume_without_seed_or_schedule_continues_the_same_run(digits_artifacts, digits_data, tmp_path):
+    """The checkpoint carries the seed and the schedule: a resumed fit needs neither again."""
+    data = _subset(digits_data["train"], 256)
+    schedule = Schedule("cosine", 0.01, total=24, warmup=3)
+    straight = Trainer.load(digits_artifacts)
+    history = straight.fit(data, epochs=3, batch_size=32, seed=7, schedule=schedule, progress=False)
+
+    first = Trainer.load(digits_artifacts)
+    first.fit(data, epochs=1, batch_size=32, seed=7, schedule=schedule, progress=False, checkpoint=tmp_path / "c")
+    resumed = Trainer.load(digits_artifacts, checkpoint=tmp_path / "c")
+    assert resumed.schedule == schedule and resumed.seed == 7
+    rest = resumed.fit(data, epochs=3, batch_size=32, progress=False)
+    np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
+    assert [e["lr"] for e in rest.epochs] == [e["lr"] for e in history.epochs[1:]]
+
+
+def test_a_schedule_shorter_than_the_run_is_refused_before_any_step(digits_artifacts, digits_data):
+    trainer = Trainer.load(digits_artifacts)
+    before = trainer.get_flat_weights().copy()
+    with pytest.raises(ConfigError, match="spans 10 optimizer steps, but training to epoch 2 takes 16"):
+        trainer.fit(_subset(digits_data["train"], 256), epochs=2, batch_size=32, schedule=Schedule("linear", 0.01, 10))
+    np.testing.assert_array_equal(trainer.get_flat_weights(), before)
+    assert trainer.step == 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        # no epochs to train
+        ({"epochs": 0}, "epochs must be an integer >= 1, got 0"),
+        # a float count
+        ({"epochs": 1.5}, "epochs must be an integer"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"accumulate": -1}, "accumulate must be an integer >= 1"),
+    ],
+)
+def test_bad_fit_options_are_config_errors(digits_artifacts, digits_data, options, message):
+    trainer = Trainer.load(digits_artifacts)
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit(_subset(digits_data["train"], 64), **{"epochs": 1, "batch_size": 8, **options})
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        # zero base rate
+        ({"base": 0.0}, "base > 0"),
+        # NaN base rate
+        ({"base": float("nan")}, "finite numbers"),
+        # warm-up as long as the schedule
+        ({"kind": "cosine", "total": 5, "warmup": 5}, "warm-up"),
+        ({"kind": "step"}, "schedule must be one of"),
+    ],
+)
+def test_bad_schedules_are_config_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        Schedule(**{"kind": "linear", "base": 0.01, "total": 10, **settings})
 
 
 def test_dropout_changes_training_but_seeded_runs_agree(digits_artifacts, digits_data):
