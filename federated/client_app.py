@@ -8,6 +8,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+from .buffers import split_state
 from .codec import encode, payload_bytes
 from .strategy import from_arrays, to_arrays
 from .task import Settings, node_data, node_trainer
@@ -33,7 +34,10 @@ def _task(msg: Message, context: Context):  # type: ignore[no-untyped-def]
     artifacts = str(context.node_config.get("artifacts", settings.artifacts))
     trainer = node_trainer(artifacts, str(config["manifest-sha256"]))
     global_weights = from_arrays(msg.content["arrays"])
-    trainer.set_weights(global_weights)
+    weights, buffers = split_state(trainer.manifest, global_weights)
+    trainer.set_weights(weights)
+    if buffers:
+        trainer.set_buffers(buffers)
     train, val = node_data(settings, context.node_config)
     return settings, config, trainer, global_weights, train, val
 
@@ -48,7 +52,8 @@ def train(msg: Message, context: Context) -> Message:
     history = trainer.fit(
         data, epochs=settings.local_epochs, batch_size=min(settings.batch_size, size), seed=round_seed, progress=False
     )
-    payload = encode(trainer.get_weights(), global_weights, str(config.get("codec", "none")))
+    state = {**trainer.get_weights(), **trainer.get_buffers()}  # running statistics travel too
+    payload = encode(state, global_weights, str(config.get("codec", "none")))
     last = history.last()
     metrics = MetricRecord(
         {

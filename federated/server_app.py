@@ -12,6 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 from ondevice import Trainer
 from ondevice.data import load_npz
 
+from .buffers import split_state
 from .errors import FederatedError
 from .report import round_rows, save_weights, write_report
 from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
@@ -41,6 +42,11 @@ def main(grid: Grid, context: Context) -> None:
         dp_clip=settings.dp_clip,
         dp_mode=settings.dp_mode,
     )
+    if settings.dp_noise > 0 and evaluator.manifest.buffers:
+        raise FederatedError(
+            "differential privacy with BatchNorm running statistics is not supported: the averaged statistics "
+            "would be released without noise. Freeze the statistics (BatchNorm in eval mode) or turn DP off."
+        )
     if settings.dp_mode == "client" and settings.dp_clip > 0 and settings.codec != "none":
         raise FederatedError("client-side clipping needs codec 'none': the clipping mod reads full weights.")
     strategy = GuardedStrategy(
@@ -52,8 +58,14 @@ def main(grid: Grid, context: Context) -> None:
         keep_updates=settings.save_updates,
     )
 
+    def load(arrays: ArrayRecord) -> None:
+        weights, buffers = split_state(evaluator.manifest, from_arrays(arrays))
+        evaluator.set_weights(weights)
+        if buffers:
+            evaluator.set_buffers(buffers)
+
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        evaluator.set_weights(from_arrays(arrays))
+        load(arrays)
         metrics = evaluator.evaluate(test)
         accuracy = metrics.get("accuracy", float("nan"))
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
@@ -61,7 +73,7 @@ def main(grid: Grid, context: Context) -> None:
 
     result = strategy.start(
         grid,
-        to_arrays(evaluator.get_weights()),
+        to_arrays({**evaluator.get_weights(), **evaluator.get_buffers()}),
         num_rounds=settings.num_server_rounds,
         timeout=settings.round_timeout,
         train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
@@ -70,7 +82,10 @@ def main(grid: Grid, context: Context) -> None:
     rows = round_rows(result, strategy.rounds, settings.num_server_rounds)
     out = Path(settings.output)
     metrics, plot = write_report(rows, out, asdict(settings))
-    save_weights(out / "global_weights.npz", from_arrays(result.arrays))
+    save_weights(out / "global_weights.npz", from_arrays(result.arrays))  # with the running statistics
+    if evaluator.manifest.outputs:
+        load(result.arrays)
+        evaluator.export(out / "global_model.onnx")
     for server_round, seen in strategy.rounds.items():
         for node, (count, weights) in seen.accepted.items():
             save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)

@@ -21,9 +21,11 @@ from flwr.serverapp.strategy import (
     Krum,
     Strategy,
 )
+from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
 
 from ondevice.manifest import Manifest
 
+from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
 from .errors import FederatedError
 from .validation import hash_tag, update_problem
@@ -74,6 +76,7 @@ def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **o
         }
         if dp_mode not in wrappers:
             raise FederatedError(f"dp-mode must be 'server' or 'client', got {dp_mode!r}.")
+        # The sample size is a placeholder: GuardedStrategy sets the real one every round.
         strategy = wrappers[dp_mode](
             strategy, noise_multiplier=dp_noise, clipping_norm=dp_clip, num_sampled_clients=min_nodes
         )
@@ -95,6 +98,9 @@ class RoundLog:
     bytes_down: int = 0
     bytes_up: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, str] = field(default_factory=dict)
+    dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)
+    dp_noise_std: float | None = None
+    buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
     accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
 
 
@@ -136,8 +142,19 @@ class GuardedStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._global = from_arrays(arrays)
-        messages = list(self.inner.configure_train(server_round, arrays, self._stamp(config), grid))
-        self.rounds[server_round] = RoundLog(bytes_down=payload_bytes(self._global) * len(messages))
+        weights, buffers = split_state(self.manifest, self._global)
+        # The strategy sees the weights only; the running statistics ride along in every task.
+        messages = list(self.inner.configure_train(server_round, to_arrays(weights), self._stamp(config), grid))
+        for message in messages if buffers else ():
+            for key, record in list(message.content.array_records.items()):
+                message.content[key] = to_arrays({**from_arrays(record), **buffers})
+        record = self.rounds[server_round] = RoundLog(bytes_down=payload_bytes(self._global) * len(messages))
+        if isinstance(self.inner, DifferentialPrivacyFixedClippingBase) and messages:
+            # Flower's noise std is noise_multiplier * clipping_norm / num_sampled_clients: calibrate it to
+            # the nodes the strategy actually sampled this round, not to the configured minimum.
+            self.inner.num_sampled_clients = len(messages)
+            record.dp_sampled = len(messages)
+            record.dp_noise_std = self.inner.noise_multiplier * self.inner.clipping_norm / len(messages)
         return messages
 
     def aggregate_train(
@@ -160,7 +177,12 @@ class GuardedStrategy(Strategy):
                 )
             else:
                 kept.append(message)
-        return self.inner.aggregate_train(server_round, kept)
+        arrays, metrics = self.inner.aggregate_train(server_round, kept)
+        if arrays is not None and self.manifest.buffers:
+            _, previous = split_state(self.manifest, self._global)
+            averaged = average_buffers(list(record.buffers.values())) or previous
+            arrays = to_arrays({**from_arrays(arrays), **averaged})
+        return arrays, metrics
 
     def _admit(self, message: Message, record: RoundLog) -> str | None:
         content = message.content
@@ -183,11 +205,15 @@ class GuardedStrategy(Strategy):
             expected_tag=hash_tag(self.sha256),
         )
         if problem is None:
+            node, count = message.metadata.src_node_id, int(metrics["num-examples"])
             ordered = {p.name: weights[p.name] for p in self.manifest.trainable}
+            _, buffers = split_state(self.manifest, weights)
+            if buffers:
+                record.buffers[node] = (count, buffers)
             content[arrays_key] = to_arrays(ordered)
             del metrics["manifest-tag"]
             if self.keep_updates:
-                record.accepted[message.metadata.src_node_id] = (int(metrics["num-examples"]), ordered)
+                record.accepted[node] = (count, {**ordered, **buffers})
         return problem
 
     def configure_evaluate(

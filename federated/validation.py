@@ -25,7 +25,10 @@ def update_problem(
     tag: object,
     expected_tag: int,
 ) -> str | None:
-    """Why an update must not be aggregated, or None when it is sound."""
+    """Why an update must not be aggregated, or None when it is sound.
+
+    An update holds every trainable tensor and, optionally, all of the model's running statistics.
+    """
     if tag != expected_tag:
         return "trained on other artifacts (manifest hash differs)"
     if not isinstance(num_examples, int) or isinstance(num_examples, bool):
@@ -33,12 +36,19 @@ def update_problem(
     if num_examples <= 0 or num_examples > max_examples:
         return f"example count {num_examples} is outside 1..{max_examples}"
     expected = {p.name: p.shape for p in manifest.trainable}
-    if set(weights) != set(expected):
-        return f"update names {len(weights)} tensors, the model has {len(expected)} (names differ)"
-    for name, shape in expected.items():
+    statistics = {b.name for b in manifest.buffers}
+    buffers = {p.name: p.shape for p in manifest.frozen if p.name in statistics}
+    sent = set(weights) & set(buffers)
+    if set(weights) - sent != set(expected):
+        return f"update names {len(weights) - len(sent)} tensors, the model has {len(expected)} (names differ)"
+    if sent and sent != set(buffers):
+        return f"update holds {len(sent)} of the model's {len(buffers)} running statistics (all or none)"
+    for name, shape in {**expected, **{k: buffers[k] for k in sent}}.items():
         array = np.asarray(weights[name])
         if array.shape != shape:
             return f"tensor {name!r} has shape {array.shape}, expected {shape}"
         if not np.isfinite(array).all():
             return f"tensor {name!r} holds NaN/Inf"
+        if name.endswith("running_var") and (array < 0).any():
+            return f"running variance {name!r} holds negative values"
     return None

@@ -3,7 +3,7 @@ phone/browser when the node config names a ``bridge-device``."""
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from federated import client_app as local
@@ -25,5 +25,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     if "bridge-device" in context.node_config:
-        raise NotImplementedError("devices behind the bridge do not evaluate; the server evaluates centrally")
+        # Devices behind the bridge do not evaluate (the server evaluates centrally): a reply with no
+        # examples leaves this node out of the round's evaluation instead of failing it.
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)
     return local.evaluate(msg, context)

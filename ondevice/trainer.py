@@ -299,6 +299,25 @@ class Trainer:
             raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
         self._session.set_flat(flat, trainable_only=True)
 
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """Running statistics the train step updates (BatchNorm mean/var), by name in manifest order."""
+        return {name: self._session.get_parameter(name) for name in self._buffers}
+
+    def set_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
+        """Replace the running statistics (e.g. with a federated average); every buffer must be named."""
+        shapes = {p.name: p.shape for p in self.manifest.frozen}
+        if not isinstance(buffers, Mapping) or sorted(buffers) != sorted(self._buffers):
+            found = sorted(buffers) if isinstance(buffers, Mapping) else type(buffers).__name__
+            raise WeightsError(f"buffers must name exactly {self._buffers}, got {found}.")
+        for name in self._buffers:
+            array = np.asarray(buffers[name], dtype=np.float32)
+            if array.shape != shapes[name]:
+                raise WeightsError(f"buffer {name!r} needs shape {shapes[name]}, got {array.shape}.")
+            if not np.isfinite(array).all():
+                raise WeightsError(f"buffer {name!r} holds NaN/Inf values.")
+        for name in self._buffers:
+            self._session.set_parameter(name, np.asarray(buffers[name], dtype=np.float32))
+
     def set_proximal(self, mu: float, anchor: np.ndarray | Mapping[str, np.ndarray] | None = None) -> None:
         """Add FedProx's proximal term ``mu/2 * ||w - anchor||^2`` to every following step.
 
