@@ -24,16 +24,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Export a PyTorch model, build ORT training artifacts with a manifest, and verify "
         "them against PyTorch (eval outputs, loss, gradients, one optimizer step).",
     )
-    p.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module, or an existing MODEL.onnx",
+    )
     p.add_argument("--weights", help="state_dict file to load into the model (default: the factory's weights)")
     p.add_argument(
         "--input",
         action="append",
-        required=True,
+        default=[],
         metavar="NAME:SHAPE:DTYPE",
         help="example input in forward() order, e.g. input:32x64:float32 (repeat per input; "
         "the first dimension is the batch and becomes dynamic; AXIS=SIZE makes another dimension dynamic, "
-        "e.g. ids:32xseq=20:int64)",
+        "e.g. ids:32xseq=20:int64; required for a PyTorch model, optional for .onnx)",
     )
     p.add_argument(
         "--output-name",
@@ -87,20 +91,75 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from .generate import generate
-    from .loading import DTYPES, dynamic_axes_of, load_factory, load_weights, parse_input
-    from .losses import loss_from_name
-    from .optimizers import optimizer_from_name
-    from .verify import Tolerances, format_table
+    from .errors import InputSpecError
+    from .loading import DTYPES, load_factory, load_weights, parse_input
+    from .verify import format_table
 
-    model = load_factory(args.model)
-    if args.weights:
-        load_weights(model, args.weights)
     specs = [parse_input(text) for text in args.input]
     generator = torch.Generator().manual_seed(args.seed)
-    high = _index_range(model)
-    example = {spec.name: _example(shape, DTYPES[spec.dtype], high, generator) for spec, shape in specs}
-    manifest = generate(
+    if args.model.endswith(".onnx"):
+        manifest = _from_onnx(args, specs, generator)
+    else:
+        if not specs:
+            raise InputSpecError("--input NAME:SHAPE:DTYPE is required for a PyTorch model (once per input).")
+        model = load_factory(args.model)
+        if args.weights:
+            load_weights(model, args.weights)
+        high = _index_range(model)
+        example = {spec.name: _example(shape, DTYPES[spec.dtype], high, generator) for spec, shape in specs}
+        manifest = _from_torch(args, model, example, specs)
+    if args.json:
+        print(json.dumps(asdict(manifest), indent=2))
+        return 0
+    if manifest.verification is not None:
+        print(format_table(manifest.verification))
+    total = manifest.trainable_size + manifest.frozen_size
+    print(
+        f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
+        f"({manifest.trainable_size * 4 / 1024:.1f} KiB)"
+    )
+    print(f"artifacts: {args.out}")
+    return 0
+
+
+def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
+    from .errors import InputSpecError
+    from .from_onnx import generate_from_onnx
+    from .loading import DTYPES
+    from .losses import loss_from_name
+    from .optimizers import optimizer_from_name
+    from .verify import Tolerances
+
+    if args.weights or args.output_name or args.opset != 17:
+        raise InputSpecError("--weights, --output-name and --opset apply to PyTorch models, not to an .onnx file.")
+    example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
+    return generate_from_onnx(
+        args.model,
+        args.out,
+        example_inputs=example,
+        loss=loss_from_name(args.loss, **_loss_options(args)),
+        loss_output=args.loss_output,
+        optimizer=optimizer_from_name(args.optimizer, **_optimizer_options(args)),
+        trainable=args.trainable,
+        freeze=args.freeze,
+        train_last=args.train_last,
+        bias_only=args.bias_only,
+        ort_format=args.ort_format,
+        verify=not args.no_verify,
+        tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
+        force=args.force,
+        seed=args.seed,
+    )
+
+
+def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
+    from .generate import generate
+    from .loading import dynamic_axes_of
+    from .losses import loss_from_name
+    from .optimizers import optimizer_from_name
+    from .verify import Tolerances
+
+    return generate(
         model,
         example,
         args.out,
@@ -120,18 +179,6 @@ def _run(args: argparse.Namespace) -> int:
         force=args.force,
         seed=args.seed,
     )
-    if args.json:
-        print(json.dumps(asdict(manifest), indent=2))
-        return 0
-    if manifest.verification is not None:
-        print(format_table(manifest.verification))
-    total = manifest.trainable_size + manifest.frozen_size
-    print(
-        f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
-        f"({manifest.trainable_size * 4 / 1024:.1f} KiB)"
-    )
-    print(f"artifacts: {args.out}")
-    return 0
 
 
 def _index_range(model: Any) -> int:

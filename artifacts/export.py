@@ -6,7 +6,7 @@ import copy
 import io
 import math
 import warnings
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import onnx
 import torch
@@ -289,13 +289,18 @@ def on_trained_path(model: onnx.ModelProto, trainable: Iterable[str]) -> set[str
     return nodes
 
 
-def check_gradient_ops(model: onnx.ModelProto, trainable: Iterable[str], torch_model: nn.Module) -> None:
-    """Raise UnsupportedOperatorError for an op without gradient on the path from a trainable weight."""
+def check_gradient_ops(
+    model: onnx.ModelProto, trainable: Iterable[str], describe: Callable[[str], tuple[str, str]]
+) -> None:
+    """Raise UnsupportedOperatorError for an op without gradient on the path from a trainable weight.
+
+    ``describe`` maps a node name to the layer it came from and that layer's type.
+    """
     trainable = list(trainable)
     live = on_trained_path(model, trainable)
     for node in model.graph.node:
         if node.output[0] in live and node.op_type in NO_GRADIENT:
-            path, kind = torch_module(node.name, torch_model)
+            path, kind = describe(node.name)
             upstream = set().union(*(reaching(model, trainable, i) for i in node.input if i))
             owners = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in upstream})
             freeze = " ".join(f"--freeze '{o}.*'" for o in owners)

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import onnx
 import torch
@@ -28,6 +28,7 @@ from ondevice.manifest import (
     OptimizerSpec,
     ParamSpec,
     TensorSpec,
+    Verification,
 )
 
 from ._activations import rewrite_activations
@@ -58,7 +59,7 @@ from .optimizers import SGD, AdamW
 from .selection import select_trainable
 from .verify import Tolerances, format_table, verify_batches
 
-__all__ = ["generate"]
+__all__ = ["generate", "build_artifacts", "Source"]
 
 log = logging.getLogger(__name__)
 
@@ -112,31 +113,68 @@ def generate(
     _check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
     axes = _dynamic_axes(names, example, dynamic_axes or {})
+    options = _Options(
+        output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
+        ort_format, axes,
+    )  # fmt: skip
+
+    def source() -> Source:
+        graph, outputs = export_onnx(model, example, names, output_names, opset, axes)
+        initializers = {i.name for i in graph.graph.initializer}
+        states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
+        return Source(
+            graph,
+            outputs,
+            params=[n for n, _ in model.named_parameters() if n in initializers],
+            states=states,
+            padding=padding_rows(model),
+            describe=lambda node: torch_module(node, model),
+        )
+
+    def prove(work: Path, manifest: Manifest, original: onnx.ModelProto, loss_index: int):  # type: ignore[no-untyped-def]
+        examples = edge_batches(names, example, axes, embedding_inputs(original, manifest.padding))
+        return verify_batches(work, manifest, model, examples, loss, loss_index, optimizer, tolerances, seed)
+
+    return build_artifacts(source, example, names, options, out_dir, name, prove if verify else None)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A forward graph ready for the ORT pipeline, with what the generator must know about it."""
+
+    graph: onnx.ModelProto
+    outputs: list[str]
+    params: list[str]
+    """Initializers that may train, in the model's order."""
+    states: list[str]
+    """Float initializers that are model state (params and buffers such as BatchNorm statistics)."""
+    padding: Mapping[str, int]
+    describe: Callable[[str], tuple[str, str]]
+    """Node name -> (layer, layer type), for error messages."""
+
+
+Prover = Callable[[Path, Manifest, onnx.ModelProto, int], "tuple[Verification, list[str]]"]
+
+
+def build_artifacts(
+    source: Callable[[], Source],
+    example: list[torch.Tensor],
+    names: list[str],
+    options: _Options,
+    out_dir: Path,
+    name: str | None,
+    prove: Prover | None,
+) -> Manifest:
+    """Build, prove and publish: the directory appears complete or not at all."""
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        options = _Options(
-            output_names,
-            loss,
-            loss_output,
-            optimizer,
-            tuple(trainable),
-            tuple(freeze),
-            train_last,
-            bias_only,
-            opset,
-            ort_format,
-            axes,
-        )
-        manifest, loss_index, original = _build(model, example, names, options, work, name or out_dir.name)
-        if verify:
-            examples = edge_batches(names, example, axes, embedding_inputs(original, manifest.padding))
-            report, causes = verify_batches(
-                work, manifest, model, examples, loss, loss_index, optimizer, tolerances, seed
-            )
+        manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
+        if prove is not None:
+            report, causes = prove(work, manifest, original, loss_index)
             manifest = replace(manifest, verification=report)
             if not report.passed:
                 raise VerificationError(
-                    f"the artifacts disagree with PyTorch beyond tolerance; nothing was written to {out_dir}.\n"
+                    f"the artifacts disagree with their reference beyond tolerance; nothing was written to {out_dir}.\n"
                     + format_table(report)
                     + "".join(f"\nlikely cause: {c}" for c in causes),
                     report,
@@ -228,18 +266,17 @@ class _Options:
 
 
 def _build(
-    model: nn.Module, example: list[torch.Tensor], input_names: list[str], o: _Options, work: Path, name: str
+    source: Source, example: list[torch.Tensor], input_names: list[str], o: _Options, work: Path, name: str
 ) -> tuple[Manifest, int, onnx.ModelProto]:
     loss, optimizer, opset = o.loss, o.optimizer, o.opset
-    onnx_model, outputs = export_onnx(model, example, input_names, o.output_names, opset, o.dynamic_axes)
+    onnx_model, outputs = source.graph, source.outputs
     original = copy.deepcopy(onnx_model)
     complete_gradient_outputs(onnx_model)
     average_pool_to_conv(onnx_model)
     gather_to_slice(onnx_model)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
-    exported = [n for n, _ in model.named_parameters() if n in initializers]
     trainable = select_trainable(
-        exported, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
+        source.params, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
     )
     loss_output = o.loss_output or outputs[0]
     if loss_output not in outputs:
@@ -250,13 +287,12 @@ def _build(
         trainable = [n for n in trainable if n not in unreachable]
         if not trainable:
             raise SelectionError(f"no selected parameter affects the loss output {loss_output!r}.")
-    float_states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
-    frozen = [n for n in float_states if n not in trainable]
+    frozen = [n for n in source.states if n not in trainable]
     live = on_trained_path(onnx_model, trainable)
     rewritten = rewrite_activations(onnx_model, lambda node: node.output[0] in live)
     if rewritten:
         log.info("rewritten for ORT's gradient builder: %s", ", ".join(sorted(set(rewritten))))
-    check_gradient_ops(onnx_model, trainable, model)
+    check_gradient_ops(onnx_model, trainable, source.describe)
     onnx_model = infer_shapes(onnx_model)
     updates = expose_batchnorm_updates(onnx_model, frozen, opset)
 
@@ -271,9 +307,9 @@ def _build(
         optimizer,
         extra + list(updates.values()),
         work,
-        describe=lambda node: "{!r} ({})".format(*torch_module(node, model)),
+        describe=lambda node: "{!r} ({})".format(*source.describe(node)),
     )
-    padding = _mask_padding(work / "training_model.onnx", padding_rows(model), trainable)
+    padding = _mask_padding(work / "training_model.onnx", dict(source.padding), trainable)
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:
         convert_to_ort_format(work)

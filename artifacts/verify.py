@@ -22,7 +22,15 @@ from .export import zero_dropout
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 
-__all__ = ["Tolerances", "compare", "make_targets", "verify_artifacts", "verify_batches", "format_table"]
+__all__ = [
+    "Tolerances",
+    "compare",
+    "make_targets",
+    "verify_artifacts",
+    "verify_batches",
+    "merge_reports",
+    "format_table",
+]
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,12 @@ def verify_batches(
                 f"{ort_error_message(exc)}. A size is baked into the graph, e.g. a reshape to a constant; "
                 "use x.shape[...] in forward or name the axis dynamic."
             ) from exc
+    report = merge_reports(reports, examples)
+    return report, likely_causes(report, manifest, [r.passed for r in reports])
+
+
+def merge_reports(reports: Sequence[Verification], examples: Sequence[Sequence[torch.Tensor]]) -> Verification:
+    """One row per item, the worst over the reports of each example batch."""
     rows = []
     for item in [r.item for r in reports[0].rows]:
         same = [r for report in reports for r in report.rows if r.item == item]
@@ -121,8 +135,7 @@ def verify_batches(
         )
     shapes = " and ".join("x".join(str(d) for d in example[0].shape) for example in examples)
     note = "; ".join(n for n in (reports[0].note, f"checked at input shapes {shapes}") if n)
-    report = Verification(passed=all(r.passed for r in rows), rows=tuple(rows), note=note)
-    return report, likely_causes(report, manifest, [r.passed for r in reports])
+    return Verification(passed=all(r.passed for r in rows), rows=tuple(rows), note=note)
 
 
 def likely_causes(report: Verification, manifest: Manifest, per_batch: Sequence[bool]) -> list[str]:

@@ -1,0 +1,279 @@
+"""Start from an existing ONNX model instead of a PyTorch module.
+
+The same losses, optimizers, selection and manifest as :func:`artifacts.generate`. With no
+PyTorch model to compare against, the proof uses ONNX Runtime inference of the ORIGINAL file:
+the eval graph's outputs and loss against it, each trainable tensor's gradient against central
+finite differences of the original model's loss along a random direction, and the optimizer
+step against the reference optimizer applied to ORT's gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from ondevice._ort import OrtTraining, ort_error_message
+from ondevice.manifest import BATCH, Manifest, Verification
+
+from ._edges import edge_batches, embedding_inputs
+from .errors import InputSpecError, ModelLoadError
+from .generate import Source, _check_output, _dynamic_axes, _Options, build_artifacts
+from .losses import CrossEntropy, Loss
+from .optimizers import SGD, AdamW, ReferenceOptimizer
+from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets, merge_reports
+
+__all__ = ["generate_from_onnx", "onnx_example"]
+
+EPSILON = 3e-4
+"""Finite-difference step, relative to a tensor's largest value (measured best between float32
+rounding and ReLU kinks on a small CNN)."""
+
+_TORCH = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+
+
+def generate_from_onnx(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    example_inputs: Mapping[str, torch.Tensor] | None = None,
+    loss: Loss = CrossEntropy(),
+    loss_output: str | None = None,
+    optimizer: AdamW | SGD = AdamW(),
+    trainable: Sequence[str] = (),
+    freeze: Sequence[str] = (),
+    train_last: int | None = None,
+    bias_only: bool = False,
+    ort_format: bool = False,
+    verify: bool = True,
+    tolerances: Tolerances = Tolerances(),
+    fd_tolerances: Tolerances = Tolerances(atol=1e-3, rtol=5e-2),
+    force: bool = False,
+    name: str | None = None,
+    seed: int = 0,
+) -> Manifest:
+    """Build verified ORT training artifacts from the ONNX model at ``path``.
+
+    Float initializers with at least one dimension are the parameters (scalars stay constants).
+    The first dimension of every input is the batch; other named (symbolic) dimensions stay
+    dynamic. ``example_inputs`` default to seeded random data of the input shapes (batch 8),
+    which needs every other dimension fixed. ``fd_tolerances`` bound the finite-difference rows
+    (float32 differences are approximate; the other rows use ``tolerances``).
+
+    Examples
+    --------
+    >>> generate_from_onnx("model.onnx", "out/from-onnx", trainable=["classifier.*"])  # doctest: +SKIP
+    """
+    path, out_dir = Path(path), Path(out_dir).absolute()
+    original = _load(path)
+    _check_output(out_dir, force)
+    example = dict(example_inputs) if example_inputs is not None else onnx_example(original, seed)
+    names = [i.name for i in _inputs(original)]
+    if sorted(example) != sorted(names):
+        raise InputSpecError(f"example inputs must be named {names}, got {sorted(example)}.")
+    tensors = [example[n] for n in names]
+    axes = _dynamic_axes(names, tensors, _named_axes(original))
+    opset = next((o.version for o in original.opset_import if o.domain in ("", "ai.onnx")), 17)
+    options = _Options(
+        None, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
+        ort_format, axes,
+    )  # fmt: skip
+    floats = [i.name for i in original.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims]
+    statistics = {n.input[i] for n in original.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
+    params = [n for n in floats if n not in statistics]
+
+    def source() -> Source:
+        graph = _with_dynamic_batch(original)
+        return Source(graph, [o.name for o in graph.graph.output], params, floats, {}, _describe(graph))
+
+    def prove(work: Path, manifest: Manifest, graph: onnx.ModelProto, loss_index: int):  # type: ignore[no-untyped-def]
+        examples = edge_batches(names, tensors, axes, embedding_inputs(graph, {}))
+        reports = [
+            _prove(work, manifest, original, e, loss, loss_index, optimizer, tolerances, fd_tolerances, seed)
+            for e in examples
+        ]
+        report = merge_reports(reports, examples)
+        causes = likely_causes(report, manifest, [r.passed for r in reports])
+        if any(not r.passed and r.item.endswith("(finite difference)") for r in report.rows):
+            causes.append(
+                "finite differences of a float32 model are approximate where ReLU/max kinks are crossed: if only "
+                "those rows miss by a little, pass fd_tolerances=Tolerances(...) or verify=False"
+            )
+        return report, causes
+
+    return build_artifacts(source, tensors, names, options, out_dir, name or out_dir.name, prove if verify else None)
+
+
+def _load(path: Path) -> onnx.ModelProto:
+    if not path.is_file():
+        raise ModelLoadError(f"ONNX model {path} does not exist.")
+    try:
+        model = onnx.load(path)
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a valid ONNX model: {exc}") from exc
+    if not _inputs(model) or not model.graph.output:
+        raise ModelLoadError(f"{path} has no inputs or no outputs to train.")
+    return model
+
+
+def _inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {i.name for i in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in initializers]
+
+
+def _named_axes(model: onnx.ModelProto) -> dict[str, dict[int, str]]:
+    return {
+        i.name: {a: d.dim_param for a, d in enumerate(i.type.tensor_type.shape.dim) if a and d.dim_param}
+        for i in _inputs(model)
+        if any(a and d.dim_param for a, d in enumerate(i.type.tensor_type.shape.dim))
+    }
+
+
+def onnx_example(model: onnx.ModelProto, seed: int, batch: int = 8) -> dict[str, torch.Tensor]:
+    """Seeded example inputs for ``model``'s inputs (floats: normal; integers: 0 and 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    example = {}
+    for value in _inputs(model):
+        tensor = value.type.tensor_type
+        dims = list(tensor.shape.dim)
+        shape = [batch] + [d.dim_value for d in dims[1:]]
+        if any(s <= 0 for s in shape):
+            raise InputSpecError(
+                f"input {value.name!r} has dynamic dimensions besides the batch; give example inputs "
+                f"(--input {value.name}:8x...:DTYPE)."
+            )
+        dtype = _TORCH.get(tensor.elem_type)
+        if dtype is None:
+            raise InputSpecError(f"input {value.name!r} has an element type ONNX Runtime training cannot feed here.")
+        if dtype.is_floating_point:
+            example[value.name] = torch.randn(shape, generator=generator)
+        else:
+            example[value.name] = torch.randint(0, 2, shape, generator=generator).to(dtype)
+    return example
+
+
+def _with_dynamic_batch(model: onnx.ModelProto) -> onnx.ModelProto:
+    graph = onnx.ModelProto()
+    graph.CopyFrom(model)
+    for value in (*_inputs(graph), *graph.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = BATCH
+    return graph
+
+
+def _describe(model: onnx.ModelProto):  # type: ignore[no-untyped-def]
+    kinds = {n.name: n.op_type for n in model.graph.node}
+    return lambda node: (node, kinds.get(node, "node"))
+
+
+def _prove(
+    work: Path,
+    manifest: Manifest,
+    original: onnx.ModelProto,
+    example: list[torch.Tensor],
+    loss: Loss,
+    loss_index: int,
+    optimizer: AdamW | SGD,
+    tol: Tolerances,
+    fd_tol: Tolerances,
+    seed: int,
+) -> Verification:
+    feeds = [t.numpy() for t in example]
+    targets = make_targets(manifest, loss, axis_sizes(manifest, example), seed)
+    reference = _Reference(original, [p.name for p in manifest.trainable])
+    outputs = reference.outputs(feeds, None)
+    ref_loss = reference.loss(outputs, loss, loss_index, targets)
+    ort = OrtTraining(work, with_optimizer=False).eval_step(feeds + targets)
+    rows = [compare("eval loss", ort[0], np.float32(ref_loss), tol)]
+    by_name = dict(zip(reference.output_names, outputs))
+    rows += [compare(f"eval {s.name}", v, by_name[s.name], tol) for s, v in zip(manifest.outputs, ort[1:])]
+
+    session = OrtTraining(work)
+    session.set_learning_rate(optimizer.lr)
+    fetched = session.train_step(feeds + targets)
+    rows.append(compare("train loss", fetched[0], np.float32(ref_loss), tol))
+    gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+    session.optimizer_step()
+    rng = np.random.default_rng(seed)
+    weights = reference.weights()
+    for spec in manifest.trainable:
+        direction = rng.standard_normal(spec.shape).astype(np.float64)
+        direction /= np.linalg.norm(direction)
+        epsilon = EPSILON * max(1.0, float(np.abs(weights[spec.name]).max()))
+        moved = [
+            reference.loss(reference.outputs(feeds, {spec.name: weights[spec.name] + sign * epsilon * direction}),
+                           loss, loss_index, targets)
+            for sign in (1.0, -1.0)
+        ]  # fmt: skip
+        finite_difference = (moved[0] - moved[1]) / (2 * epsilon)
+        grad = gradients[spec.name]
+        analytic = 0.0 if grad is None else float(np.sum(grad.astype(np.float64) * direction))
+        rows.append(compare(f"grad {spec.name} (finite difference)", np.float64(analytic), finite_difference, fd_tol))
+    params = [torch.from_numpy(weights[p.name].astype(np.float32)).requires_grad_(True) for p in manifest.trainable]
+    for spec, param in zip(manifest.trainable, params):
+        grad = gradients[spec.name]
+        param.grad = torch.zeros_like(param) if grad is None else torch.from_numpy(grad.copy())
+    ReferenceOptimizer(optimizer, params).step()
+    rows += [
+        compare(f"step {s.name}", session.get_parameter(s.name), p.detach().numpy(), tol)
+        for s, p in zip(manifest.trainable, params)
+    ]
+    report = Verification(
+        passed=all(r.passed for r in rows),
+        rows=tuple(rows),
+        note="reference: ONNX Runtime inference of the original model; gradients by central finite differences",
+    )
+    return report
+
+
+class _Reference:
+    """The original model in an ORT inference session whose trainable initializers are inputs."""
+
+    def __init__(self, model: onnx.ModelProto, trainable: list[str]) -> None:
+        import onnxruntime as ort
+
+        graph = onnx.ModelProto()
+        graph.CopyFrom(model)
+        self._weights = {}
+        kept = []
+        for init in graph.graph.initializer:
+            if init.name in trainable:
+                self._weights[init.name] = onnx.numpy_helper.to_array(init).astype(np.float64)
+                graph.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            else:
+                kept.append(init)
+        del graph.graph.initializer[:]
+        graph.graph.initializer.extend(kept)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        try:
+            self._session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ModelLoadError(f"ONNX Runtime cannot run the original model: {ort_error_message(exc)}") from exc
+        self._inputs = [i.name for i in _inputs(model)]
+        self.output_names = [o.name for o in model.graph.output]
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return dict(self._weights)
+
+    def outputs(self, feeds: list[np.ndarray], override: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+        weights = {**self._weights, **(override or {})}
+        run = {**dict(zip(self._inputs, feeds)), **{k: v.astype(np.float32) for k, v in weights.items()}}
+        return self._session.run(self.output_names, run)
+
+    def loss(self, outputs: list[np.ndarray], loss: Loss, index: int, targets: list[np.ndarray]) -> float:
+        target = torch.from_numpy(targets[0]) if targets else None
+        return float(loss.reference(torch.from_numpy(outputs[index]), target))
