@@ -13,8 +13,8 @@ from typing import Callable
 
 import onnx
 
-from ondevice._ort import OrtTraining, ort_error_message
 from ondevice.manifest import Manifest
+from ondevice.session import OrtTraining, ort_error_message
 
 from ._batchnorm import strip_batchnorm_training
 from .errors import ArtifactError, ExportError, UnsupportedOperatorError

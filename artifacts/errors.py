@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ondevice.errors import OdtError
+from ondevice.errors import OdtError, UsageError
 
 __all__ = [
     "ArtifactError",
@@ -25,7 +25,7 @@ class ModelLoadError(ArtifactError, ValueError):
     """The model factory or the weights file cannot be used."""
 
 
-class InputSpecError(ArtifactError, ValueError):
+class InputSpecError(ArtifactError, UsageError, ValueError):
     """An example input is malformed or the model rejects it."""
 
 

@@ -18,8 +18,8 @@ import onnx
 import torch
 from onnx import helper
 
-from ondevice._ort import OrtTraining, ort_error_message
 from ondevice.manifest import BATCH, Manifest, Verification
+from ondevice.session import OrtTraining, ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
 from .errors import InputSpecError, ModelLoadError

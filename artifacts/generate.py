@@ -17,8 +17,7 @@ import onnx
 import torch
 from torch import nn
 
-from ondevice._io import fsync_dir, sha256_file
-from ondevice._ort import ORT_VERSION
+from ondevice.files import fsync_dir, sha256_file
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
@@ -30,6 +29,7 @@ from ondevice.manifest import (
     TensorSpec,
     Verification,
 )
+from ondevice.session import ORT_VERSION
 
 from ._activations import rewrite_activations
 from ._batchnorm import expose_batchnorm_updates

@@ -14,8 +14,8 @@ import onnx
 import torch
 from torch import nn
 
-from ondevice._ort import OrtTraining, ort_error_message
 from ondevice.manifest import Manifest, Verification, VerificationRow
+from ondevice.session import OrtTraining, ort_error_message
 
 from .errors import VerificationError
 from .export import zero_dropout

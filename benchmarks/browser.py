@@ -51,7 +51,7 @@ def measure(name, model, work: Path) -> dict:
 
     from artifacts import generate
     from mobile_bridge import make_bundle
-    from ondevice._ort import OrtTraining
+    from ondevice.session import OrtTraining
 
     artifacts, site = work / name.replace(" ", "_"), work / "site"
     generate(model, {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)

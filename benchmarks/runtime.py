@@ -71,7 +71,7 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
     import numpy as np
 
     from ondevice import Trainer
-    from ondevice._ort import OrtTraining
+    from ondevice.session import OrtTraining
 
     trainer = Trainer.load(artifacts)
     raw = OrtTraining(artifacts)

@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .config import validate
+from .errors import RunConfigError
+
 __all__ = ["register"]
 
 
@@ -55,27 +58,33 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"odt fl: --set needs KEY=VALUE, got {item!r}")
-        config[key] = _scalar(value)
-    return config
+            raise RunConfigError(f"--set needs KEY=VALUE, got {item!r}.")
+        config[key] = value  # typed by the schema
+    return validate(config)
 
 
-def _scalar(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+def _check_paths(config: dict[str, Any]) -> None:
+    """Artifacts and data must be there before any Flower process starts."""
+    from ondevice.errors import OdtError
+    from ondevice.manifest import Manifest
+
+    try:
+        Manifest.load(config["artifacts"])
+    except OdtError as exc:
+        raise RunConfigError(f"run config 'artifacts': {exc}") from exc
+    missing = [n for n in ("train.npz", "test.npz") if not (Path(config["data"]) / n).is_file()]
+    if missing:
+        raise RunConfigError(
+            f"run config 'data': {config['data']} has no {' or '.join(missing)} "
+            "(the shared training data clients partition, and the server's test set)."
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ondevice.manifest import Manifest
-
     from .runner import deploy, simulate
 
     config = _config(args)
-    Manifest.load(config["artifacts"])  # a clear error here beats one from every node
+    _check_paths(config)  # a clear error in a second beats one from every node after Flower started
     work = Path(config["output"]) / "logs"
     if args.mode == "simulate":
         report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else _echo)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ondevice.errors import OdtError
+from ondevice.errors import OdtError, UsageError
 
-__all__ = ["FederatedError", "PartitionError", "CodecError", "ArtifactMismatchError", "DeployError"]
+__all__ = ["FederatedError", "PartitionError", "CodecError", "ArtifactMismatchError", "DeployError", "RunConfigError"]
 
 
 class FederatedError(OdtError):
@@ -25,3 +25,7 @@ class ArtifactMismatchError(FederatedError, ValueError):
 
 class DeployError(FederatedError, RuntimeError):
     """A SuperLink/SuperNode process could not be started or did not finish the run."""
+
+
+class RunConfigError(FederatedError, UsageError, ValueError):
+    """A run-config key that does not exist, or a value of the wrong type or out of range."""

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ondevice._io import atomic_write_bytes
+from ondevice.files import atomic_write_bytes
 
 __all__ = ["round_rows", "write_report", "save_weights"]
 

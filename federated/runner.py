@@ -17,8 +17,9 @@ __all__ = ["simulate", "deploy", "supernode_command", "register_node", "APP_DIR"
 
 log = logging.getLogger(__name__)
 
-APP_DIR = Path(__file__).resolve().parents[1]
-"""The Flower app is this source tree (its pyproject.toml has [tool.flwr.app])."""
+APP_DIR = Path(__file__).resolve().parent / "app"
+"""The Flower app: a folder with only its pyproject.toml ([tool.flwr.app]) and licence, shipped
+inside the package; the components it names are this installed package."""
 
 
 def _run_config(values: Mapping[str, Any]) -> str:

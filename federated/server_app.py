@@ -14,8 +14,9 @@ from ondevice.data import load_npz
 
 from .buffers import split_state
 from .errors import FederatedError
+from .protocol import from_arrays, to_arrays
 from .report import round_rows, save_weights, write_report
-from .strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
+from .strategy import GuardedStrategy, make_strategy
 from .task import Settings
 
 __all__ = ["app"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
@@ -27,14 +27,15 @@ from ondevice.manifest import Manifest
 
 from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
+from .config import STRATEGIES
 from .errors import FederatedError
-from .validation import hash_tag, update_problem
+from .protocol import from_arrays, hash_tag, to_arrays
+from .validation import update_problem
 
-__all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy", "to_arrays", "from_arrays"]
+__all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy"]
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedmedian", "fedtrimmedavg", "krum")
 
 
 def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **options: float) -> Strategy:
@@ -81,14 +82,6 @@ def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **o
             strategy, noise_multiplier=dp_noise, clipping_norm=dp_clip, num_sampled_clients=min_nodes
         )
     return strategy
-
-
-def to_arrays(weights: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in weights.items()})
-
-
-def from_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: array.numpy() for name, array in record.items()}
 
 
 @dataclass

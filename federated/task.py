@@ -2,63 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from ondevice import Trainer
-from ondevice._io import sha256_file
 from ondevice.data import load_npz
+from ondevice.files import sha256_file
 from ondevice.manifest import MANIFEST_NAME
 
+from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError
 from .partition import partition
 
 __all__ = ["Settings", "node_trainer", "node_data", "manifest_sha256"]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The run config (``[tool.flwr.app.config]``) with types; every key has a default."""
-
-    num_server_rounds: int = 5
-    local_epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.003
-    strategy: str = "fedavg"
-    fraction_train: float = 1.0
-    min_nodes: int = 2
-    proximal_mu: float = 0.0
-    server_lr: float = 1.0
-    server_momentum: float = 0.9
-    trimmed_beta: float = 0.2
-    dp_noise: float = 0.0
-    dp_clip: float = 0.0
-    dp_mode: str = "server"
-    partitioning: str = "iid"
-    dirichlet_alpha: float = 0.5
-    seed: int = 0
-    codec: str = "none"
-    artifacts: str = "out/digits/artifacts"
-    data: str = "out/digits/data"
-    output: str = "out/federated"
-    max_examples: int = 100_000
-    round_timeout: float = 120.0
-    save_updates: bool = False
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Settings:
-        known = cls.__dataclass_fields__
-        values = {}
-        for key, value in config.items():
-            name = key.replace("-", "_")
-            if name in known:
-                kind = type(getattr(cls, name))
-                text = isinstance(value, str)
-                values[name] = value.lower() in ("1", "true", "yes") if kind is bool and text else kind(value)
-        return cls(**values)
 
 
 def manifest_sha256(artifacts: str | Path) -> str:

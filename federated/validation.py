@@ -8,12 +8,7 @@ import numpy as np
 
 from ondevice.manifest import Manifest
 
-__all__ = ["update_problem", "hash_tag"]
-
-
-def hash_tag(manifest_sha256: str) -> int:
-    """The manifest hash as an integer that fits a Flower MetricRecord (first 52 bits)."""
-    return int(manifest_sha256[:13], 16)
+__all__ = ["update_problem"]
 
 
 def update_problem(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice._io import fsync_dir, sha256_file
+from ondevice.files import fsync_dir, sha256_file
 from ondevice.manifest import MANIFEST_NAME
 
 from .errors import BundleError, SignatureError

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 
-from federated.codec import encode, payload_bytes
-from federated.strategy import from_arrays, to_arrays
+from federated.codec import encode
+from federated.protocol import ARRAYS, CONFIG, flatten, from_arrays, train_reply, unflatten
 from federated.task import Settings, manifest_sha256
-from federated.validation import hash_tag
 from ondevice import Manifest
 
 from .errors import BridgeError
@@ -57,13 +56,13 @@ def relay_train(msg: Message, context: Context) -> Message:
     url = str(node["bridge-url"]).rstrip("/")
     device = str(node["bridge-device"])
     secret = str(node.get("bridge-secret") or os.environ.get("ODT_BRIDGE_SECRET", ""))
-    config = msg.content["config"]
+    config = msg.content[CONFIG]
     artifacts = Path(str(node.get("artifacts", settings.artifacts)))
     if manifest_sha256(artifacts) != str(config["manifest-sha256"]):
         raise BridgeError(f"relay {device}: its artifacts differ from the server's; copy the server's artifacts.")
     manifest = Manifest.load(artifacts)
-    global_weights = from_arrays(msg.content["arrays"])
-    flat = np.concatenate([global_weights[p.name].astype("<f4").ravel() for p in manifest.trainable])
+    global_weights = from_arrays(msg.content[ARRAYS])
+    flat = flatten(manifest, global_weights)
     timeout = max(1.0, settings.round_timeout - 5.0)
     task = {
         "artifacts_sha256": str(config["manifest-sha256"]),
@@ -95,18 +94,17 @@ def _reply(
     sha: str,
 ) -> Message:
     flat = np.frombuffer(base64.b64decode(update["weights_b64"]), dtype="<f4")
-    weights = {
-        p.name: flat[p.offset : p.offset + p.size].reshape(p.shape).astype(np.float32) for p in manifest.trainable
-    }
-    payload = encode(weights, global_weights, codec)
+    # weights only: a device trains no BatchNorm statistics, the server pools the Python clients'
+    payload = encode(unflatten(manifest, flat), global_weights, codec)
     device = update.get("metrics", {})
-    # The same keys as a Python client's reply: Flower aggregates metric records key by key.
-    metrics = {
-        "num-examples": int(update["num_examples"]),
-        "train-loss": float(device.get("train-loss", float("nan"))),
-        "train-accuracy": float(device.get("train-accuracy", float("nan"))),
-        "skipped-steps": int(device.get("skipped-steps", 0)),
-        "bytes-up": payload_bytes(payload),
-        "manifest-tag": hash_tag(sha),
-    }
-    return Message(RecordDict({"arrays": to_arrays(payload), "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return train_reply(
+        msg,
+        payload,
+        int(update["num_examples"]),
+        sha,
+        **{
+            "train-loss": float(device.get("train-loss", float("nan"))),
+            "train-accuracy": float(device.get("train-accuracy", float("nan"))),
+            "skipped-steps": int(device.get("skipped-steps", 0)),
+        },
+    )

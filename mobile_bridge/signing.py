@@ -9,7 +9,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ondevice._io import atomic_write_bytes
+from ondevice.files import atomic_write_bytes
 
 from .errors import SignatureError
 

@@ -9,6 +9,7 @@ from .errors import (
     OdtError,
     OndeviceError,
     SchemaVersionError,
+    UsageError,
     VersionMismatchError,
     WeightsError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "Predictor",
     "OdtError",
     "OndeviceError",
+    "UsageError",
     "ManifestError",
     "SchemaVersionError",
     "ArtifactIntegrityError",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ._io import fsync_dir
-from ._ort import C, OrtTraining, ort_error_message
 from .errors import CheckpointError
+from .files import fsync_dir
+from .session import C, OrtTraining, ort_error_message
 
 __all__ = ["save_state", "read_property", "export_inference"]
 

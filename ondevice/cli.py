@@ -9,7 +9,7 @@ import sys
 from importlib.metadata import entry_points
 from typing import Sequence
 
-from .errors import OdtError
+from .errors import OdtError, UsageError
 
 __all__ = ["main", "register_inspect", "register_train", "register_evaluate", "register_export"]
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     except Exception as exc:
         if args.debug:
             raise

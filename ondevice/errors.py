@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "OdtError",
+    "UsageError",
     "OndeviceError",
     "ManifestError",
     "SchemaVersionError",
@@ -18,6 +19,10 @@ __all__ = [
 
 class OdtError(Exception):
     """Root of every error the SDK raises on purpose; the CLI shows these as one line."""
+
+
+class UsageError(OdtError):
+    """The caller asked for something invalid (an option, a format, a value): the CLI exits 2."""
 
 
 class OndeviceError(OdtError):
@@ -52,5 +57,5 @@ class CheckpointError(OndeviceError, ValueError):
     """A checkpoint is missing, truncated, from other artifacts, or cannot be written."""
 
 
-class ConfigError(OndeviceError, ValueError):
+class ConfigError(OndeviceError, UsageError, ValueError):
     """An option is out of range or of the wrong kind (epochs, batch size, learning rate, schedule)."""

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._io import atomic_write_bytes, sha256_file
 from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
+from .files import atomic_write_bytes, sha256_file
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -7,10 +7,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ._ort import ort, ort_error_message, session_options
 from .data import check_data
 from .errors import OndeviceError
 from .manifest import Manifest
+from .session import ort, ort_error_message, session_options
 
 __all__ = ["Predictor"]
 

@@ -12,13 +12,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._io import sha256_file
 from ._metrics import Meter, flatten_weights
-from ._ort import ORT_VERSION, C, OrtTraining, ort_error_message
 from .data import batches, check_data
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
+from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
+from .session import ORT_VERSION, C, OrtTraining, ort_error_message
 
 __all__ = ["Trainer", "StepResult", "History"]
 

@@ -11,9 +11,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from federated.client_app import app as client_app
 from federated.codec import encode
 from federated.errors import ArtifactMismatchError
-from federated.strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
+from federated.protocol import from_arrays, hash_tag, to_arrays
+from federated.strategy import GuardedStrategy, make_strategy
 from federated.task import manifest_sha256
-from federated.validation import hash_tag
 from ondevice import Manifest, Trainer
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
-from federated.runner import deploy, simulate, supernode_command
+from federated.runner import APP_DIR, deploy, simulate, supernode_command
 from federated.tls import make_node_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,15 +135,26 @@ def _flower_on_path(monkeypatch):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_flwr_run_dot_runs_a_local_simulation(digits_artifacts, data_dir, tmp_path):
-    """Flower's own runner on this repo: `flwr run . --stream` with its managed local SuperLink."""
+def test_flwr_run_runs_the_app_folder(digits_artifacts, data_dir, tmp_path):
+    """Flower's own runner on the app folder: `flwr run federated/app --stream` with its managed SuperLink.
+
+    What Flower packages is the app folder alone: its pyproject.toml and licence.
+    """
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk  # what `flwr run` packages and ships to every node
+
+    fab = zipfile.ZipFile(io.BytesIO(build_fab_from_disk(APP_DIR)))
+    assert sorted(fab.namelist()) == [".info/CONTENT", "LICENSE", "pyproject.toml"]
     home = tmp_path / "flwr-home"
     env = flower_env(home)
     config = _config(digits_artifacts, data_dir, tmp_path / "out")
     overrides = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in config.items())
-    command = ["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=3", "--run-config", overrides]
+    command = ["flwr", "run", str(APP_DIR), "--stream", "--federation-config", "num-supernodes=3",
+               "--run-config", overrides]  # fmt: skip
     try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     finally:
         for pid in started_by(str(home)):  # Flower leaves its managed SuperLink running: stop it
             os.kill(pid, signal.SIGKILL)

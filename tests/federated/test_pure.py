@@ -8,7 +8,7 @@ import pytest
 from federated.codec import decode, encode, payload_bytes
 from federated.errors import CodecError, PartitionError
 from federated.partition import dirichlet, iid, partition
-from federated.validation import hash_tag, update_problem
+from federated.protocol import hash_tag, update_problem
 from ondevice.manifest import Manifest
 
 LABELS = np.repeat(np.arange(10), 50)

@@ -14,10 +14,10 @@ from torch import nn
 from artifacts import generate
 from federated.buffers import average_buffers, split_state
 from federated.codec import encode
+from federated.protocol import from_arrays, hash_tag, to_arrays
 from federated.runner import simulate
-from federated.strategy import GuardedStrategy, from_arrays, make_strategy, to_arrays
+from federated.strategy import GuardedStrategy, make_strategy
 from federated.task import manifest_sha256
-from federated.validation import hash_tag
 from ondevice import Manifest, Predictor, Trainer
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mobile_bridge import keygen, make_bundle
-from ondevice._ort import OrtTraining
+from ondevice.session import OrtTraining
 
 WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
 mimetypes.add_type("text/javascript", ".mjs")

@@ -9,8 +9,8 @@ import pytest
 
 from mobile_bridge import BundleError, SignatureError, keygen, load_trainer, make_bundle, verify_bundle
 from ondevice import Trainer, lr_at
-from ondevice._ort import OrtTraining
 from ondevice.cli import main
+from ondevice.session import OrtTraining
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,7 @@ def test_cli_bad_training_options_are_typed_errors(digits_artifacts, digits_data
     np.savez(tmp_path / "train.npz", **_good(digits_data, 64))
     for option, message in (("--epochs", "epochs must be an integer >= 1"), ("--lr", "schedule needs base > 0")):
         argv = ["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), option, "0"]
-        assert main(argv) == 1
+        assert main(argv) == 2  # a usage error
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "unexpected" not in err, err
 
@@ -222,7 +222,7 @@ def test_cli_resume_continues_the_checkpoints_cosine(digits_artifacts, digits_da
     base = ["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--checkpoint", str(tmp_path)]
     assert main([*base, "--epochs", "2", "--schedule", "cosine", "--lr", "0.01", "--batch-size", "16"]) == 0
     capsys.readouterr()
-    assert main([*base, "--epochs", "3", "--resume", "--batch-size", "16"]) == 1
+    assert main([*base, "--epochs", "3", "--resume", "--batch-size", "16"]) == 2
     assert "the cosine schedule spans 8 optimizer steps, but training to epoch 3 takes 12" in capsys.readouterr().err
     resumed = Trainer.load(digits_artifacts, checkpoint=tmp_path / "latest.ckpt")
     assert resumed.schedule == Schedule("cosine", 0.01, total=8) and resumed.epoch == 2

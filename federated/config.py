@@ -1,0 +1,159 @@
+"""The run config: one typed schema with defaults, ranges and help.
+
+The ClientApp and ServerApp read ``Settings`` from it, ``odt fl`` validates against it before
+any process starts, and the Flower app's ``[tool.flwr.app.config]`` table is checked against it
+(``odt fl config`` prints that table).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Mapping
+
+from .errors import RunConfigError
+
+__all__ = ["KEYS", "Key", "Settings", "validate", "app_config_toml"]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One run-config key: its type, default, allowed values and what it does."""
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    low: float | None = None  # inclusive unless low_open
+    high: float | None = None  # inclusive unless high_open
+    low_open: bool = False
+    high_open: bool = False
+
+    @property
+    def attr(self) -> str:
+        return self.name.replace("-", "_")
+
+    def check(self, value: Any) -> Any:
+        """``value`` as this key's type, or a RunConfigError that says what is allowed."""
+        value = _cast(self, value)
+        if self.choices and value not in self.choices:
+            raise RunConfigError(f"run config {self.name!r} must be one of {list(self.choices)}, got {value!r}.")
+        if self.kind in (int, float):
+            if not math.isfinite(value):
+                raise RunConfigError(f"run config {self.name!r} must be finite, got {value!r}.")
+            below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+            above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+            if below or above:
+                raise RunConfigError(f"run config {self.name!r} must be {self.range()}, got {value!r}.")
+        return value
+
+    def range(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts) or "any number"
+
+
+def _cast(key: Key, value: Any) -> Any:
+    if key.kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise RunConfigError(f"run config {key.name!r} must be true or false, got {value!r}.")
+    if key.kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise RunConfigError(f"run config {key.name!r} must be an integer, got {value!r}.")
+    if key.kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise RunConfigError(f"run config {key.name!r} must be a number, got {value!r}.") from None
+    if not isinstance(value, str):
+        raise RunConfigError(f"run config {key.name!r} must be text, got {value!r}.")
+    return value
+
+
+STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedmedian", "fedtrimmedavg", "krum")
+
+KEYS: tuple[Key, ...] = (
+    Key("num-server-rounds", int, 5, "federated rounds", low=1),
+    Key("local-epochs", int, 1, "epochs each client trains per round", low=1),
+    Key("batch-size", int, 32, "client batch size", low=1),
+    Key("lr", float, 0.003, "client learning rate", low=0, low_open=True),
+    Key("strategy", str, "fedavg", "Flower strategy", choices=STRATEGIES),
+    Key("fraction-train", float, 1.0, "share of nodes sampled per round", low=0, high=1, low_open=True),
+    Key("min-nodes", int, 2, "nodes a round needs", low=1),
+    Key("proximal-mu", float, 0.01, "fedprox: proximal term weight", low=0),
+    Key("server-lr", float, 1.0, "fedavgm: server learning rate", low=0, low_open=True),
+    Key("server-momentum", float, 0.9, "fedavgm: server momentum", low=0, high=1, high_open=True),
+    Key("trimmed-beta", float, 0.2, "fedtrimmedavg: share trimmed at each end", low=0, high=0.5, high_open=True),
+    Key("dp-noise", float, 0.0, "> 0 with dp-clip: Flower's fixed-clipping differential privacy", low=0),
+    Key("dp-clip", float, 0.0, "clipping norm for differential privacy", low=0),
+    Key("dp-mode", str, "server", "server: the server clips; client: clients clip", choices=("server", "client")),
+    Key("partitioning", str, "iid", "how the shared train.npz is split", choices=("iid", "dirichlet")),
+    Key("dirichlet-alpha", float, 0.5, "label skew of dirichlet partitions", low=0, low_open=True),
+    Key("seed", int, 0, "partitions, client data order, sampling", low=0),
+    Key("codec", str, "none", "update encoding: full float32 or fp16/int8 deltas", choices=("none", "fp16", "int8")),
+    Key("artifacts", str, "out/digits/artifacts", "artifact directory (relative to where the apps run)"),
+    Key("data", str, "out/digits/data", "directory with train.npz and test.npz"),
+    Key("output", str, "out/federated", "where metrics.json, rounds.png and the global model go"),
+    Key("max-examples", int, 100_000, "largest example count a reply may claim", low=1),
+    Key("round-timeout", float, 120.0, "seconds to wait for replies", low=0, low_open=True),
+    Key("save-updates", bool, False, "also write every accepted client update to OUTPUT/updates/"),
+)
+BY_NAME = {k.name: k for k in KEYS}
+
+Settings = make_dataclass(
+    "Settings",
+    [(k.attr, k.kind, field(default=k.default)) for k in KEYS],
+    frozen=True,
+    namespace={
+        "__doc__": "The run config with types; every key has a default (see federated.config.KEYS).",
+        "__module__": __name__,
+        "from_config": classmethod(lambda cls, config: cls(**_attrs(validate(config)))),
+    },
+)
+
+
+def _attrs(checked: Mapping[str, Any]) -> dict[str, Any]:
+    return {BY_NAME[name].attr: value for name, value in checked.items()}
+
+
+def validate(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Typed, range-checked values of ``config``; an unknown key names the closest valid one."""
+    checked = {}
+    for name, value in config.items():
+        key = BY_NAME.get(name)
+        if key is None:
+            close = difflib.get_close_matches(name, BY_NAME, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(BY_NAME)}."
+            raise RunConfigError(f"unknown run config key {name!r}.{hint}")
+        checked[name] = key.check(value)
+    return checked
+
+
+def app_config_toml() -> str:
+    """The ``[tool.flwr.app.config]`` table of the defaults, with each key's help as a comment."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f'"{value}"' if isinstance(value, str) else repr(value)
+
+    lines = ["[tool.flwr.app.config]"]
+    for key in KEYS:
+        assignment = f"{key.name} = {text(key.default)}"
+        lines.append(f"{assignment:<40} # {key.help}")
+    return "\n".join(lines) + "\n"
