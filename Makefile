@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean chromium
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,20 +15,37 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-# The browser client's pinned npm packages (onnxruntime-web, playwright-core), from the lock file.
+# The browser client's pinned npm packages (onnxruntime-web, playwright-core), from the lock file;
+# the three onnxruntime-web files the client loads go to $(WEB)/ort, which the wheel ships.
+ORT_DIST := $(WEB)/node_modules/onnxruntime-web/dist
 $(WEB_STAMP): $(WEB)/package-lock.json
 	cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error
+	mkdir -p $(WEB)/ort
+	cp $(ORT_DIST)/ort.training.wasm.min.mjs $(ORT_DIST)/ort-training-wasm-simd-threaded.mjs \
+	   $(ORT_DIST)/ort-training-wasm-simd-threaded.wasm $(WEB)/ort/
+	cp $(WEB)/node_modules/onnxruntime-web/package.json $(WEB)/ort/onnxruntime-web.package.json  # version, MIT licence
 	touch $@
 
 demo: $(STAMP)
 	$(PY) samples/digits/run.py --out $(OUT)/digits
 
-test: $(STAMP) $(WEB_STAMP)
+# The browser tests drive Debian's Chromium: installed here when running as root, else one line saying how.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "make test needs Chromium for the browser tests: run 'sudo apt-get install -y chromium', then make test again" >&2; \
+	    exit 1; \
+	  fi; }
+
+test: $(STAMP) $(WEB_STAMP) chromium
 	$(VENV)/bin/ruff check artifacts ondevice samples benchmarks tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP) $(WEB_STAMP)
-	$(VENV)/bin/odt bench
+	$(PY) -m benchmarks
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/federation.py

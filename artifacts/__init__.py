@@ -1,5 +1,10 @@
 """Workstation side: PyTorch model to verified ONNX Runtime training artifacts."""
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import (
     ArtifactError,
     ExportError,
@@ -11,10 +16,20 @@ from .errors import (
     UnsupportedOperatorError,
     VerificationError,
 )
-from .generate import generate
-from .losses import L1, MSE, BCEWithLogits, CrossEntropy, CustomLoss, ModelLoss
-from .optimizers import SGD, AdamW
-from .verify import Tolerances
+
+# Everything else loads on first use, so `import PACKAGE` (and `odt --help`) stays cheap.
+_LAZY = {
+    "generate": ".build",
+    "L1": ".losses",
+    "MSE": ".losses",
+    "BCEWithLogits": ".losses",
+    "CrossEntropy": ".losses",
+    "CustomLoss": ".losses",
+    "ModelLoss": ".losses",
+    "SGD": ".optimizers",
+    "AdamW": ".optimizers",
+    "Tolerances": ".verify",
+}
 
 __all__ = [
     "generate",
@@ -37,3 +52,15 @@ __all__ = [
     "UnsupportedOperatorError",
     "VerificationError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,4 +1,4 @@
-"""`odt generate`: maps command-line options onto `artifacts.generate` (torch is imported lazily)."""
+"""`odt generate`: maps command-line options onto `artifacts.build` (torch is imported lazily)."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
 
 
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
-    from .generate import generate
+    from .build import generate
     from .loading import dynamic_axes_of
     from .losses import loss_from_name
     from .optimizers import optimizer_from_name

@@ -1,6 +1,6 @@
 """Start from an existing ONNX model instead of a PyTorch module.
 
-The same losses, optimizers, selection and manifest as :func:`artifacts.generate`. With no
+The same losses, optimizers, selection and manifest as :func:`artifacts.build`. With no
 PyTorch model to compare against, the proof uses ONNX Runtime inference of the ORIGINAL file:
 the eval graph's outputs and loss against it, each trainable tensor's gradient against central
 finite differences of the original model's loss along a random direction, and the optimizer
@@ -22,8 +22,8 @@ from ondevice.manifest import BATCH, Manifest, Verification
 from ondevice.session import OrtTraining, ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
+from .build import Source, _check_output, _dynamic_axes, _Options, build_artifacts
 from .errors import InputSpecError, ModelLoadError
-from .generate import Source, _check_output, _dynamic_axes, _Options, build_artifacts
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets, merge_reports

@@ -1,19 +1,22 @@
-"""`odt bench`: the side-by-side benchmark against PyTorch (benchmarks.compare)."""
+"""`python -m benchmarks` (`make bench`): the side-by-side benchmark against PyTorch (benchmarks.compare).
+
+Benchmarks live in the repository, not in the wheel: they need the test models and the samples.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-__all__ = ["register"]
+__all__ = ["main"]
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("bench", help="SDK trainer vs PyTorch eager on the benchmark models")
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description="SDK trainer vs PyTorch eager")
     p.add_argument("--quick", action="store_true", help="two small models and few steps (a smoke pass)")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
     p.add_argument("--out", default="benchmarks/results", help="where bench.json/.md/.png go")
-    p.set_defaults(run=_run)
+    return _run(p.parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`odt bench`: the SDK's trainer against PyTorch eager, side by side in one run, per model.
+"""`python -m benchmarks`: the SDK's trainer against PyTorch eager, side by side in one run, per model.
 
 Same initial weights, batches and thread count; PyTorch uses a foreach AdamW with ORT's
 (Hugging Face) semantics. Blocks of steps alternate between the two sides; figures are medians.

@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import IO, Sequence
 
 from .errors import DeployError
 
-__all__ = ["ProcessGroup", "free_port", "flower_env", "wait_healthy", "started_by"]
+__all__ = ["ProcessGroup", "Terminated", "free_port", "flower_env", "wait_healthy", "started_by"]
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,22 @@ def _tail(path: Path, lines: int = 5) -> str:
         return "(no log)"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived (``timeout``, CI cancellation, a service manager, a closed terminal):
+    handled like Ctrl-C, so every process is stopped on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 class ProcessGroup:
-    """Processes started in their own sessions; leaving the block (also by error or Ctrl-C)
-    terminates each whole process group by PID, then kills what is still alive."""
+    """Processes started in their own sessions; leaving the block (also by error, Ctrl-C, SIGTERM
+    or SIGHUP) terminates each whole process group by PID, then kills what is still alive."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
@@ -77,6 +91,7 @@ class ProcessGroup:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.port: int | None = None  # the SuperLink's, once started
         self._logs: list[IO[bytes]] = []
+        self._previous: dict[int, object] = {}  # signal handlers replaced while the group runs
 
     def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
         handle = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -126,10 +141,17 @@ class ProcessGroup:
             handle.close()
 
     def __enter__(self) -> ProcessGroup:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._previous[sig] = signal.signal(sig, _raise_terminated)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

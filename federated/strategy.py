@@ -37,7 +37,6 @@ __all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy"]
 log = logging.getLogger(__name__)
 
 
-
 def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **options: float) -> Strategy:
     """One of Flower's strategies by name; ``options`` are the strategy's own (e.g. proximal_mu).
 

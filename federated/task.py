@@ -14,7 +14,7 @@ from ondevice.manifest import MANIFEST_NAME
 
 from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError
-from .partition import partition
+from .partitions import partition
 
 __all__ = ["Settings", "node_trainer", "node_data", "manifest_sha256"]
 

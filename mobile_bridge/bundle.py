@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice.files import fsync_dir, sha256_file
+from ondevice.files import fsync_dir, public_mode, sha256_file
 from ondevice.manifest import MANIFEST_NAME
 
 from .errors import BundleError, SignatureError
@@ -104,6 +104,7 @@ def make_bundle(
             (work / SIGNATURE).write_bytes(sign(text, sign_key))
         if target.exists():
             shutil.rmtree(target)
+        os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
         os.rename(work, target)
         fsync_dir(target.parent)
     except BaseException:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
@@ -248,8 +248,14 @@ def create_app(
             return Response(status_code=410 if task.deadline <= time.time() else 204)
         return task.update.model_dump()
 
+    @app.get("/", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse("/web/")
+
     web = Path(__file__).resolve().parent / "web"
-    if (web / "node_modules" / "onnxruntime-web" / "dist").is_dir():
-        app.mount("/web/ort", StaticFiles(directory=web / "node_modules" / "onnxruntime-web" / "dist"), name="ort")
+    # The wheel ships web/ort (copied by `make` from the npm lock); a fresh checkout has node_modules only.
+    ort_files = next((d for d in (web / "ort", web / "node_modules" / "onnxruntime-web" / "dist") if d.is_dir()), None)
+    if ort_files is not None:
+        app.mount("/web/ort", StaticFiles(directory=ort_files), name="ort")
     app.mount("/web", StaticFiles(directory=web, html=True), name="web")
     return app

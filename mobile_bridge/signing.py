@@ -24,7 +24,7 @@ def keygen(path: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, 
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     private.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(private, pem)
+    atomic_write_bytes(private, pem, secret=True)
     private.chmod(0o600)
     spki = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     atomic_write_bytes(public, spki)

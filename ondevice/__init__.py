@@ -1,5 +1,10 @@
 """On-device runtime: train ONNX Runtime training artifacts with numpy and ORT only (never torch)."""
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import (
     ArtifactIntegrityError,
     CheckpointError,
@@ -13,10 +18,17 @@ from .errors import (
     VersionMismatchError,
     WeightsError,
 )
-from .manifest import Manifest
-from .predict import Predictor
-from .schedules import Schedule, lr_at
-from .trainer import History, StepResult, Trainer
+
+# Everything else loads on first use, so `import PACKAGE` (and `odt --help`) stays cheap.
+_LAZY = {
+    "Manifest": ".manifest",
+    "Predictor": ".predict",
+    "Schedule": ".schedules",
+    "lr_at": ".schedules",
+    "History": ".trainer",
+    "StepResult": ".trainer",
+    "Trainer": ".trainer",
+}
 
 __all__ = [
     "Trainer",
@@ -38,3 +50,15 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

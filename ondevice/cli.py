@@ -5,21 +5,36 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from importlib.metadata import entry_points
 from typing import Sequence
 
 from .errors import OdtError, UsageError
 
-__all__ = ["main", "register_inspect", "register_train", "register_evaluate", "register_export"]
+__all__ = [
+    "main",
+    "register_inspect",
+    "register_train",
+    "register_evaluate",
+    "register_export",
+    "register_predict",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``odt``: exit 0 on success, 1 on a reported failure, 2 on a usage error."""
+    """Run ``odt``: exit 0 on success, 1 on a reported failure, 2 on a usage error.
+
+    ``--debug`` may stand anywhere; with ``--json`` an error is printed as JSON on stdout.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(
         prog="odt", description="Generate, verify and train ONNX Runtime training artifacts on devices."
     )
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks and debug logs")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks and debug logs (anywhere)")
+    parser.add_argument("--version", action="version", version=f"odt {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for entry in sorted(entry_points(group="odt.commands"), key=lambda e: e.name):
         try:
@@ -27,22 +42,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:  # an optional extra is not installed: say so when it is used
             _unavailable(commands, entry.name, exc)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return int(args.run(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP where a command handles them the same way
         print("interrupted", file=sys.stderr)
-        return 130
-    except OdtError as exc:
-        if args.debug:
+        return 128 + int(getattr(exc, "signum", 2))
+    except BrokenPipeError:  # `odt inspect --json | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except ModuleNotFoundError as exc:
+        if debug or exc.name is None or exc.name.split(".")[0] not in _EXTRAS:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    except Exception as exc:
-        if args.debug:
-            raise
-        print(f"error: unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", file=sys.stderr)
+        extra = _EXTRAS[exc.name.split(".")[0]]
+        print(f"error: `odt {args.command}` needs {exc.name}, which is not installed. "
+              f"Install it with: pip install 'ondevice-training[{extra}]'", file=sys.stderr)  # fmt: skip
         return 1
+    except Exception as exc:
+        if debug:
+            raise
+        expected = isinstance(exc, OdtError)
+        code = 2 if isinstance(exc, UsageError) else 1
+        message = (
+            str(exc) if expected else f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        )
+        if getattr(args, "json", False):
+            print(json.dumps({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}}))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return code
+
+
+_EXTRAS = {
+    "torch": "workstation",
+    "onnx": "workstation",
+    "flwr": "federated",
+    "matplotlib": "federated",
+    "fastapi": "bridge",
+    "uvicorn": "bridge",
+    "cryptography": "bridge",
+    "pydantic": "bridge",
+    "sklearn": "samples",
+}
+"""A missing third-party module -> the extra that brings it."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ondevice-training")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _unavailable(commands: argparse._SubParsersAction, name: str, exc: ImportError) -> None:
@@ -89,7 +140,9 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--warmup", type=int, help="linear warm-up steps for linear/cosine (default 0)")
     p.add_argument(
-        "--checkpoint", metavar="CKPT_DIR", help="save CKPT_DIR/latest.ckpt after every epoch (default: no checkpoint)"
+        "--checkpoint",
+        metavar="CKPT_DIR",
+        help="save CKPT_DIR/latest.ckpt after every epoch (default: ./DIRECTORY-NAME.ckpt/, with a warning)",
     )
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.ckpt")
     p.add_argument("--seed", type=int, help="data order and dropout seed (default 0; with --resume, the checkpoint's)")
@@ -120,6 +173,62 @@ def register_export(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_export)
 
 
+def register_predict(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("predict", help="run a trained model (artifacts or an exported .onnx) on .npz data")
+    p.add_argument("model", help="artifact directory, or an .onnx file from `odt export` (then give --artifacts)")
+    p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names (labels not needed)")
+    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="with an artifact directory: CKPT_DIR/latest.ckpt")
+    p.add_argument("--artifacts", help="with an .onnx file: the artifact directory it came from (its manifest)")
+    p.add_argument("--out", help="also write every output to this .npz (default: print only)")
+    p.add_argument("--json", action="store_true", help="print every output as JSON")
+    p.set_defaults(run=_run_predict)
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from .data import load_npz
+    from .errors import ConfigError
+    from .manifest import Manifest
+    from .predict import Predictor
+    from .trainer import Trainer
+
+    data = load_npz(args.data)
+    with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
+        if args.model.endswith(".onnx"):
+            if not args.artifacts:
+                raise ConfigError("an .onnx model needs --artifacts DIR (the artifacts it was exported from).")
+            manifest, model = Manifest.load(args.artifacts), args.model
+        else:
+            trainer = Trainer.load(args.model, checkpoint=_checkpoint_file(args.checkpoint))
+            manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
+        outputs = Predictor(model, manifest).predict(data)
+    if args.out:
+        from .files import atomic_write_bytes
+
+        buffer = __import__("io").BytesIO()
+        np.savez(buffer, **outputs)
+        atomic_write_bytes(args.out, buffer.getvalue())
+    if args.json:
+        print(json.dumps({name: value.tolist() for name, value in outputs.items()}))
+        return 0
+    scores = outputs.get(manifest.loss_input or "")
+    if manifest.num_classes is not None and scores is not None:
+        shifted = np.exp(scores - scores.max(-1, keepdims=True))
+        probabilities = shifted / shifted.sum(-1, keepdims=True)
+        for index, (label, p) in enumerate(zip(scores.argmax(-1), probabilities.max(-1))):
+            print(f"{index}\tclass {label}\t(p={p:.3f})")
+    else:
+        for name, value in outputs.items():
+            print(f"{name}: shape {value.shape}, first {np.ravel(value)[:5].tolist()}")
+    if args.out:
+        print(f"outputs: {args.out}")
+    return 0
+
+
 def _checkpoint_file(directory: str | None) -> str | None:
     from pathlib import Path
 
@@ -141,6 +250,11 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     train = load_npz(args.data)
     val = load_npz(args.val) if args.val else None
+    named = bool(args.checkpoint)
+    if not named:  # never throw the trained weights away
+        from pathlib import Path
+
+        args.checkpoint = f"{Path(args.directory).resolve().name}.ckpt"
     size = len(next(iter(train.values()))) if train else 0
     steps = args.epochs * math.ceil(math.ceil(size / max(args.batch_size, 1)) / max(args.accumulate, 1))
     schedule = None  # resuming: the checkpoint's schedule continues
@@ -158,13 +272,15 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint=_checkpoint_file(args.checkpoint),
         progress=not args.json,
     )
+    if not named:
+        print(f"warning: no --checkpoint given; the trained model is in {_checkpoint_file(args.checkpoint)}",
+              file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps}, indent=2))
     else:
         for row in history.epochs:
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        if args.checkpoint:
-            print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
+        print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
     return 0
 
 

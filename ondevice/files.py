@@ -1,4 +1,4 @@
-"""Small file helpers: sha256 and atomic writes (temp file + fsync + rename)."""
+"""Small file helpers: sha256 and atomic writes (temp file + fsync + rename), for every package."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+__all__ = ["sha256_file", "atomic_write_bytes", "public_mode", "fsync_dir"]
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -16,11 +18,16 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, secret: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    The file gets the usual permissions (0644 under the common umask 022); ``secret`` files
+    (private keys) 0600.
+    """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o600 if secret else public_mode())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -30,6 +37,13 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+def public_mode(*, directory: bool = False) -> int:
+    """What ``open()``/``mkdir()`` would give under the process umask (mkstemp/mkdtemp give 0600/0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

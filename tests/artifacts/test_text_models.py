@@ -14,7 +14,7 @@ from artifacts import AdamW, VerificationError, generate
 from ondevice import DataError, Trainer
 
 transformers = pytest.importorskip("transformers")  # in requirements/lock.txt: never skipped under `make test`
-generate_module = importlib.import_module("artifacts.generate")  # the module, not the function
+generate_module = importlib.import_module("artifacts.build")  # the module, not the function
 
 
 class Classifier(nn.Module):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ondevice.cli import main
+from benchmarks.cli import main
 
 
 def test_bench_quick_writes_well_formed_results(tmp_path, capsys):
-    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["quick"] and result["matmul_gflops"] > 0
     assert [r["model"] for r in result["rows"]] == ["MLP 784-256-128-10", "digits sample"]

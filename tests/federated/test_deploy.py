@@ -18,6 +18,8 @@ from federated.processes import ProcessGroup, flower_env, free_port, started_by
 from federated.runner import APP_DIR, deploy, simulate, supernode_command
 from federated.tls import make_node_keys
 
+pytestmark = pytest.mark.flower
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -112,7 +114,9 @@ def test_unreachable_superlink_gives_up_with_a_message(tmp_path):
     assert _alive_with_home(tmp_path / "home") == []
 
 
-def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
+def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_path, sig):
+    """Ctrl-C, `timeout`/CI cancellation (SIGTERM) and a closed terminal (SIGHUP) all clean up."""
     out = tmp_path / "out"
     command = [
         str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "5",
@@ -123,8 +127,8 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
     for line in process.stdout:
         if line.startswith("round 1:"):
             break
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=60) == 130
+    process.send_signal(sig)
+    assert process.wait(timeout=60) == 128 + sig
     time.sleep(0.5)
     assert _alive_with_home(out / "logs" / "flwr-home") == []
     assert os.path.exists(out / "logs" / "superlink.log")

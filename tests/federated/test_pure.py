@@ -7,8 +7,9 @@ import pytest
 
 from federated.codec import decode, encode, payload_bytes
 from federated.errors import CodecError, PartitionError
-from federated.partition import dirichlet, iid, partition
-from federated.protocol import hash_tag, update_problem
+from federated.partitions import dirichlet, iid, partition
+from federated.protocol import hash_tag
+from federated.validation import update_problem
 from ondevice.manifest import Manifest
 
 LABELS = np.repeat(np.arange(10), 50)

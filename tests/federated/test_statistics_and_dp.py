@@ -131,6 +131,7 @@ def test_dp_noise_is_calibrated_to_the_clients_actually_sampled(digits_artifacts
     assert noise.std() == pytest.approx(expected, rel=0.03)  # 17k draws: well inside 3 %
 
 
+@pytest.mark.flower
 def test_batchnorm_federated_run_matches_recomputed_statistics(digits_data, data_dir, tmp_path):
     """The global model's statistics are the clients' example-weighted average: its test accuracy is
     that of the same weights with statistics recomputed on all training data."""

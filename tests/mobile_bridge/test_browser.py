@@ -21,6 +21,8 @@ import pytest
 from mobile_bridge import keygen, make_bundle
 from ondevice.session import OrtTraining
 
+pytestmark = pytest.mark.browser
+
 WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
 mimetypes.add_type("text/javascript", ".mjs")
 mimetypes.add_type("application/wasm", ".wasm")

@@ -14,11 +14,14 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
 from federated.runner import deploy
 from federated.task import Settings, node_data
 from mobile_bridge import make_bundle
+
+pytestmark = [pytest.mark.browser, pytest.mark.flower]
 
 WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
 

@@ -17,7 +17,7 @@ import onnx
 import torch
 from torch import nn
 
-from ondevice.files import fsync_dir, sha256_file
+from ondevice.files import fsync_dir, public_mode, sha256_file
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
@@ -398,6 +398,7 @@ def _publish(work: Path, out_dir: Path) -> None:
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.rename(out_dir, old)
+    os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
     os.rename(work, out_dir)
     fsync_dir(out_dir.parent)
     if old is not None:

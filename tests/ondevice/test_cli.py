@@ -1,0 +1,81 @@
+"""The `odt` shell: lazy sub-commands, --version, --debug anywhere, JSON errors, quiet pipes, predict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ondevice import Manifest, Predictor, Trainer
+from ondevice.cli import main
+
+ODT = str(Path(sys.executable).parent / "odt")
+
+
+def test_help_and_device_commands_never_import_torch_onnx_or_flwr():
+    code = (
+        "import sys\nfrom ondevice.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['predict', '--help'], ['generate', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "heavy = sorted(m for m in ('torch', 'onnx', 'flwr', 'matplotlib', 'fastapi') if m in sys.modules)\n"
+        "assert not heavy, heavy\nprint('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("odt 0.")
+
+
+def test_debug_after_the_subcommand_shows_the_traceback(tmp_path):
+    with pytest.raises(Exception, match="does not exist"):
+        main(["inspect", str(tmp_path / "none"), "--debug"])
+
+
+def test_json_errors_are_json(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "none"), "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "ManifestError" and "does not exist" in error["message"] and error["exit_code"] == 1
+
+
+def test_broken_pipe_is_quiet(digits_artifacts, digits_data, tmp_path):
+    """`odt predict --json | head`: the reader leaves after 10 bytes of ~1 MB; no error, no traceback."""
+    np.savez(tmp_path / "x.npz", input=np.tile(digits_data["test"]["input"], (20, 1)))
+    command = f"'{ODT}' predict '{digits_artifacts}' --data '{tmp_path / 'x.npz'}' --json | head -c 10"
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True)
+    assert result.stdout == '{"output":' and result.stderr == "" and result.returncode == 0, result.stderr
+
+
+def test_predict_matches_the_trainer(digits_artifacts, digits_data, tmp_path, capsys):
+    test = {"input": digits_data["test"]["input"][:20]}
+    np.savez(tmp_path / "x.npz", **test)
+    assert main(["predict", str(digits_artifacts), "--data", str(tmp_path / "x.npz"), "--json"]) == 0
+    predicted = np.array(json.loads(capsys.readouterr().out)["output"], np.float32)
+    trainer = Trainer.load(digits_artifacts)
+    exported = trainer.export(tmp_path / "m.onnx")
+    expected = Predictor(exported, Manifest.load(digits_artifacts)).predict(test)["output"]
+    np.testing.assert_allclose(predicted, expected, rtol=1e-6)
+    assert main(["predict", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "x.npz")]) == 2  # no --artifacts
+    assert "needs --artifacts" in capsys.readouterr().err
+    assert main(["predict", str(tmp_path / "m.onnx"), "--artifacts", str(digits_artifacts), "--data",
+                 str(tmp_path / "x.npz")]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20 and lines[0].startswith("0\tclass ")
+    assert [int(line.split()[2]) for line in lines] == list(expected.argmax(1))
+
+
+def test_train_without_checkpoint_keeps_the_weights(digits_artifacts, digits_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "t.npz", input=digits_data["train"]["input"][:64], labels=digits_data["train"]["labels"][:64])
+    assert main(["train", str(digits_artifacts), "--data", "t.npz", "--epochs", "1"]) == 0
+    saved = tmp_path / f"{Path(digits_artifacts).name}.ckpt" / "latest.ckpt"
+    assert f"the trained model is in {saved.relative_to(tmp_path)}" in capsys.readouterr().err
+    assert Trainer.load(digits_artifacts, checkpoint=saved).epoch == 1
