@@ -193,6 +193,80 @@ export function base64ToFloats(text) {
   return new Float32Array(bytes.buffer);
 }
 
+/**
+ * Typed arrays for a bundle's feeds from plain arrays keyed by name (numbers, or numeric strings
+ * for int64): `{ data, count }`, with `count` examples. Works for any input names and dtypes.
+ */
+export function arraysFor(description, plain) {
+  const specs = [...description.inputs, ...description.targets];
+  const data = {};
+  let count = null;
+  for (const spec of specs) {
+    const values = plain[spec.name];
+    if (!values) throw new InputError(`the data has no ${spec.name}; expected ${specs.map((s) => s.name).join(", ")}`);
+    const Typed = ARRAYS[spec.dtype];
+    if (!Typed) throw new InputError(`${spec.name}: dtype ${spec.dtype} is not supported in the browser`);
+    const flat = values.flat(Infinity);
+    data[spec.name] = Typed === BigInt64Array ? BigInt64Array.from(flat, (v) => BigInt(v)) : Typed.from(flat);
+    const per = spec.shape.slice(1).reduce((a, b) => a * (typeof b === "number" ? b : 1), 1);
+    const examples = flat.length / per;
+    if (!Number.isInteger(examples) || (count !== null && examples !== count)) {
+      throw new InputError(`${spec.name} holds ${flat.length} values: not ${count ?? "a whole number of"} examples of ${per}`);
+    }
+    count = examples;
+  }
+  return { data, count };
+}
+
+/** Arrays of an uncompressed `.npz` (numpy.savez) as plain arrays keyed by name. */
+export function parseNpz(bytes) {
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const out = {};
+  let at = 0;
+  while (at + 30 <= bytes.length && view.getUint32(at, true) === 0x04034b50) {
+    const method = view.getUint16(at + 8, true);
+    let size = view.getUint32(at + 18, true);
+    const nameLength = view.getUint16(at + 26, true);
+    const extraLength = view.getUint16(at + 28, true);
+    const name = new TextDecoder().decode(bytes.subarray(at + 30, at + 30 + nameLength)).replace(/\.npy$/, "");
+    const start = at + 30 + nameLength + extraLength;
+    if (method !== 0) throw new InputError(`${name}: compressed .npz (savez_compressed) is not supported; use numpy.savez`);
+    if (size === 0xffffffff) size = zip64Size(view, at + 30 + nameLength, extraLength, name);  // numpy writes zip64
+    out[name] = parseNpy(bytes.subarray(start, start + size), name);
+    at = start + size;
+  }
+  if (!Object.keys(out).length) throw new InputError("not an .npz archive (numpy.savez)");
+  return out;
+}
+
+function zip64Size(view, at, length, name) {
+  for (let p = at; p + 4 <= at + length; p += 4 + view.getUint16(p + 2, true)) {
+    if (view.getUint16(p, true) === 0x0001) {
+      const size = view.getBigUint64(p + 4, true);  // the uncompressed size comes first
+      if (size > BigInt(Number.MAX_SAFE_INTEGER)) throw new InputError(`${name}: too large`);
+      return Number(size);
+    }
+  }
+  throw new InputError(`${name}: zip64 member without its size`);
+}
+
+function parseNpy(bytes, name) {
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const major = bytes[6];
+  const headerLength = major === 1 ? view.getUint16(8, true) : view.getUint32(8, true);
+  const offset = major === 1 ? 10 : 12;
+  const header = new TextDecoder().decode(bytes.subarray(offset, offset + headerLength));
+  const descr = /'descr':\s*'([^']+)'/.exec(header)?.[1];
+  if (/'fortran_order':\s*True/.test(header)) throw new InputError(`${name}: Fortran-ordered arrays are not supported`);
+  const kinds = { "<f4": Float32Array, "<f8": Float64Array, "<i8": BigInt64Array, "<i4": Int32Array, "|u1": Uint8Array,
+                  "|b1": Uint8Array };
+  const Typed = kinds[descr];
+  if (!Typed) throw new InputError(`${name}: dtype ${descr} is not supported (use float32, float64, int64 or int32)`);
+  const data = bytes.slice(offset + headerLength);
+  const array = new Typed(data.buffer, 0, data.byteLength / Typed.BYTES_PER_ELEMENT);
+  return Typed === BigInt64Array ? Array.from(array, (v) => v.toString()) : Array.from(array);
+}
+
 /** A device's side of the bridge protocol (see mobile_bridge/README.md). */
 export class BridgeClient {
   constructor(baseUrl, deviceId, token) {

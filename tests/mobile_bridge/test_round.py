@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
 from federated.runner import deploy
@@ -116,3 +117,60 @@ def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_
     assert len(page["losses"]) == 2 * 9 and page["losses"][-1] < page["losses"][0]  # 2 epochs of 270 / 32
     assert "verified: 17226 trainable weights" in page["log"]
     assert shot.stat().st_size > 10_000
+
+
+class _TwoInputs(torch.nn.Module):
+    """A bundle whose feeds are not the digits' ``input``: a float and an integer input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8 + 6, 3)
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([features, self.embed(tokens).mean(1)], 1))
+
+
+def _two_input_data(path: Path, count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 20, (count, 5))
+    labels = tokens[:, 0] % 3  # learnable from the first token
+    np.savez(path, features=rng.standard_normal((count, 6)).astype(np.float32), tokens=tokens, labels=labels)
+
+
+def test_demo_page_trains_any_bundle_once_registered(tmp_path):
+    """Feeds come from the bundle's spec; two clicks reuse one registration; a user's own .npz works."""
+    from artifacts import AdamW, generate
+
+    torch.manual_seed(0)
+    example = {"features": torch.randn(8, 6), "tokens": torch.randint(0, 20, (8, 5))}
+    generate(_TwoInputs(), example, tmp_path / "artifacts", optimizer=AdamW(lr=0.03))
+    make_bundle(tmp_path / "artifacts", tmp_path / "bundle")
+    _two_input_data(tmp_path / "demo.npz", 96, 0)
+    _two_input_data(tmp_path / "mine.npz", 64, 1)
+    port = free_port()
+    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s"}
+    odt = str(Path(sys.executable).parent / "odt")
+    serve = [odt, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port), "--demo-data",
+             str(tmp_path / "demo.npz")]  # fmt: skip
+    runs = {}
+    with ProcessGroup(tmp_path, env) as group:
+        group.start("bridge", serve)
+        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
+        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
+        for name, task in (
+            ("demo", {"clicks": ["#train", "#train"]}),
+            ("own", {"click": "#train", "name": "browser-2", "file": str(tmp_path / "mine.npz")}),
+        ):
+            (tmp_path / f"{name}.json").write_text(json.dumps(task))
+            result = subprocess.run([*driver, str(tmp_path / f"{name}.json")], capture_output=True, text=True,
+                                    timeout=300)  # fmt: skip
+            runs[name] = json.loads(result.stdout)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/") as home:  # / leads to the page
+            assert home.url.endswith("/web/")
+    demo, own = runs["demo"], runs["own"]
+    assert demo["statuses"] == ["done", "done"], demo  # the second click did not register again (HTTP 409)
+    assert demo["log"].count("registered as") == 1 and "feeds features, tokens, labels" in demo["log"]
+    assert len(demo["losses"]) == 2 * 2 * 3 and demo["losses"][-1] < demo["losses"][0]  # 2 clicks x 2 epochs x 3
+    assert "96 examples" in demo["log"] and "accuracy in the last epoch" in demo["log"]
+    assert own["ok"] and "64 examples" in own["log"], own

@@ -20,15 +20,22 @@ try {
   const page = await context.newPage();
   page.on("console", (message) => process.stderr.write(`[browser] ${message.text()}\n`));
   await page.goto(url);
-  if (task.click) {
-    // Drive the demo page like a person: click, wait for the status line, screenshot.
-    await page.click(task.click);
-    await page.waitForFunction(() => /^(done|error)/.test(document.getElementById("status").textContent), null,
-                               { timeout: task.timeoutMs ?? 120000 });
+  if (task.click || task.clicks) {
+    // Drive the demo page like a person: (choose a file,) click, wait for the status line; repeat.
+    if (task.name) await page.fill("#name", task.name);
+    if (task.file) await page.setInputFiles("#file", task.file);
+    const statuses = [];
+    for (const selector of task.clicks ?? [task.click]) {
+      await page.evaluate(() => { document.getElementById("status").textContent = "clicked"; });
+      await page.click(selector);
+      await page.waitForFunction(() => /^(done|error)/.test(document.getElementById("status").textContent), null,
+                                 { timeout: task.timeoutMs ?? 120000 });
+      statuses.push(await page.textContent("#status"));
+    }
     if (task.screenshot) await page.screenshot({ path: task.screenshot, fullPage: true });
-    const status = await page.textContent("#status");
     const losses = await page.evaluate(() => window.losses);
-    process.stdout.write(JSON.stringify({ ok: status === "done", status, losses, log: await page.textContent("#log") }));
+    process.stdout.write(JSON.stringify({ ok: statuses.every((s) => s === "done"), status: statuses.at(-1), statuses,
+                                          losses, log: await page.textContent("#log") }));
     process.exit(0);
   }
   const result = await page.evaluate(async (task) => {
