@@ -10,7 +10,7 @@ from typing import Any
 from .config import validate
 from .errors import RunConfigError
 
-__all__ = ["register"]
+__all__ = ["register", "add_run_options", "run_config", "echo_rounds"]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -22,21 +22,33 @@ def register(commands: argparse._SubParsersAction) -> None:
     dep.add_argument("--nodes", type=int, default=2, help="number of SuperNode processes (default 2)")
     dep.add_argument("--tls", action="store_true", help="throwaway CA + certificates and SuperNode authentication")
     for p in (sim, dep):
-        p.add_argument("--rounds", type=int, default=5, help="server rounds (default 5)")
-        p.add_argument("--artifacts", default="out/digits/artifacts", help="artifact directory (default: the demo's)")
-        p.add_argument("--data", default="out/digits/data", help="directory with train.npz and test.npz")
-        p.add_argument("--out", default="out/federated", help="where metrics.json, rounds.png and logs go")
-        p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
-        p.add_argument("--codec", default="none", choices=["none", "fp16", "int8"], help="update encoding")
-        p.add_argument("--partitioning", default="iid", choices=["iid", "dirichlet"], help="default iid")
-        p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
-        p.add_argument("--local-epochs", type=int, default=1, help="default 1")
-        p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
-        p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
-        p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other run-config key")
-        p.add_argument("--json", action="store_true", help="print the per-round report as JSON")
+        add_run_options(p)
         p.set_defaults(run=_run)
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The run-config options every federated command shares (validated by federated.config)."""
+    p.add_argument("--rounds", type=int, default=5, help="server rounds (default 5)")
+    p.add_argument("--artifacts", default="out/digits/artifacts", help="artifact directory (default: the demo's)")
+    p.add_argument("--data", default="out/digits/data", help="directory with train.npz and test.npz")
+    p.add_argument("--out", default="out/federated", help="where metrics.json, rounds.png and logs go")
+    p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
+    p.add_argument("--codec", default="none", choices=["none", "fp16", "int8"], help="update encoding")
+    p.add_argument("--partitioning", default="iid", choices=["iid", "dirichlet"], help="default iid")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
+    p.add_argument("--local-epochs", type=int, default=1, help="default 1")
+    p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
+    p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
+    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other run-config key")
+    p.add_argument("--json", action="store_true", help="print the per-round report as JSON")
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated run config of the options above; artifacts and data checked to exist."""
+    config = _config(args)
+    _check_paths(config)
+    return config
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,19 +95,19 @@ def _check_paths(config: dict[str, Any]) -> None:
 def _run(args: argparse.Namespace) -> int:
     from .runner import deploy, simulate
 
-    config = _config(args)
-    _check_paths(config)  # a clear error in a second beats one from every node after Flower started
+    config = run_config(args)  # a clear error in a second beats one from every node after Flower started
     work = Path(config["output"]) / "logs"
     if args.mode == "simulate":
-        report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else _echo)
+        report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else echo_rounds)
     else:
-        report = deploy(args.nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else _echo)
+        report = deploy(args.nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else echo_rounds)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
 
 
-def _echo(line: str) -> None:
+def echo_rounds(line: str) -> None:
+    """Show a run's round lines and its report line, nothing else."""
     if line.startswith("round ") or "federated report:" in line:
         print(line, flush=True)
 

@@ -93,12 +93,18 @@ class ProcessGroup:
         self._logs: list[IO[bytes]] = []
         self._previous: dict[int, object] = {}  # signal handlers replaced while the group runs
 
-    def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, command: Sequence[str], *, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         handle = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(handle)
         try:
             process = subprocess.Popen(
-                list(command), stdout=handle, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                list(command),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(extra_env or {})},
+                start_new_session=True,
             )
         except OSError as exc:
             raise DeployError(f"cannot start {command[0]}: {exc.strerror}") from exc

@@ -39,6 +39,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
     serve.add_argument("--demo-data", help=".npz the demo page at /web/ trains on (default: none)")
     serve.set_defaults(run=_run_serve)
+    deploy = modes.add_parser(
+        "deploy",
+        help="a real Flower deployment whose rounds phones/browsers join: SuperLink, Python SuperNodes, "
+        "the bridge and one relay SuperNode per device",
+    )
+    deploy.add_argument("--devices", type=int, default=1, help="bridge devices, named browser-1..N (default 1)")
+    deploy.add_argument("--nodes", type=int, default=0, help="Python SuperNodes beside the devices (default 0)")
+    deploy.add_argument("--port", type=int, default=8765, help="the bridge's port on 127.0.0.1 (default 8765)")
+    deploy.add_argument("--demo-data", help=".npz the demo page trains on (default: DATA/train.npz)")
+    from federated.cli import add_run_options
+
+    add_run_options(deploy)
+    deploy.set_defaults(run=_run_deploy, round_timeout=300.0)
 
 
 def _run_bundle(args: argparse.Namespace) -> int:
@@ -89,4 +102,60 @@ def _run_serve(args: argparse.Namespace) -> int:
     app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data)
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _run_deploy(args: argparse.Namespace) -> int:
+    import secrets
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from federated.cli import echo_rounds, run_config
+    from federated.errors import RunConfigError
+    from federated.runner import deploy
+
+    from .bundle import make_bundle
+
+    if args.devices < 1 or args.nodes < 0:
+        raise RunConfigError(f"--devices must be >= 1 and --nodes >= 0, got {args.devices} and {args.nodes}.")
+    config = run_config(args)
+    config["min-nodes"] = max(int(config.get("min-nodes", 2)), args.devices + args.nodes)  # wait for the devices
+    out = Path(config["output"])
+    bundle = out / "bundle"
+    make_bundle(config["artifacts"], bundle, force=True)
+    secret = secrets.token_urlsafe(32)
+    demo = args.demo_data or str(Path(config["data"]) / "train.npz")
+    url = f"http://127.0.0.1:{args.port}"
+
+    def node_config(i: int) -> str:
+        if i < args.nodes:
+            return f"partition-id={i} num-partitions={args.nodes}"
+        return f'bridge-url="{url}" bridge-device="browser-{i - args.nodes + 1}" bridge-secret="{secret}"'
+
+    def start_bridge(group) -> None:  # type: ignore[no-untyped-def]
+        odt = str(Path(sys.executable).parent / "odt")
+        serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo]
+        group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret})
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"{url}/openapi.json", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        names = ", ".join(f"browser-{k + 1}" for k in range(args.devices))
+        print(f"bridge: open {url}/web/ in {args.devices} browser(s) and join as {names} "
+              f"(each round waits up to {config['round-timeout']:.0f} s)", flush=True)  # fmt: skip
+
+    report = deploy(
+        args.nodes + args.devices,
+        config,
+        work=out / "logs",
+        node_config=node_config,
+        on_line=(lambda line: None) if args.json else echo_rounds,
+        after_start=start_bridge,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
     return 0

@@ -6,7 +6,6 @@ The aggregate must equal the numpy weighted average of the three updates.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
-from federated.runner import deploy
 from federated.task import Settings, node_data
 from mobile_bridge import make_bundle
 
@@ -39,12 +37,17 @@ def _wait_for(url: str, timeout: float = 30) -> None:
 
 
 def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, data_dir, tmp_path):
-    make_bundle(digits_artifacts, tmp_path / "bundle")
-    port, secret = free_port(), "bridge-secret-for-this-test"
-    env = {**flower_env(tmp_path / "bridge-home"), "ODT_BRIDGE_SECRET": secret}
+    """`odt bridge deploy --devices 1 --nodes 2`: a real deployment whose round a headless browser joins."""
+    port = free_port()
     odt = str(Path(sys.executable).parent / "odt")
+    out = tmp_path / "out"
+    command = [
+        odt, "bridge", "deploy", "--devices", "1", "--nodes", "2", "--port", str(port), "--rounds", "1",
+        "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out), "--round-timeout", "150",
+        "--set", "save-updates=true",
+    ]  # fmt: skip
     settings = Settings.from_config({"data": str(data_dir)})
-    device_data, _ = node_data(settings, {"partition-id": 2, "num-partitions": 3})
+    device_data, _ = node_data(settings, {"partition-id": 0, "num-partitions": 2})
     task = {
         "module": "/web/odt-web.mjs",
         "ortBase": "/web/ort/",
@@ -56,27 +59,26 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
         },
     }
     (tmp_path / "task.json").write_text(json.dumps(task))
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert run.stdout is not None
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if line.startswith("bridge: open"):
+                break
+        assert f"http://127.0.0.1:{port}/web/" in lines[-1] and "browser-1" in lines[-1], "".join(lines)
+        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
+        browser = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300)
+        rest = run.stdout.read()
+        assert run.wait(timeout=120) == 0, "".join(lines) + rest
+    finally:
+        run.kill()
+    device = json.loads(browser.stdout)
+    assert device["ok"] and device["round"] == 1, browser.stderr[-2000:]
 
-    def node_config(i: int) -> str:
-        if i < 2:
-            return f"partition-id={i} num-partitions=3"
-        return f'bridge-url="http://127.0.0.1:{port}" bridge-device="browser-1" bridge-secret="{secret}"'
-
-    config = {
-        "artifacts": str(digits_artifacts), "data": str(data_dir), "output": str(tmp_path / "out"),
-        "num-server-rounds": 1, "min-nodes": 3, "round-timeout": 120.0, "save-updates": True,
-    }  # fmt: skip
-    with ProcessGroup(tmp_path, env) as group:
-        group.start("bridge", [odt, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port)])
-        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
-        browser = group.start("browser", ["node", str(WEB / "tools" / "run-in-browser.mjs"),
-                                          f"http://127.0.0.1:{port}/web/", str(tmp_path / "task.json")])  # fmt: skip
-        report = deploy(3, config, work=tmp_path / "fl", node_config=node_config)
-        assert browser.wait(timeout=120) == 0, group.log_path("browser").read_text()[-3000:]
-    device = json.loads(group.log_path("browser").read_text().strip().splitlines()[-1])
-    assert device["ok"] and device["round"] == 1
-
-    updates = [np.load(p) for p in sorted((tmp_path / "out" / "updates").glob("round1-*.npz"))]
+    updates = [np.load(p) for p in sorted((out / "updates").glob("round1-*.npz"))]
+    report = json.loads((out / "metrics.json").read_text())
     assert len(updates) == 3 and report["rounds"][1]["excluded"] == {}
     names = [n for n in updates[0].files if not n.startswith("__")]
     counts = np.array([int(u["__num_examples__"]) for u in updates], np.float64)
@@ -84,10 +86,11 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
     flat = [np.concatenate([u[n].ravel() for n in names]) for u in updates]
     assert any(np.array_equal(f, np.asarray(device["weights"], np.float32)) for f in flat)  # the browser's own update
     expected = np.average(np.stack(flat), axis=0, weights=counts)
-    result = np.load(tmp_path / "out" / "global_weights.npz")
+    result = np.load(out / "global_weights.npz")
     np.testing.assert_allclose(np.concatenate([result[n].ravel() for n in names]), expected, atol=1e-6)
-    assert started_by(str(tmp_path / "bridge-home")) == []
-    assert os.path.exists(tmp_path / "bridge.log")
+    time.sleep(0.5)
+    assert started_by(str(out / "logs" / "flwr-home")) == []  # SuperLink, nodes, relay and bridge all gone
+    assert (out / "logs" / "bridge.log").exists()
 
 
 def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_path):
