@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test bench clean chromium
+.PHONY: demo test bench clean chromium wheel
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/federation.py
 	$(PY) benchmarks/browser.py
+
+# The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
+wheel: $(STAMP) $(WEB_STAMP)
+	rm -rf build
+	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation . -w dist
 
 clean:
 	rm -rf $(VENV) $(OUT)

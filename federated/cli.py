@@ -24,6 +24,32 @@ def register(commands: argparse._SubParsersAction) -> None:
     for p in (sim, dep):
         add_run_options(p)
         p.set_defaults(run=_run)
+    app = modes.add_parser("app", help='print the Flower app folder (for `flwr run "$(odt fl app)"`)')
+    app.set_defaults(run=_run_app)
+    table = modes.add_parser("config", help="print the run-config keys with defaults, ranges and help")
+    table.add_argument("--json", action="store_true", help="as JSON")
+    table.set_defaults(run=_run_config_table)
+
+
+def _run_app(args: argparse.Namespace) -> int:
+    from .runner import APP_DIR
+
+    print(APP_DIR)
+    return 0
+
+
+def _run_config_table(args: argparse.Namespace) -> int:
+    from .config import KEYS
+
+    if args.json:
+        rows = [{"key": k.name, "type": k.kind.__name__, "default": k.default, "allowed": list(k.choices) or
+                 (k.range() if k.kind in (int, float) else None), "help": k.help} for k in KEYS]  # fmt: skip
+        print(json.dumps(rows, indent=2))
+        return 0
+    for k in KEYS:
+        allowed = ", ".join(k.choices) if k.choices else k.range() if k.kind in (int, float) else "text"
+        print(f"{k.name:<18} {k.kind.__name__:<5} {k.default!s:<22} {allowed:<22} {k.help}")
+    return 0
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
