@@ -133,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def echo_rounds(line: str) -> None:
-    """Show a run's round lines and its report line, nothing else."""
-    if line.startswith("round ") or "federated report:" in line:
+    """Show progress, a run's round lines and its report line; not Flower's own log."""
+    if line.startswith(("round ", "odt: ")) or "federated report:" in line:
         print(line, flush=True)
 
 

@@ -95,7 +95,9 @@ def simulate(
     port = free_port()
     _write_connection(work / "flwr-home", port, None)
     with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+        on_line(f"odt: starting Flower's SuperLink (simulation runtime) on 127.0.0.1:{port}")
         _superlink(group, port, simulation=True, tls=None, auth=False)
+        on_line(f"odt: SuperLink up; running the app with {clients} virtual clients (round 0 is the initial model)")
         _flwr_run(group, config, f"num-supernodes={clients}", on_line)
         return _report(config, group)
 
@@ -122,7 +124,9 @@ def deploy(
     _write_connection(work / "flwr-home", port, certs["ca"] if certs else None)
     describe = node_config or (lambda i: f"partition-id={i} num-partitions={nodes}")
     with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+        on_line(f"odt: starting Flower's SuperLink on 127.0.0.1:{port}" + (" with TLS" if tls else ""))
         _superlink(group, port, simulation=False, tls=certs, auth=tls)
+        on_line(f"odt: SuperLink up; starting {nodes} SuperNodes")
         for i in range(nodes):
             key = None
             if certs:
@@ -132,6 +136,7 @@ def deploy(
             group.start(f"supernode-{i}", command)
         if after_start:
             after_start(group)
+        on_line("odt: running the app (round 0 is the initial model)")
         _flwr_run(group, config, None, on_line)
         return _report(config, group)
 
