@@ -7,6 +7,7 @@ from typing import Any
 
 from .errors import (
     ArtifactIntegrityError,
+    CheckpointCorruptError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -48,6 +49,7 @@ __all__ = [
     "DataError",
     "WeightsError",
     "CheckpointError",
+    "CheckpointCorruptError",
     "ConfigError",
 ]
 

@@ -1,19 +1,50 @@
-"""Checkpoint files and inference export, written atomically (temp file + fsync + rename)."""
+"""Checkpoint files: checksummed, written atomically, the last two kept, one writer at a time.
+
+ONNX Runtime's checkpoint (a flatbuffer) carries no checksum: most single-bit flips load
+without complaint. A checkpoint file here is a small header followed by ORT's bytes:
+
+    b"ODTCKPT1" | uint32 header length | header JSON | ORT checkpoint bytes
+
+The header holds the sha256 and size of ORT's bytes and the sha256 of the manifest of the
+artifacts it belongs to (plus epoch/step for messages). Loading checks all of it before ORT
+sees a byte. Saving writes a temporary file beside the target, fsyncs and renames; the
+checkpoint it replaces, if sound, becomes ``NAME.previous``. Temporary files of killed saves
+are removed by the next save, and an advisory lock (``.NAME.lock``, holding the writer's pid
+and host) keeps a second writer out.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+import shutil
+import socket
+import struct
+import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any, Iterator
 
-from .errors import CheckpointError
-from .files import fsync_dir
+from .errors import CheckpointCorruptError, CheckpointError
+from .files import fsync_dir, public_mode
 from .session import C, OrtTraining, ort_error_message
 
-__all__ = ["save_state", "read_property", "export_inference"]
+__all__ = ["save_state", "unpacked", "read_header", "previous_of", "writer_lock", "export_inference"]
+
+MAGIC = b"ODTCKPT1"
+_LENGTH = struct.Struct("<I")
 
 
-def _temp_beside(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def previous_of(path: Path) -> Path:
+    """Where the checkpoint ``path`` replaced is kept."""
+    return path.with_name(path.name + ".previous")
+
+
+def _temp_beside(path: Path, kind: str = "") -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{kind}.tmp")
 
 
 def _make_parent(path: Path, what: str) -> None:
@@ -30,34 +61,157 @@ def _commit(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def save_state(state: C.CheckpointState, path: Path) -> Path:
-    """Write ``state`` with its optimizer state to ``path``; on any failure the old file is untouched."""
+def _sha256(handle: IO[bytes], size: int) -> str:
+    digest = hashlib.sha256()
+    left = size
+    while left > 0:
+        chunk = handle.read(min(1 << 20, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest()
+
+
+def save_state(state: C.CheckpointState, path: Path, header: dict[str, Any]) -> Path:
+    """Write ``state`` (with its optimizer state) to ``path``; on any failure the old file is untouched.
+
+    ``header`` must hold ``manifest_sha256``; epoch and step are welcome (they name the file in errors).
+    """
     _make_parent(path, "checkpoint directory")
-    tmp = _temp_beside(path)
+    _remove_stale_temps(path)
+    raw, tmp = _temp_beside(path, ".ort"), _temp_beside(path)
     try:
-        C.save_checkpoint(state, os.fspath(tmp), True)
+        C.save_checkpoint(state, os.fspath(raw), True)
+        size = raw.stat().st_size
+        with open(raw, "rb") as source:
+            digest = _sha256(source, size)
+        meta = json.dumps({**header, "sha256": digest, "size": size, "saved": time.time()}).encode()
+        with open(tmp, "wb") as out, open(raw, "rb") as source:
+            os.fchmod(out.fileno(), public_mode())
+            out.write(MAGIC + _LENGTH.pack(len(meta)) + meta)
+            shutil.copyfileobj(source, out, 1 << 20)
+        if path.exists():
+            _keep_as_previous(path, str(header["manifest_sha256"]))
         _commit(tmp, path)
     except Exception as exc:
-        tmp.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) else ort_error_message(exc)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else ort_error_message(exc)
         raise CheckpointError(
             f"could not write checkpoint {path} ({reason}); the previous checkpoint, if any, is unchanged. "
             "Free disk space or choose a writable --checkpoint."
         ) from exc
+    finally:
+        raw.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     return path
 
 
-def read_property(path: Path, name: str) -> int | float | str | None:
-    """A property of a checkpoint file, or None if it has none; unreadable files raise CheckpointError."""
+def _keep_as_previous(path: Path, manifest_sha: str) -> None:
+    """The checkpoint being replaced becomes NAME.previous if it is sound (a corrupt one is dropped)."""
+    try:
+        read_header(path, manifest_sha, verify=True)
+    except CheckpointError:
+        return
+    os.replace(path, previous_of(path))
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temporary files of saves that were killed: under the writer lock no one else is saving."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            pid = int(stale.name[len(path.name) + 2 :].split(".")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() or not _alive(pid):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = True) -> dict[str, Any]:
+    """The header of a checkpoint file; with ``verify`` the payload's size and sha256 are checked too.
+
+    Raises CheckpointCorruptError for a file that is not a whole, unaltered checkpoint and
+    CheckpointError for one that belongs to other artifacts.
+    """
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist.")
+    with open(path, "rb") as handle:
+        head = handle.read(len(MAGIC) + _LENGTH.size)
+        if len(head) < len(MAGIC) + _LENGTH.size or head[: len(MAGIC)] != MAGIC:
+            raise CheckpointCorruptError(f"checkpoint {path} is not an odt checkpoint (no header){_hint(path)}")
+        (length,) = _LENGTH.unpack(head[len(MAGIC) :])
+        try:
+            header = json.loads(handle.read(min(length, 1 << 16)))
+            size, digest = int(header["size"]), str(header["sha256"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise CheckpointCorruptError(f"checkpoint {path} has a damaged header{_hint(path)}") from None
+        if manifest_sha is not None and header.get("manifest_sha256") != manifest_sha:
+            found = str(header.get("manifest_sha256"))[:12]
+            raise CheckpointError(
+                f"checkpoint {path} was saved from other artifacts (manifest sha256 {found}..., these are "
+                f"{manifest_sha[:12]}...). Use the artifact directory it was trained from."
+            )
+        if verify:
+            start = len(MAGIC) + _LENGTH.size + length
+            if path.stat().st_size != start + size:
+                raise CheckpointCorruptError(f"checkpoint {path} is truncated or padded{_hint(path)}")
+            if _sha256(handle, size) != digest:
+                raise CheckpointCorruptError(f"checkpoint {path} was altered (sha256 differs){_hint(path)}")
+        header["payload_offset"] = len(MAGIC) + _LENGTH.size + length
+    return header
+
+
+def _hint(path: Path) -> str:
+    previous = previous_of(path)
+    if previous.is_file():
+        return f"; the checkpoint before it is kept as {previous} (`odt train --resume` falls back to it)."
+    return "; retrain, or restore it from a copy."
+
+
+@contextmanager
+def unpacked(path: Path, manifest_sha: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """ORT's checkpoint bytes of a verified checkpoint file, in a temporary file for ORT to load."""
+    header = read_header(path, manifest_sha, verify=True)
+    with tempfile.TemporaryDirectory(prefix="odt-ckpt-") as tmp:
+        raw = Path(tmp) / "checkpoint"
+        with open(path, "rb") as source, open(raw, "wb") as out:
+            source.seek(header["payload_offset"])
+            shutil.copyfileobj(source, out, 1 << 20)
+        yield raw, header
+
+
+@contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold ``.NAME.lock`` beside the checkpoint while writing; a second writer gets a clear error."""
+    _make_parent(path, "checkpoint directory")
+    lock = path.with_name(f".{path.name}.lock")
+    handle = open(lock, "a+")  # noqa: SIM115 - closed below
     try:
-        state = C.load_checkpoint(os.fspath(path))
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or not an ONNX Runtime checkpoint; use an earlier one or retrain."
-        ) from exc
-    return state.get_property(name) if state.has_property(name) else None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise CheckpointError(
+                f"checkpoint {path} is being written by {holder}; wait for that run to end or choose another "
+                "--checkpoint (two writers would overwrite each other's progress)."
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def export_inference(session: OrtTraining, outputs: list[str], path: Path) -> Path:
@@ -68,8 +222,10 @@ def export_inference(session: OrtTraining, outputs: list[str], path: Path) -> Pa
     tmp = _temp_beside(path)
     try:
         session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
+        os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not export {path}: {ort_error_message(exc)}") from exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else ort_error_message(exc)
+        raise CheckpointError(f"could not export {path}: {reason}. Choose a writable --out.") from exc
     return path

@@ -8,9 +8,10 @@ import logging
 import os
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Sequence
 
-from .errors import OdtError, UsageError
+from .errors import CheckpointError, OdtError, UsageError
 
 __all__ = [
     "main",
@@ -186,7 +187,6 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
 
 def _run_predict(args: argparse.Namespace) -> int:
     import tempfile
-    from pathlib import Path
 
     import numpy as np
 
@@ -230,8 +230,6 @@ def _run_predict(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_file(directory: str | None) -> str | None:
-    from pathlib import Path
-
     return None if directory is None else str(Path(directory) / "latest.ckpt")
 
 
@@ -239,21 +237,20 @@ def _run_train(args: argparse.Namespace) -> int:
     import math
 
     from .data import load_npz
-    from .errors import CheckpointError
     from .schedules import Schedule
     from .trainer import Trainer
 
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
-    trainer = Trainer.load(
-        args.directory, checkpoint=_checkpoint_file(args.checkpoint) if args.resume else None, threads=args.threads
+    trainer = (
+        _resume(args.directory, Path(_checkpoint_file(args.checkpoint)), args.threads)
+        if args.resume
+        else Trainer.load(args.directory, threads=args.threads)
     )
     train = load_npz(args.data)
     val = load_npz(args.val) if args.val else None
     named = bool(args.checkpoint)
     if not named:  # never throw the trained weights away
-        from pathlib import Path
-
         args.checkpoint = f"{Path(args.directory).resolve().name}.ckpt"
     size = len(next(iter(train.values()))) if train else 0
     steps = args.epochs * math.ceil(math.ceil(size / max(args.batch_size, 1)) / max(args.accumulate, 1))
@@ -282,6 +279,27 @@ def _run_train(args: argparse.Namespace) -> int:
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
     return 0
+
+
+def _resume(directory: str, checkpoint: Path, threads: int | None):  # type: ignore[no-untyped-def]
+    """Resume from the checkpoint, or from the one before it when it is missing or corrupt (said so)."""
+    from ._checkpoint import previous_of
+    from .errors import CheckpointCorruptError
+    from .trainer import Trainer
+
+    try:
+        return Trainer.load(directory, checkpoint=checkpoint, threads=threads)
+    except CheckpointCorruptError as exc:
+        previous = previous_of(checkpoint)
+        if not previous.is_file():
+            raise
+        print(f"warning: {exc} Resuming from {previous}.", file=sys.stderr)
+    except CheckpointError:
+        previous = previous_of(checkpoint)
+        if checkpoint.exists() or not previous.is_file():
+            raise
+        print(f"warning: {checkpoint} is missing (a save was interrupted); resuming from {previous}.", file=sys.stderr)
+    return Trainer.load(directory, checkpoint=previous, threads=threads)
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:

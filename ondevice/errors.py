@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "WeightsError",
     "CheckpointError",
+    "CheckpointCorruptError",
     "ConfigError",
 ]
 
@@ -55,6 +56,10 @@ class WeightsError(OndeviceError, ValueError):
 
 class CheckpointError(OndeviceError, ValueError):
     """A checkpoint is missing, truncated, from other artifacts, or cannot be written."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's bytes are not what was saved (truncated, altered, no header): refused."""
 
 
 class ConfigError(OndeviceError, UsageError, ValueError):

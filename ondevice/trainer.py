@@ -90,10 +90,16 @@ class Trainer:
                 f"Install onnxruntime-training=={made_with} or regenerate the artifacts."
             )
         sha = sha256_file(directory / MANIFEST_NAME)
-        if checkpoint is not None:
-            _check_checkpoint(Path(checkpoint), sha)
         try:
-            session = OrtTraining(directory, checkpoint=checkpoint, threads=threads)
+            if checkpoint is None:
+                session = OrtTraining(directory, threads=threads)
+            else:
+                from ._checkpoint import unpacked
+
+                with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
+                    session = OrtTraining(directory, checkpoint=raw, threads=threads)
+        except OndeviceError:
+            raise
         except Exception as exc:
             what = f"checkpoint {checkpoint}" if checkpoint else f"artifacts in {directory}"
             raise (CheckpointError if checkpoint else OndeviceError)(
@@ -210,7 +216,12 @@ class Trainer:
         if seed is not None:
             self.seed = seed
         history = History()
-        with progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
+        from contextlib import nullcontext
+
+        from ._checkpoint import writer_lock
+
+        lock = nullcontext() if checkpoint is None else writer_lock(Path(checkpoint))
+        with lock, progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
             while self.epoch < epochs:
                 metrics = self._epoch(train, batch_size, shuffle, accumulate, schedule, bar)
                 self.epoch += 1
@@ -220,7 +231,7 @@ class Trainer:
                 history.epochs.append(metrics)
                 bar.set_postfix({k: round(v, 4) for k, v in metrics.items() if k in ("loss", "val_accuracy")})
                 if checkpoint is not None:
-                    self.save(checkpoint)
+                    self._save(Path(checkpoint))
         return history
 
     def _epoch(
@@ -335,13 +346,24 @@ class Trainer:
 
     # -- checkpoints and export ----------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Save weights, optimizer state and progress to ``path`` atomically (the old file survives a failure)."""
+        """Save weights, optimizer state and progress to ``path`` atomically, checksummed.
+
+        The old file survives a failure and, if sound, is kept as ``PATH.previous``; a second
+        writer of the same path is refused while this one holds it.
+        """
+        from ._checkpoint import writer_lock
+
+        with writer_lock(Path(path)):
+            return self._save(Path(path))
+
+    def _save(self, path: Path) -> Path:
         from ._checkpoint import save_state
 
         state = self._session.state
         for key, value in self._progress().items():
             state.add_property(key, value)
-        return save_state(state, Path(path))
+        header = {"manifest_sha256": self._manifest_sha, "epoch": self.epoch, "step": self.step}
+        return save_state(state, path, header)
 
     def _progress(self) -> dict[str, int | str]:
         return {
@@ -370,14 +392,3 @@ class Trainer:
         from ._checkpoint import export_inference
 
         return export_inference(self._session, [o.name for o in self.manifest.outputs], Path(path))
-
-
-def _check_checkpoint(path: Path, manifest_sha: str) -> None:
-    from ._checkpoint import read_property
-
-    found = read_property(path, "odt.manifest_sha256")
-    if found != manifest_sha:
-        raise CheckpointError(
-            f"checkpoint {path} was saved from other artifacts (manifest sha256 {str(found)[:12]}..., "
-            f"these are {manifest_sha[:12]}...). Use the artifact directory it was trained from."
-        )

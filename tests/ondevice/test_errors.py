@@ -195,7 +195,7 @@ except CheckpointError as exc:
     size, refused = result.stdout.strip().splitlines()
     assert refused.startswith("refused: could not write checkpoint") and "previous checkpoint" in refused
     assert (tmp_path / "c.ckpt").stat().st_size == int(size)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c.ckpt.lock", "c.ckpt"]  # no temporary file left
     assert Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt").epoch == 0
 
 

@@ -1,0 +1,128 @@
+"""Checkpoints that nothing corrupts silently: checksums, the previous one kept, stale temps, one writer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ondevice import CheckpointCorruptError, CheckpointError, Trainer
+from ondevice.cli import main
+
+
+def _data(digits_data, n: int = 64) -> dict[str, np.ndarray]:
+    return {k: v[:n] for k, v in digits_data["train"].items()}
+
+
+@pytest.fixture()
+def saved(digits_artifacts, digits_data, tmp_path) -> Path:
+    trainer = Trainer.load(digits_artifacts)
+    trainer.fit(_data(digits_data), epochs=1, batch_size=16, progress=False, checkpoint=tmp_path / "c.ckpt")
+    return tmp_path / "c.ckpt"
+
+
+def test_no_single_bit_flip_is_accepted(digits_artifacts, saved, tmp_path):
+    """48 single-bit flips spread over the file (header and ORT's bytes): every one refused, typed."""
+    original = saved.read_bytes()
+    positions = np.linspace(0, len(original) - 1, 48).astype(int)
+    accepted = []
+    for index, position in enumerate(positions):
+        flipped = bytearray(original)
+        flipped[position] ^= 1 << (index % 8)
+        damaged = tmp_path / f"flip{index}.ckpt"
+        damaged.write_bytes(bytes(flipped))
+        try:
+            Trainer.load(digits_artifacts, checkpoint=damaged)
+            accepted.append(int(position))
+        except CheckpointError as exc:  # never an ORT error, never a crash
+            assert "ONNX Runtime" not in str(exc) and "/onnxruntime_src" not in str(exc), exc
+    assert accepted == []
+    assert Trainer.load(digits_artifacts, checkpoint=saved).epoch == 1
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),  # a save cut short
+        (lambda b: b + b"\0" * 10, "truncated or padded"),
+        (lambda b: b"", "no header"),  # a zero-byte file
+        (lambda b: b"GARBAGE!" + b[8:], "no header"),  # not ours
+    ],
+)
+def test_damaged_checkpoints_are_refused(digits_artifacts, saved, damage, message):
+    saved.write_bytes(damage(saved.read_bytes()))
+    with pytest.raises(CheckpointCorruptError, match=message):
+        Trainer.load(digits_artifacts, checkpoint=saved)
+
+
+def test_the_previous_checkpoint_is_kept_and_resume_falls_back_to_it(digits_artifacts, digits_data, tmp_path, capsys):
+    np.savez(tmp_path / "t.npz", **_data(digits_data))
+    train = ["train", str(digits_artifacts), "--data", str(tmp_path / "t.npz"), "--checkpoint", str(tmp_path),
+             "--batch-size", "16"]  # fmt: skip
+    assert main([*train, "--epochs", "2"]) == 0
+    latest, previous = tmp_path / "latest.ckpt", tmp_path / "latest.ckpt.previous"
+    assert Trainer.load(digits_artifacts, checkpoint=previous).epoch == 1
+    latest.write_bytes(latest.read_bytes()[:-100])  # the newest checkpoint is damaged
+    capsys.readouterr()
+    assert main([*train, "--epochs", "3", "--resume"]) == 0
+    assert f"Resuming from {previous}" in capsys.readouterr().err
+    resumed = Trainer.load(digits_artifacts, checkpoint=latest)
+    assert resumed.epoch == 3 and Trainer.load(digits_artifacts, checkpoint=previous).epoch == 2
+    straight = Trainer.load(digits_artifacts)  # what 3 epochs give without any damage
+    straight.fit(_data(digits_data), epochs=3, batch_size=16, progress=False)
+    np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
+
+
+def test_a_second_writer_is_refused_with_the_holder(digits_artifacts, digits_data, tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"""
+import time
+from ondevice._checkpoint import writer_lock
+from pathlib import Path
+with writer_lock(Path({str(tmp_path / "c.ckpt")!r})):
+    print("holding", flush=True)
+    time.sleep(60)
+"""],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        trainer = Trainer.load(digits_artifacts)
+        with pytest.raises(CheckpointError, match=f"being written by pid {holder.pid} on"):
+            trainer.fit(_data(digits_data), epochs=1, batch_size=16, progress=False, checkpoint=tmp_path / "c.ckpt")
+        assert trainer.step == 0  # refused before training
+    finally:
+        holder.kill()
+        holder.wait()
+    Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")  # the lock died with its holder
+
+
+def test_kills_during_saves_leave_no_orphan_and_no_corrupt_checkpoint(digits_artifacts, digits_data, tmp_path):
+    """kill -9 a process that saves in a loop, 5 times at different moments; the next save cleans up."""
+    np.savez(tmp_path / "t.npz", **_data(digits_data))
+    code = f"""
+from ondevice import Trainer
+t = Trainer.load({str(digits_artifacts)!r})
+print("ready", flush=True)
+while True:
+    t.epoch += 1
+    t.save({str(tmp_path / "c.ckpt")!r})
+"""
+    for kill in range(5):
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(0.05 + 0.037 * kill)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        loadable = [p for p in (tmp_path / "c.ckpt", tmp_path / "c.ckpt.previous") if p.exists()]
+        assert loadable, "a kill must never leave no checkpoint at all"
+        for path in loadable:
+            Trainer.load(digits_artifacts, checkpoint=path)  # whole and verified, never half-written
+    Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")
+    assert sorted(p.name for p in tmp_path.glob(".c.ckpt.*.tmp")) == []
