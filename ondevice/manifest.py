@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ._schema import validate_manifest
 from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
 from .files import atomic_write_bytes, sha256_file
 
@@ -220,6 +221,7 @@ def _from_dict(data: Any) -> Manifest:
             f"{MANIFEST_NAME} uses schema version {version}, this runtime reads up to {SCHEMA_VERSION}. "
             "Upgrade the runtime or regenerate the artifacts with a matching generator."
         )
+    validate_manifest(data)
     try:
         verification = data.get("verification")
         return Manifest(

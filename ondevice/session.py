@@ -59,7 +59,10 @@ def ort_error_message(exc: BaseException) -> str:
     for marker in ("] : ", "was false. "):
         if marker in text:
             text = text.rsplit(marker, 1)[1]
-    return re.sub(r"^/\S+:\d+ ", "", text)[:400]
+    text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)  # status code and name
+    # "/onnxruntime_src/.../model.cc:165 onnxruntime::Model::Model(...) " -> ""
+    text = re.sub(r"\s*/onnxruntime_src\S*:\d+\s+(?:[\w:~<>,&* ]+\([^()]*\)\s*)?", " ", text)
+    return re.sub(r"^/\S+:\d+ ", "", text).strip()[:400]
 
 
 def session_options(threads: int | None = None) -> C.SessionOptions:

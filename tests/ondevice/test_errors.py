@@ -16,6 +16,7 @@ from ondevice import (
     CheckpointError,
     DataError,
     ManifestError,
+    OdtError,
     Schedule,
     SchemaVersionError,
     Trainer,
@@ -38,6 +39,22 @@ def _edit_manifest(directory: Path, **changes) -> None:
     path.write_text(json.dumps(data))
 
 
+def _all(directory: Path, key: str, **changes) -> list:
+    return [{**item, **changes} for item in json.loads((directory / "manifest.json").read_text())[key]]
+
+
+def _edit_files(directory: Path, extra: dict) -> None:
+    files = json.loads((directory / "manifest.json").read_text())["files"]
+    _edit_manifest(directory, files={**files, **extra})
+
+
+def _rehash(directory: Path, name: str, content: bytes) -> None:
+    import hashlib
+
+    (directory / name).write_bytes(content)
+    _edit_files(directory, {name: hashlib.sha256(content).hexdigest()})
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "message"),
     [
@@ -48,7 +65,25 @@ def _edit_manifest(directory: Path, **changes) -> None:
         # manifest from a newer schema
         (lambda d: _edit_manifest(d, schema_version=99), SchemaVersionError, "schema version 99"),
         # manifest missing a field
-        (lambda d: _edit_manifest(d, trainable=None), ManifestError, "does not match schema"),
+        (lambda d: _edit_manifest(d, trainable=None), ManifestError, "trainable must be a list"),
+        # an empty file table would turn the integrity check off
+        (lambda d: _edit_manifest(d, files={}), ManifestError, "hashes every file the runtime opens"),
+        # offsets that do not tile the buffer (all 0) would return wrong tensors silently
+        (
+            lambda d: _edit_manifest(d, trainable=_all(d, "trainable", offset=0)),
+            ManifestError,
+            r"trainable\[1\].offset",
+        ),
+        # a dtype numpy does not have
+        (lambda d: _edit_manifest(d, inputs=_all(d, "inputs", dtype="float99")), ManifestError, "inputs.0..dtype"),
+        # a learning rate that is not a number
+        (lambda d: _edit_manifest(d, optimizer={"kind": "adamw", "lr": "fast"}), ManifestError, "optimizer.lr"),
+        # a file name that leaves the directory
+        (lambda d: _edit_files(d, {"../../etc/passwd": "0" * 64}), ManifestError, "plain file name"),
+        # a zero-size parameter
+        (lambda d: _edit_manifest(d, frozen=[{"name": "x", "shape": [0]}]), ManifestError, r"frozen\[0\].shape"),
+        # an empty model with a re-hashed manifest: ORT's refusal, without ORT's source paths
+        (lambda d: _rehash(d, "training_model.onnx", b""), Exception, r"^(?!.*onnxruntime_src)(?!.*\.cc:).*$"),
         # an artifact file altered after generation
         (
             lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10),
@@ -67,8 +102,9 @@ def _edit_manifest(directory: Path, **changes) -> None:
 )
 def test_bad_artifact_directory(artifacts, damage, error, message):
     damage(artifacts)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as caught:
         Trainer.load(artifacts)
+    assert isinstance(caught.value, OdtError), caught.value  # typed, never a raw ORT or Python error
 
 
 def test_missing_directory(tmp_path):

@@ -1,0 +1,144 @@
+"""The manifest's schema, checked on load before ONNX Runtime sees a file.
+
+Pure functions over the parsed JSON: each problem names where it is (``trainable[3].offset``),
+what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from .errors import ManifestError
+
+__all__ = ["validate_manifest", "REQUIRED_FILES", "DTYPES"]
+
+REQUIRED_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+"""The files every runtime opens: the file table must cover them (and hash them)."""
+DTYPES = ("float32", "float64", "float16", "int64", "int32", "bool")
+LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits", "model", "custom")
+OPTIMIZERS = ("adamw", "sgd")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _fail(where: str, expected: str, found: Any) -> None:
+    raise ManifestError(
+        f"manifest.json: {where} must be {expected}, found {found!r:.80}. Regenerate the artifacts (odt generate)."
+    )
+
+
+def _name(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        _fail(where, "a non-empty string", value)
+    return value
+
+
+def _int(where: str, value: Any, low: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        _fail(where, f"an integer >= {low}", value)
+    return value
+
+
+def _list(where: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        _fail(where, "a list", value)
+    return value
+
+
+def _tensors(where: str, value: Any, *, batch_first: bool) -> None:
+    seen = set()
+    for i, spec in enumerate(_list(where, value)):
+        at = f"{where}[{i}]"
+        if not isinstance(spec, dict):
+            _fail(at, "an object", spec)
+        name = _name(f"{at}.name", spec.get("name"))
+        if name in seen:
+            _fail(f"{at}.name", "unique", name)
+        seen.add(name)
+        if spec.get("dtype") not in DTYPES:
+            _fail(f"{at}.dtype", f"one of {list(DTYPES)}", spec.get("dtype"))
+        shape = _list(f"{at}.shape", spec.get("shape"))
+        if batch_first and (not shape or shape[0] != "batch"):
+            _fail(f"{at}.shape", 'a list starting with "batch"', shape)
+        for d, dim in enumerate(shape):
+            if isinstance(dim, str):
+                if not dim.isidentifier() and dim != "?":
+                    _fail(f"{at}.shape[{d}]", "a size or an axis name", dim)
+            else:
+                _int(f"{at}.shape[{d}]", dim, low=0 if not batch_first else 1)
+
+
+def _params(where: str, value: Any, *, offsets: bool) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    expected_offset = 0
+    for i, spec in enumerate(_list(where, value)):
+        at = f"{where}[{i}]"
+        if not isinstance(spec, dict):
+            _fail(at, "an object", spec)
+        name = _name(f"{at}.name", spec.get("name"))
+        if name in shapes:
+            _fail(f"{at}.name", "unique", name)
+        shape = tuple(_int(f"{at}.shape[{d}]", n, low=1) for d, n in enumerate(_list(f"{at}.shape", spec.get("shape"))))
+        shapes[name] = shape
+        if offsets:
+            offset = _int(f"{at}.offset", spec.get("offset"))
+            if offset != expected_offset:
+                _fail(f"{at}.offset", f"{expected_offset} (the parameters tile one buffer in order)", offset)
+            expected_offset += math.prod(shape)
+    return shapes
+
+
+def validate_manifest(data: dict[str, Any]) -> None:
+    """Raise ManifestError for the first thing in ``data`` that breaks the schema."""
+    _name("name", data.get("name"))
+    files = data.get("files")
+    if not isinstance(files, dict):
+        _fail("files", "an object of file name -> sha256", files)
+    for name, digest in files.items():
+        if not _FILE.fullmatch(name) or name in (".", ".."):
+            _fail(f"files[{name!r}]", "a plain file name inside the artifact directory", name)
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            _fail(f"files[{name!r}]", "a sha256 (64 hex digits)", digest)
+    missing = [f for f in REQUIRED_FILES if f not in files]
+    if missing:
+        _fail("files", f"a table that hashes every file the runtime opens (missing {missing})", sorted(files))
+    _tensors("inputs", data.get("inputs"), batch_first=True)
+    if not data["inputs"]:
+        _fail("inputs", "at least one input", [])
+    _tensors("targets", data.get("targets"), batch_first=True)
+    _tensors("outputs", data.get("outputs"), batch_first=False)
+    _name("loss_output", data.get("loss_output"))
+    if data.get("loss_input") is not None:
+        _name("loss_input", data.get("loss_input"))
+    trainable = _params("trainable", data.get("trainable"), offsets=True)
+    if not trainable:
+        _fail("trainable", "at least one trainable parameter", [])
+    frozen = _params("frozen", data.get("frozen"), offsets=False)
+    for i, buffer in enumerate(_list("buffers", data.get("buffers"))):
+        if not isinstance(buffer, dict) or buffer.get("name") not in frozen:
+            _fail(f"buffers[{i}].name", "a frozen parameter", buffer)
+        _name(f"buffers[{i}].output", buffer.get("output"))
+    loss, optimizer = data.get("loss"), data.get("optimizer")
+    if not isinstance(loss, dict) or loss.get("kind") not in LOSSES:
+        _fail("loss.kind", f"one of {list(LOSSES)}", loss)
+    if not isinstance(loss.get("options", {}), dict):
+        _fail("loss.options", "an object", loss.get("options"))
+    if not isinstance(optimizer, dict) or optimizer.get("kind") not in OPTIMIZERS:
+        _fail("optimizer.kind", f"one of {list(OPTIMIZERS)}", optimizer)
+    lr = optimizer.get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not (lr > 0 and math.isfinite(lr)):
+        _fail("optimizer.lr", "a positive finite number", lr)
+    if not isinstance(optimizer.get("options", {}), dict):
+        _fail("optimizer.options", "an object", optimizer.get("options"))
+    if not isinstance(data.get("versions"), dict):
+        _fail("versions", "an object", data.get("versions"))
+    padding = data.get("padding", {})
+    if not isinstance(padding, dict):
+        _fail("padding", "an object of weight -> padding row", padding)
+    for name, row in padding.items():
+        if name not in trainable:
+            _fail(f"padding[{name!r}]", "a trainable embedding weight", name)
+        if _int(f"padding[{name!r}]", row) >= trainable[name][0]:
+            _fail(f"padding[{name!r}]", f"a row below {trainable[name][0]}", row)
