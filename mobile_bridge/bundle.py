@@ -32,6 +32,7 @@ BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
 MODELS = ("training_model", "eval_model", "optimizer_model")
+MODELS_ONNX = tuple(f"{m}.onnx" for m in MODELS)
 
 
 def make_bundle(
@@ -165,14 +166,20 @@ def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[
         description = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BundleError(f"{BUNDLE_JSON} is not valid JSON: {exc}") from exc
-    if description.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"bundle format {description.get('format')!r} is not {BUNDLE_FORMAT}; rebuild it.")
+    if not isinstance(description, dict) or description.get("format") != BUNDLE_FORMAT:
+        found = description.get("format") if isinstance(description, dict) else type(description).__name__
+        raise BundleError(f"bundle format {found!r} is not {BUNDLE_FORMAT}; rebuild it.")
+    files = description.get("files")
+    if not isinstance(files, dict) or not all(name in files for name in (*MODELS_ONNX, "checkpoint")):
+        raise BundleError(f"{BUNDLE_JSON} does not list and hash the bundle's models and checkpoint; rebuild it.")
     problems = []
-    for name, entry in description["files"].items():
+    for name, entry in files.items():
         path = bundle / name
-        if not path.is_file():
+        if "/" in name or name.startswith(".") or not isinstance(entry, dict):
+            problems.append(f"{name!r} is not a plain file entry")
+        elif not path.is_file():
             problems.append(f"{name} is missing")
-        elif sha256_file(path) != entry["sha256"]:
+        elif sha256_file(path) != entry.get("sha256"):
             problems.append(f"{name} was altered")
     if problems:
         raise BundleError(f"bundle {bundle}: {'; '.join(problems)}. Download it again.")

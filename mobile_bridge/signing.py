@@ -32,7 +32,13 @@ def keygen(path: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, 
 
 
 def sign(data: bytes, private_key: str | os.PathLike[str]) -> bytes:
-    key = serialization.load_pem_private_key(_read(private_key, "private key"), password=None)
+    text = _read(private_key, "private key")
+    if b"PUBLIC KEY" in text:
+        raise SignatureError(f"{private_key} is a public key; sign with the private key (the file without .pub).")
+    try:
+        key = serialization.load_pem_private_key(text, password=None)
+    except (ValueError, TypeError) as exc:
+        raise SignatureError(f"{private_key} is not a PEM private key made by `odt keygen`: {exc}") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise SignatureError(f"{private_key} is not an Ed25519 private key (make one with `odt keygen`).")
     return key.sign(data)

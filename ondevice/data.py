@@ -7,6 +7,9 @@ float32, when every value survives the cast (integers fit, floats stay finite). 
 
 from __future__ import annotations
 
+import os
+import zipfile
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -14,17 +17,42 @@ import numpy as np
 from .errors import DataError
 from .manifest import Manifest, TensorSpec
 
-__all__ = ["check_data", "batches", "load_npz"]
+__all__ = ["check_data", "batches", "load_npz", "MAX_DATA_BYTES"]
 
 
-def load_npz(path: str) -> dict[str, np.ndarray]:
-    """Arrays of an ``.npz`` file, keyed by name."""
+MAX_DATA_BYTES = 1 << 30
+"""Largest decompressed size of an .npz that load_npz reads (1 GiB; ODT_MAX_DATA_BYTES overrides)."""
+
+
+def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """Arrays of an ``.npz`` file, keyed by name; its decompressed size is checked before reading.
+
+    ``max_bytes`` defaults to ``ODT_MAX_DATA_BYTES`` from the environment, else :data:`MAX_DATA_BYTES`.
+    """
+    limit = max_bytes if max_bytes is not None else int(os.environ.get("ODT_MAX_DATA_BYTES", MAX_DATA_BYTES))
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist.")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise DataError(
+            f"data file {path} is not an .npz archive ({exc or type(exc).__name__}): save named arrays with "
+            "numpy.savez(path, input=..., labels=...); a single .npy array has no names."
+        ) from None
+    if not members or not all(m.filename.endswith(".npy") for m in members):
+        raise DataError(f"data file {path} holds no .npy arrays: save named arrays with numpy.savez.")
+    size = sum(m.file_size for m in members)
+    if size > limit:
+        raise DataError(
+            f"data file {path} decompresses to {size:,} bytes, over the limit of {limit:,} "
+            f"({path.stat().st_size:,} bytes on disk). Split the data, or raise ODT_MAX_DATA_BYTES if it is genuine."
+        )
     try:
         with np.load(path, allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
-    except FileNotFoundError:
-        raise DataError(f"data file {path} does not exist.") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
         raise DataError(f"data file {path} is not a readable .npz archive: {exc}") from exc
 
 

@@ -1,0 +1,91 @@
+"""Hostile and careless inputs across the CLI: each ends as a typed one-line error, never "unexpected".
+
+One row per case; the exit code is 2 for a usage error, 1 for anything else refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ondevice.cli import main
+
+ODT = str(Path(sys.executable).parent / "odt")
+
+
+@pytest.fixture()
+def files(tmp_path, digits_artifacts, digits_data) -> dict[str, str]:
+    good = {k: v[:32] for k, v in digits_data["train"].items()}
+    np.savez(tmp_path / "good.npz", **good)
+    (tmp_path / "zero.npz").write_bytes(b"")
+    (tmp_path / "truncated.npz").write_bytes((tmp_path / "good.npz").read_bytes()[:300])
+    np.save(tmp_path / "array.npy", good["input"])
+    os.replace(tmp_path / "array.npy", tmp_path / "array.npz")  # a bare .npy under an .npz name
+    np.savez(tmp_path / "nan.npz", input=np.full((8, 64), np.nan, np.float32), labels=np.zeros(8, np.int64))
+    np.savez(tmp_path / "labels.npz", input=good["input"], labels=good["labels"] + 100)
+    np.savez(tmp_path / "cube.npz", input=np.zeros((8, 4, 64), np.float32), labels=np.zeros(8, np.int64))
+    np.savez(tmp_path / "floatlabels.npz", input=good["input"], labels=good["labels"] + 0.5)
+    (tmp_path / "private").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+    return {"art": str(digits_artifacts), **{p.stem: str(p) for p in tmp_path.iterdir()}, "tmp": str(tmp_path)}
+
+
+CASES = [
+    # data that is not data
+    (["train", "{art}", "--data", "{zero}"], 1, "is not an .npz archive"),
+    (["train", "{art}", "--data", "{truncated}"], 1, "is not an .npz archive"),
+    (["train", "{art}", "--data", "{array}"], 1, "a single .npy array has no names"),
+    (["train", "{art}", "--data", "{tmp}/none.npz"], 1, "does not exist"),
+    (["train", "{art}", "--data", "{nan}"], 1, "NaN/Inf"),
+    (["train", "{art}", "--data", "{labels}"], 1, "class indices in [0, 9]"),
+    # a 3-D input for a (batch, 64) model stops at the data check, not in ORT's loss kernel
+    (["train", "{art}", "--data", "{cube}"], 1, "needs 2 dimensions"),
+    (["train", "{art}", "--data", "{floatlabels}"], 1, "'labels' must be int64"),
+    # options out of range
+    (["train", "{art}", "--data", "{good}", "--batch-size", "0"], 2, "batch_size must be an integer >= 1"),
+    (["train", "{art}", "--data", "{good}", "--epochs", "0"], 2, "epochs must be an integer >= 1"),
+    (["train", "{art}", "--data", "{good}", "--lr", "nan"], 2, "finite"),
+    (["train", "{art}", "--data", "{good}", "--lr", "-1"], 2, "base > 0"),
+    (["train", "{art}", "--data", "{good}", "--batch-size", "1000"], 1, "larger than the dataset"),
+    # bundles
+    (["bundle", "{art}", "--out", "{tmp}/b", "--lr", "-1"], 1, "base > 0"),
+    (["bundle", "{art}", "--out", "{tmp}/b", "--schedule", "cosine"], 1, "needs --total-steps"),
+    (["bundle", "{art}", "--out", "{tmp}/b", "--schedule", "linear", "--total-steps", "0"], 1, "total >= 1"),
+    (["bundle", "{art}", "--out", "{tmp}/b", "--sign-key", "{private}"], 1, "is a public key"),
+    (["verify-bundle", "{tmp}"], 1, "has no bundle.json"),
+    # artifacts that are not artifacts
+    (["train", "{tmp}", "--data", "{good}"], 1, "not an artifact directory"),
+    (["predict", "{tmp}/none.onnx", "--data", "{good}", "--artifacts", "{art}"], 1, "cannot load inference model"),
+    # federated run config
+    (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}", "--set", "rounds=3"], 2, "mean 'num-server-rounds'"),
+    (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}"], 2, "has no train.npz"),
+]
+
+
+@pytest.mark.parametrize("argv, code, message", CASES, ids=[f"{i:02d}-{c[0][0]}" for i, c in enumerate(CASES)])
+def test_hostile_input_is_a_typed_one_line_error(files, capsys, argv, code, message):
+    argv = [a.format(**files) for a in argv]
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert "unexpected" not in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (Path(files["tmp"]) / "b").exists()  # nothing half-written
+
+
+def test_decompression_bomb_is_refused_before_reading(files, tmp_path, monkeypatch, capsys):
+    """64 MB of zeros compress to ~60 KB: the declared size is checked against the limit first."""
+    np.savez_compressed(tmp_path / "bomb.npz", input=np.zeros((262_144, 64), np.float32), labels=np.zeros(262_144))
+    assert (tmp_path / "bomb.npz").stat().st_size < 1_000_000
+    monkeypatch.setenv("ODT_MAX_DATA_BYTES", str(16 * 2**20))
+    assert main(["train", files["art"], "--data", str(tmp_path / "bomb.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "decompresses to 69,2" in err and "bytes, over the limit of 16,777,216" in err  # 64 + 2 MB + headers
+
+
+def test_json_mode_reports_hostile_input_as_json(files, capsys):
+    assert main(["evaluate", files["art"], "--data", files["zero"], "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["type"] == "DataError"
