@@ -110,6 +110,9 @@ KEYS: tuple[Key, ...] = (
     Key("data", str, "out/digits/data", "directory with train.npz and test.npz"),
     Key("output", str, "out/federated", "where metrics.json, rounds.png and the global model go"),
     Key("max-examples", int, 100_000, "largest example count a reply may claim", low=1),
+    Key("norm-bound", float, 10.0, "updates over this x the round's median update norm are bounded (0: off)", low=0),
+    Key("max-update-norm", float, 0.0, "updates over this L2 norm are bounded (0: off)", low=0),
+    Key("norm-action", str, "reject", "what bounding does: reject the update or clip it", choices=("reject", "clip")),
     Key("round-timeout", float, 120.0, "seconds to wait for replies", low=0, low_open=True),
     Key("save-updates", bool, False, "also write every accepted client update to OUTPUT/updates/"),
 )

@@ -29,6 +29,7 @@ def round_rows(result: Any, rounds: dict[int, Any], num_rounds: int) -> list[dic
             row["bytes_up"] = sum(seen.bytes_up.values())
             row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
             row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
+            row["clipped"] = {str(k): v for k, v in seen.clipped.items()}
             if seen.dp_sampled is not None:
                 row["dp_sampled_clients"] = seen.dp_sampled
                 row["dp_noise_std"] = seen.dp_noise_std

@@ -57,6 +57,9 @@ def main(grid: Grid, context: Context) -> None:
         codec=settings.codec,
         max_examples=settings.max_examples,
         keep_updates=settings.save_updates,
+        norm_bound=settings.norm_bound,
+        max_update_norm=settings.max_update_norm,
+        norm_action=settings.norm_action,
     )
 
     def load(arrays: ArrayRecord) -> None:

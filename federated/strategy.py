@@ -30,7 +30,7 @@ from .codec import CodecError, decode, payload_bytes
 from .config import STRATEGIES
 from .errors import FederatedError
 from .protocol import from_arrays, hash_tag, to_arrays
-from .validation import update_problem
+from .validation import norm_bounds, update_norm, update_problem
 
 __all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy"]
 
@@ -90,6 +90,7 @@ class RoundLog:
     bytes_down: int = 0
     bytes_up: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, str] = field(default_factory=dict)
+    clipped: dict[int, str] = field(default_factory=dict)
     dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)
     dp_noise_std: float | None = None
     buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
@@ -112,8 +113,12 @@ class GuardedStrategy(Strategy):
         codec: str,
         max_examples: int,
         keep_updates: bool = False,
+        norm_bound: float = 10.0,
+        max_update_norm: float = 0.0,
+        norm_action: str = "reject",
     ) -> None:
         self.inner = inner
+        self.norm_bound, self.max_update_norm, self.norm_action = norm_bound, max_update_norm, norm_action
         self.keep_updates = keep_updates
         self.manifest = manifest
         self.sha256 = manifest_sha256
@@ -169,12 +174,41 @@ class GuardedStrategy(Strategy):
                 )
             else:
                 kept.append(message)
+        kept = self._bounded(server_round, kept, record)
         arrays, metrics = self.inner.aggregate_train(server_round, kept)
         if arrays is not None and self.manifest.buffers:
             _, previous = split_state(self.manifest, self._global)
             averaged = average_buffers(list(record.buffers.values())) or previous
             arrays = to_arrays({**from_arrays(arrays), **averaged})
         return arrays, metrics
+
+    def _bounded(self, server_round: int, kept: list[Message], record: RoundLog) -> list[Message]:
+        """Updates whose norm is out of bounds (finite poisoning) are rejected or clipped."""
+        weights = {m.metadata.src_node_id: from_arrays(next(iter(m.content.array_records.values()))) for m in kept}
+        norms = {node: update_norm(w, self._global) for node, w in weights.items()}
+        over = norm_bounds(norms, multiple=self.norm_bound, absolute=self.max_update_norm)
+        result = []
+        for message in kept:
+            node = message.metadata.src_node_id
+            if node not in over:
+                result.append(message)
+                continue
+            reason = f"update norm {norms[node]:.3g} is over its bound {over[node]:.3g}"
+            if self.norm_action == "clip":
+                scale = over[node] / norms[node]
+                clipped = {
+                    k: self._global[k] + (v - self._global[k]) * np.float32(scale) for k, v in weights[node].items()
+                }
+                (key,) = message.content.array_records.keys()
+                message.content[key] = to_arrays(clipped)
+                record.clipped[node] = reason
+                result.append(message)
+            else:
+                record.excluded[node] = reason
+                record.buffers.pop(node, None)
+                record.accepted.pop(node, None)
+            log.warning("round %d: node %s: %s (%s)", server_round, node, reason, self.norm_action)
+        return result
 
     def _admit(self, message: Message, record: RoundLog) -> str | None:
         content = message.content

@@ -8,7 +8,7 @@ import numpy as np
 
 from ondevice.manifest import Manifest
 
-__all__ = ["update_problem"]
+__all__ = ["update_problem", "update_norm", "norm_bounds"]
 
 
 def update_problem(
@@ -47,3 +47,29 @@ def update_problem(
         if name.endswith("running_var") and (array < 0).any():
             return f"running variance {name!r} holds negative values"
     return None
+
+
+def update_norm(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+    """L2 norm of ``weights - reference`` over every tensor of ``weights`` (float64, no overflow)."""
+    total = 0.0
+    for name, value in weights.items():
+        delta = np.asarray(value, np.float64) - np.asarray(reference[name], np.float64)
+        total += float(np.dot(delta.ravel(), delta.ravel()))
+    return float(np.sqrt(total))
+
+
+def norm_bounds(norms: Mapping[int, float], *, multiple: float, absolute: float) -> dict[int, float]:
+    """The updates over their bound, node -> bound.
+
+    The bound is ``multiple`` times the round's low median non-zero update norm (robust while
+    fewer than half the updates are outliers; 0 turns it off), capped at ``absolute`` (0: no cap).
+    """
+    if not norms:
+        return {}
+    bound = float("inf")
+    moved = sorted(n for n in norms.values() if n > 0)
+    if multiple > 0 and moved:
+        bound = multiple * moved[(len(moved) - 1) // 2]
+    if absolute > 0:
+        bound = min(bound, absolute)
+    return {node: bound for node, norm in norms.items() if norm > bound}
