@@ -66,6 +66,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
     p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run whose --out was DIR after its last completed round (same settings, same artifacts)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other run-config key")
     p.add_argument("--json", action="store_true", help="print the per-round report as JSON")
 
@@ -74,11 +79,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The validated run config of the options above; artifacts and data checked to exist."""
     config = _config(args)
     _check_paths(config)
+    if args.resume and not (Path(config["output"]) / "run-state.npz").is_file():
+        raise RunConfigError(f"--resume {args.resume}: there is no run-state.npz, so no run to continue there.")
     return config
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out).resolve()
+    out = Path(args.resume or args.out).resolve()
     config: dict[str, Any] = {
         "num-server-rounds": args.rounds,
         "artifacts": str(Path(args.artifacts).resolve()),
@@ -92,6 +99,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "min-nodes": args.min_nodes,
         "fraction-train": args.fraction,
         "round-timeout": args.round_timeout,
+        "resume": bool(args.resume),
     }
     for item in args.set:
         key, sep, value = item.partition("=")

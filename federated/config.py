@@ -115,6 +115,7 @@ KEYS: tuple[Key, ...] = (
     Key("norm-action", str, "reject", "what bounding does: reject the update or clip it", choices=("reject", "clip")),
     Key("round-timeout", float, 120.0, "seconds to wait for replies", low=0, low_open=True),
     Key("save-updates", bool, False, "also write every accepted client update to OUTPUT/updates/"),
+    Key("resume", bool, False, "continue the run in OUTPUT after its last completed round (OUTPUT/run-state.npz)"),
 )
 BY_NAME = {k.name: k for k in KEYS}
 

@@ -8,33 +8,24 @@ from typing import Any
 
 from ondevice.files import atomic_write_bytes
 
-__all__ = ["round_rows", "write_report", "save_weights"]
+__all__ = ["round_row", "write_report", "save_weights"]
 
 
-def round_rows(result: Any, rounds: dict[int, Any], num_rounds: int) -> list[dict[str, Any]]:
-    """One row per round (round 0 = the initial model) from Flower's Result and the guard's log."""
-    rows = []
-    for r in range(num_rounds + 1):
-        row: dict[str, Any] = {"round": r}
-        for prefix, source in (
-            ("central", result.evaluate_metrics_serverapp),
-            ("clients_train", result.train_metrics_clientapp),
-            ("clients_eval", result.evaluate_metrics_clientapp),
-        ):
-            for key, value in dict(source.get(r, {})).items():
-                row[f"{prefix}.{key}"] = value
-        seen = rounds.get(r)
-        if seen is not None:
-            row["bytes_down"] = seen.bytes_down
-            row["bytes_up"] = sum(seen.bytes_up.values())
-            row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
-            row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
-            row["clipped"] = {str(k): v for k, v in seen.clipped.items()}
-            if seen.dp_sampled is not None:
-                row["dp_sampled_clients"] = seen.dp_sampled
-                row["dp_noise_std"] = seen.dp_noise_std
-        rows.append(row)
-    return rows
+def round_row(server_round: int, central: dict[str, Any], seen: Any) -> dict[str, Any]:
+    """One report row: the central evaluation and what the guard saw in the round (None for round 0)."""
+    row: dict[str, Any] = {"round": server_round, **{f"central.{k}": v for k, v in central.items()}}
+    if seen is not None:
+        row.update({f"clients_train.{k}": v for k, v in seen.train_metrics.items()})
+        row.update({f"clients_eval.{k}": v for k, v in seen.eval_metrics.items()})
+        row["bytes_down"] = seen.bytes_down
+        row["bytes_up"] = sum(seen.bytes_up.values())
+        row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
+        row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
+        row["clipped"] = {str(k): v for k, v in seen.clipped.items()}
+        if seen.dp_sampled is not None:
+            row["dp_sampled_clients"] = seen.dp_sampled
+            row["dp_noise_std"] = seen.dp_noise_std
+    return row
 
 
 def save_weights(path: Path, weights: dict[str, Any], **extra: Any) -> Path:

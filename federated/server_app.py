@@ -15,7 +15,8 @@ from ondevice.data import load_npz
 from .buffers import split_state
 from .errors import FederatedError
 from .protocol import from_arrays, to_arrays
-from .report import round_rows, save_weights, write_report
+from .report import round_row, save_weights, write_report
+from .run_state import load_run_state, save_run_state
 from .strategy import GuardedStrategy, make_strategy
 from .task import Settings
 
@@ -68,29 +69,45 @@ def main(grid: Grid, context: Context) -> None:
         if buffers:
             evaluator.set_buffers(buffers)
 
+    out = Path(settings.output)
+    initial = {**evaluator.get_weights(), **evaluator.get_buffers()}
+    rows: list[dict] = []
+    if settings.resume:
+        state = load_run_state(out, inner, evaluator.manifest_sha256)
+        if state is not None:
+            strategy.offset, initial, rows = state.server_round, state.arrays, state.rows[: state.server_round + 1]
+            print(f"odt: resuming after round {state.server_round} of {settings.num_server_rounds}", flush=True)
+
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Evaluate the global model, then record the round (report row, updates, run state)."""
+        server_round += strategy.offset
         load(arrays)
         metrics = evaluator.evaluate(test)
         accuracy = metrics.get("accuracy", float("nan"))
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
+        if server_round == len(rows):
+            rows.append(round_row(server_round, metrics, strategy.rounds.get(server_round)))
+            for node, (count, weights) in getattr(strategy.rounds.get(server_round), "accepted", {}).items():
+                save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)
+            save_run_state(out, server_round=server_round, arrays=from_arrays(arrays), strategy=inner, rows=rows,
+                           manifest_sha256=evaluator.manifest_sha256)  # fmt: skip
         return MetricRecord(metrics)
 
-    result = strategy.start(
-        grid,
-        to_arrays({**evaluator.get_weights(), **evaluator.get_buffers()}),
-        num_rounds=settings.num_server_rounds,
-        timeout=settings.round_timeout,
-        train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
-        evaluate_fn=central,
-    )
-    rows = round_rows(result, strategy.rounds, settings.num_server_rounds)
-    out = Path(settings.output)
+    remaining = settings.num_server_rounds - strategy.offset
+    final = to_arrays(initial)
+    if remaining > 0:
+        result = strategy.start(
+            grid,
+            final,
+            num_rounds=remaining,
+            timeout=settings.round_timeout,
+            train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
+            evaluate_fn=central,
+        )
+        final = result.arrays if result.arrays is not None else final
     metrics, plot = write_report(rows, out, asdict(settings))
-    save_weights(out / "global_weights.npz", from_arrays(result.arrays))  # with the running statistics
+    save_weights(out / "global_weights.npz", from_arrays(final))  # with the running statistics
     if evaluator.manifest.outputs:
-        load(result.arrays)
+        load(final)
         evaluator.export(out / "global_model.onnx")
-    for server_round, seen in strategy.rounds.items():
-        for node, (count, weights) in seen.accepted.items():
-            save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)
     print(f"federated report: {metrics} and {plot}", flush=True)

@@ -91,6 +91,8 @@ class RoundLog:
     bytes_up: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, str] = field(default_factory=dict)
     clipped: dict[int, str] = field(default_factory=dict)
+    train_metrics: dict[str, Any] = field(default_factory=dict)  # the strategy's aggregate of client metrics
+    eval_metrics: dict[str, Any] = field(default_factory=dict)
     dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)
     dp_noise_std: float | None = None
     buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
@@ -125,6 +127,7 @@ class GuardedStrategy(Strategy):
         self.codec = codec
         self.max_examples = max_examples
         self.rounds: dict[int, RoundLog] = {}
+        self.offset = 0  # rounds already done by the run this one resumes: Flower counts from 1 again
         self._global: dict[str, np.ndarray] = {}
 
     def summary(self) -> None:
@@ -138,6 +141,7 @@ class GuardedStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        server_round += self.offset
         self._global = from_arrays(arrays)
         weights, buffers = split_state(self.manifest, self._global)
         # The strategy sees the weights only; the running statistics ride along in every task.
@@ -157,6 +161,7 @@ class GuardedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.offset
         record = self.rounds.setdefault(server_round, RoundLog())
         kept = []
         for message in replies:
@@ -180,6 +185,7 @@ class GuardedStrategy(Strategy):
             _, previous = split_state(self.manifest, self._global)
             averaged = average_buffers(list(record.buffers.values())) or previous
             arrays = to_arrays({**from_arrays(arrays), **averaged})
+        record.train_metrics = dict(metrics or {})
         return arrays, metrics
 
     def _bounded(self, server_round: int, kept: list[Message], record: RoundLog) -> list[Message]:
@@ -245,10 +251,13 @@ class GuardedStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self.inner.configure_evaluate(server_round, arrays, self._stamp(config), grid)
+        return self.inner.configure_evaluate(server_round + self.offset, arrays, self._stamp(config), grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return self.inner.aggregate_evaluate(server_round, [m for m in replies if self._sound_evaluation(m)])
+        server_round += self.offset
+        metrics = self.inner.aggregate_evaluate(server_round, [m for m in replies if self._sound_evaluation(m)])
+        self.rounds.setdefault(server_round, RoundLog()).eval_metrics = dict(metrics or {})
+        return metrics
 
     def _sound_evaluation(self, message: Message) -> bool:
         if message.has_error() or len(message.content.metric_records) != 1:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
@@ -168,3 +169,53 @@ def test_flwr_run_runs_the_app_folder(digits_artifacts, data_dir, tmp_path):
     assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.3
     time.sleep(0.5)
     assert _alive_with_home(home) == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _saved_round(path: Path) -> int:
+    try:
+        with np.load(path) as state:
+            return int(__import__("json").loads(state["__meta__"].tobytes().decode())["round"])
+    except Exception:  # not there yet, or being replaced
+        return -1
+
+
+def test_a_run_whose_server_is_killed_resumes_after_its_last_round(digits_artifacts, data_dir, tmp_path):
+    """kill -9 the server (the simulation process that runs the ServerApp) once round 2 is saved;
+    `--resume` runs the remaining rounds and ends where an uninterrupted run ends (same seeds, same
+    client data, stateless FedAvg: the same weights)."""
+    rounds = 8
+    base = [str(Path(sys.executable).parent / "odt"), "fl", "simulate", "--clients", "3", "--rounds", str(rounds),
+            "--artifacts", str(digits_artifacts), "--data", str(data_dir)]  # fmt: skip
+    subprocess.run([*base, "--out", str(tmp_path / "straight")], check=True, capture_output=True, timeout=300)
+
+    out = tmp_path / "killed"
+    run = subprocess.Popen([*base, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while _saved_round(out / "run-state.npz") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    servers = [p for p in started_by(str(out / "logs" / "flwr-home")) if "flwr-simulation" in _cmdline(p)]
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+    killed_after = _saved_round(out / "run-state.npz")
+    assert servers and 2 <= killed_after < rounds, killed_after
+    assert run.wait(timeout=120) != 0 and not (out / "metrics.json").exists()  # the run failed
+
+    resumed = subprocess.run([*base, "--resume", str(out)], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resuming after round {killed_after} of {rounds}" in resumed.stdout
+    report = __import__("json").loads((out / "metrics.json").read_text())
+    assert [r["round"] for r in report["rounds"]] == list(range(rounds + 1))
+    straight = np.load(tmp_path / "straight" / "global_weights.npz")
+    final = np.load(out / "global_weights.npz")
+    for name in straight.files:  # equal up to the float32 rounding of replies summed in arrival order
+        np.testing.assert_allclose(final[name], straight[name], atol=1e-4, err_msg=name)
+    accuracy = __import__("json").loads((tmp_path / "straight" / "metrics.json").read_text())["rounds"][-1]
+    assert abs(report["rounds"][-1]["central.accuracy"] - accuracy["central.accuracy"]) <= 0.004  # one test example
+    assert _alive_with_home(out / "logs" / "flwr-home") == []
