@@ -38,7 +38,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8765, help="default 8765")
     serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
     serve.add_argument("--demo-data", help=".npz the demo page at /web/ trains on (default: none)")
+    serve.add_argument("--state", help="SQLite state file (default: BUNDLE.bridge.db beside the bundle)")
     serve.set_defaults(run=_run_serve)
+    enroll = modes.add_parser("enroll", help="issue one-time enrolment codes for devices (stored hashed)")
+    enroll.add_argument("bundle", help="bundle directory the bridge serves")
+    enroll.add_argument("--state", help="SQLite state file (default: BUNDLE.bridge.db beside the bundle)")
+    enroll.add_argument("--count", type=int, default=1, help="codes to issue (default 1)")
+    enroll.add_argument("--json", action="store_true", help="print the codes as a JSON list")
+    enroll.set_defaults(run=_run_enroll)
     deploy = modes.add_parser(
         "deploy",
         help="a real Flower deployment whose rounds phones/browsers join: SuperLink, Python SuperNodes, "
@@ -99,13 +106,38 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not secret:
         secret = secrets.token_urlsafe(32)
         print(f"relay secret (give it to relay SuperNodes as ODT_BRIDGE_SECRET): {secret}", flush=True)
-    app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data)
+    app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data,
+                     state=args.state)  # fmt: skip
+    if not os.environ.get("ODT_BRIDGE_ENROLMENT") and not app.state.store.has_codes():
+        print("registration is closed: set ODT_BRIDGE_ENROLMENT or issue codes with `odt bridge enroll`", flush=True)
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
+def _run_enroll(args: argparse.Namespace) -> int:
+    import secrets
+    from pathlib import Path
+
+    from .bundle import verify_bundle
+    from .errors import BridgeError
+    from .store import Store
+
+    if args.count < 1:
+        raise BridgeError(f"--count must be >= 1, got {args.count}.")
+    verify_bundle(args.bundle)
+    store = Store(
+        Path(args.state) if args.state else Path(args.bundle).with_name(f"{Path(args.bundle).name}.bridge.db")
+    )
+    codes = [secrets.token_urlsafe(12) for _ in range(args.count)]
+    store.add_codes(codes)
+    store.close()
+    print(json.dumps(codes) if args.json else "\n".join(codes))
+    return 0
+
+
 def _run_deploy(args: argparse.Namespace) -> int:
+    import os
     import secrets
     import sys
     import time
@@ -125,7 +157,11 @@ def _run_deploy(args: argparse.Namespace) -> int:
     out = Path(config["output"])
     bundle = out / "bundle"
     make_bundle(config["artifacts"], bundle, force=True)
+    if not args.resume:  # a new run: new devices
+        for name in ("bridge.db", "bridge.db-wal", "bridge.db-shm"):
+            (out / name).unlink(missing_ok=True)
     secret = secrets.token_urlsafe(32)
+    enrolment = os.environ.get("ODT_BRIDGE_ENROLMENT") or secrets.token_urlsafe(12)
     demo = args.demo_data or str(Path(config["data"]) / "train.npz")
     url = f"http://127.0.0.1:{args.port}"
 
@@ -136,8 +172,9 @@ def _run_deploy(args: argparse.Namespace) -> int:
 
     def start_bridge(group) -> None:  # type: ignore[no-untyped-def]
         odt = str(Path(sys.executable).parent / "odt")
-        serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo]
-        group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret})
+        serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo,
+                 "--state", str(out / "bridge.db")]  # fmt: skip
+        group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret, "ODT_BRIDGE_ENROLMENT": enrolment})
         for _ in range(150):
             try:
                 urllib.request.urlopen(f"{url}/openapi.json", timeout=1).close()
@@ -145,7 +182,7 @@ def _run_deploy(args: argparse.Namespace) -> int:
             except OSError:
                 time.sleep(0.2)
         names = ", ".join(f"browser-{k + 1}" for k in range(args.devices))
-        print(f"bridge: open {url}/web/ in {args.devices} browser(s) and join as {names} "
+        print(f"bridge: open {url}/web/#enrol={enrolment} in {args.devices} browser(s) and join as {names} "
               f"(each round waits up to {config['round-timeout']:.0f} s)", flush=True)  # fmt: skip
 
     report = deploy(

@@ -1,11 +1,17 @@
 """The bridge: an HTTP service that lets phones and browsers take part in Flower rounds.
 
-Devices register for a token, download the bundle, pull their task (the global weights of the
-round) and push their update. Flower does not talk to devices: each device is represented by a
-SuperNode whose ClientApp runs in relay mode (``bridge-device`` in its node config). That
-ClientApp hands its task to the bridge over the internal API (loopback, shared secret), waits
-for the device's update until the round's deadline, and replies to the SuperLink like any other
-client, so the ServerApp and strategy aggregate devices and Python clients alike.
+Devices enrol for a token, download the bundle, pull their task (the round's global weights, as
+binary float32) and push their update (binary). Flower does not talk to devices: each device is
+represented by a SuperNode whose ClientApp runs in relay mode (``bridge-device`` in its node
+config). That relay hands its task to the bridge over the internal API (loopback, shared
+secret), waits for the device's update until the round's deadline, and replies to the SuperLink
+like any other client.
+
+Nothing is trusted by default: registration needs the enrolment secret or a one-time code from
+`odt bridge enroll`; tokens are stored hashed; the token (or relay secret) is checked before a
+request body is read; bodies are cut off at a limit that holds for chunked uploads too; error
+responses never echo the body; registrations are rate-limited per client. State lives in SQLite
+(`store.Store`), so a bridge killed mid-round loses nothing.
 """
 
 from __future__ import annotations
@@ -13,32 +19,41 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import json
 import mimetypes
+import os
 import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from .bundle import verify_bundle
+from .store import Store, Task, Update
 
-__all__ = ["create_app", "BridgeState"]
+__all__ = ["create_app", "BodyGuard"]
 
 MAX_METRICS = 32
+REGISTRATIONS_PER_MINUTE = 20
 mimetypes.add_type("text/javascript", ".mjs")
 mimetypes.add_type("application/wasm", ".wasm")
 
 
 class Registration(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$", description="the device id")
+    enrolment: str = Field(
+        default="",
+        max_length=256,
+        description="the bridge's enrolment secret, or a one-time code from `odt bridge enroll`",
+    )
 
 
 class Registered(BaseModel):
@@ -50,16 +65,10 @@ class TaskOut(BaseModel):
     task_id: str
     round: int
     bundle_sha256: str = Field(description="manifest sha256 the update must be trained on")
-    weights_b64: str = Field(description="global weights: float32 little-endian, manifest order, base64")
+    weights_url: str = Field(description="GET it for the global weights: float32 little-endian, manifest order")
+    weights_size: int
     config: dict[str, float | int | str] = Field(default_factory=dict)
     deadline_unix: float
-
-
-class UpdateIn(BaseModel):
-    bundle_sha256: str
-    num_examples: int = Field(description="examples the device trained on (1..max)")
-    weights_b64: str = Field(description="trained weights: float32 little-endian, manifest order, base64")
-    metrics: dict[str, float] = Field(default_factory=dict)
 
 
 class RelayTask(BaseModel):
@@ -70,48 +79,12 @@ class RelayTask(BaseModel):
     timeout_s: float = Field(gt=0, le=3600)
 
 
-@dataclass
-class _Task:
-    task_id: str
-    device_id: str
-    round: int
-    weights_b64: str
-    config: dict[str, Any]
-    deadline: float
-    update: UpdateIn | None = None
-
-
-@dataclass
-class BridgeState:
-    """Devices, pending tasks and received updates, behind one lock (one bridge process)."""
-
-    bundle: Path
-    description: dict[str, Any]
-    relay_secret: str
-    max_examples: int = 100_000
-    devices: dict[str, str] = field(default_factory=dict)  # token -> device id
-    tasks: dict[str, _Task] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def weights_size(self) -> int:
-        return int(self.description["weights"]["size"])
-
-    @property
-    def bundle_sha256(self) -> str:
-        return str(self.description["manifest_sha256"])
-
-
 def _error(status: int, message: str) -> HTTPException:
     return HTTPException(status_code=status, detail=message)
 
 
-def decode_weights(text: str, size: int) -> np.ndarray:
-    """Base64 float32 buffer -> array; 422 for the wrong length or non-finite values."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise _error(422, "weights_b64 is not valid base64") from None
+def check_weights(raw: bytes, size: int) -> np.ndarray:
+    """A float32 little-endian buffer -> array; 422 for the wrong length or non-finite values."""
     if len(raw) != 4 * size:
         raise _error(422, f"weights must be {size} float32 values ({4 * size} bytes), got {len(raw)} bytes")
     weights = np.frombuffer(raw, dtype="<f4")
@@ -120,54 +93,162 @@ def decode_weights(text: str, size: int) -> np.ndarray:
     return weights
 
 
+def _b64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise _error(422, "weights_b64 is not valid base64") from None
+
+
+def _metrics(text: str) -> dict[str, float]:
+    """A device's metrics: a JSON object of at most MAX_METRICS finite numbers, else 422."""
+    try:
+        values = json.loads(text)
+        numbers = {str(k): float(v) for k, v in values.items()} if isinstance(values, dict) else None
+    except (ValueError, TypeError, AttributeError):
+        numbers = None
+    if numbers is None or len(numbers) > MAX_METRICS or not all(np.isfinite(v) for v in numbers.values()):
+        raise _error(422, f"metrics must be a JSON object of at most {MAX_METRICS} finite numbers")
+    return numbers
+
+
+class _TooLarge(BaseException):  # not Exception: FastAPI turns those into a 400 while parsing
+    pass
+
+
+class BodyGuard:
+    """ASGI middleware: the caller is authenticated from the headers before any body is read, and a
+    body is cut off at ``limit`` bytes as it streams in (Content-Length or chunked alike)."""
+
+    def __init__(self, app: Any, *, limit: int, authorized: Any) -> None:
+        self.app, self.limit, self.authorized = app, limit, authorized
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        problem = self.authorized(scope["method"], scope["path"], headers)
+        if problem is not None:
+            return await _json(send, problem[0], problem[1])
+        if int(headers.get("content-length") or 0) > self.limit:
+            return await _json(send, 413, f"request body over {self.limit} bytes")
+        seen, started = 0, False
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await _json(send, 413, f"request body over {self.limit} bytes")
+
+
+async def _json(send: Any, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 413:
+        headers.append((b"connection", b"close"))  # stop the upload instead of draining it
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _RateLimit:
+    """At most ``per_minute`` events per key in any 60 s (registrations per client address)."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute, self.events, self.lock = per_minute, {}, threading.Lock()
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            recent = [t for t in self.events.get(key, []) if now - t < 60]
+            allowed = len(recent) < self.per_minute
+            self.events[key] = recent + [now] if allowed else recent
+        return allowed
+
+
 def create_app(
     bundle: str | Path,
     *,
     relay_secret: str | None = None,
+    enrolment_secret: str | None = None,
+    state: str | Path | None = None,
     max_examples: int = 100_000,
     max_body: int | None = None,
     demo_data: str | Path | None = None,
+    registrations_per_minute: int = REGISTRATIONS_PER_MINUTE,
 ) -> FastAPI:
-    """The bridge application over a verified bundle directory (``demo_data``: an .npz the demo
-    page may train on, served at /v1/demo-data)."""
+    """The bridge application over a verified bundle directory.
+
+    ``state`` is the SQLite file (default: ``BUNDLE.bridge.db`` beside the bundle);
+    ``enrolment_secret`` (default: ``ODT_BRIDGE_ENROLMENT``) lets devices register, as do
+    one-time codes from `odt bridge enroll`; ``demo_data`` is an .npz the demo page may train on.
+    """
     bundle = Path(bundle)
     description = verify_bundle(bundle)
-    state = BridgeState(bundle, description, relay_secret or secrets.token_urlsafe(32), max_examples)
-    limit = max_body or 2 * 4 * state.weights_size + 65_536  # base64 of one buffer plus JSON
+    store = Store(Path(state) if state else bundle.with_name(f"{bundle.name}.bridge.db"))
+    relay_secret = relay_secret or secrets.token_urlsafe(32)
+    enrolment = enrolment_secret if enrolment_secret is not None else os.environ.get("ODT_BRIDGE_ENROLMENT", "")
+    size = int(description["weights"]["size"])
+    sha = str(description["manifest_sha256"])
+    limit = max_body or 2 * 4 * size + 65_536  # base64 of one buffer plus JSON (the relay's task)
+    registrations = _RateLimit(registrations_per_minute)
+
+    def authorized(method: str, path: str, headers: dict[str, str]) -> tuple[int, str] | None:
+        if path.startswith("/internal/"):
+            if not hmac.compare_digest(headers.get("x-relay-secret", ""), relay_secret):
+                return 401, "wrong relay secret"
+        elif path.startswith("/v1/") and not (method == "POST" and path == "/v1/devices"):
+            token = headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not token or store.device_of(token) is None:
+                return 401, "missing or unknown token: register with POST /v1/devices first"
+        return None
+
     app = FastAPI(
         title="ondevice-training bridge",
-        version="1",
-        description="Phones and browsers join Flower rounds: register, get the bundle, pull a task, push an update.",
+        version="2",
+        description="Phones and browsers join Flower rounds: enrol, get the bundle, pull a task, push an update.",
     )
-    app.state.bridge = state
+    app.state.store, app.state.size, app.state.bundle_sha256 = store, size, sha
+    app.add_middleware(BodyGuard, limit=limit, authorized=authorized)
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > limit:
-            return JSONResponse({"detail": f"request body over {limit} bytes"}, status_code=413)
-        return await call_next(request)
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the whole request body back ("input"): only say where and what.
+        problems = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()[:10]]
+        return JSONResponse({"detail": problems}, status_code=422)
 
     def device(authorization: str = Header(default="")) -> str:
-        token = authorization.removeprefix("Bearer ").strip()
-        with state.lock:
-            found = next((d for t, d in state.devices.items() if hmac.compare_digest(t, token)), None)
-        if not token or found is None:
+        found = store.device_of(authorization.removeprefix("Bearer ").strip())
+        if found is None:  # BodyGuard refused it already; kept for the OpenAPI description
             raise _error(401, "missing or unknown token: register with POST /v1/devices first")
         return found
 
-    def relay(x_relay_secret: str = Header(default="")) -> None:
-        if not hmac.compare_digest(x_relay_secret, state.relay_secret):
-            raise _error(401, "wrong relay secret")
-
-    @app.post("/v1/devices", response_model=Registered, summary="register a device and get its token")
-    def register(body: Registration) -> Registered:
-        """The name is the device id that its relay SuperNode names in `bridge-device`."""
+    @app.post("/v1/devices", response_model=Registered, summary="enrol a device and get its token")
+    def register(body: Registration, request: Request) -> Registered:
+        """The name is the device id its relay SuperNode names in `bridge-device`; `enrolment` is the
+        bridge's enrolment secret or a one-time code."""
+        client = request.client.host if request.client else "?"
+        if not registrations.allow(client):
+            raise _error(429, "too many registrations from this address; wait a minute")
         token = secrets.token_urlsafe(24)
-        with state.lock:
-            if body.name in state.devices.values():
-                raise _error(409, f"a device named {body.name!r} is registered already")
-            state.devices[token] = body.name
+        by_secret = bool(enrolment) and hmac.compare_digest(body.enrolment, enrolment)
+        if not by_secret and not (body.enrolment and store.use_code(body.enrolment, body.name)):
+            raise _error(403, "enrolment refused: give the bridge's enrolment secret or an unused code "
+                              "from `odt bridge enroll`")  # fmt: skip
+        if not store.add_device(body.name, token):
+            raise _error(409, f"a device named {body.name!r} is registered already")
         return Registered(device_id=body.name, token=token)
 
     @app.get("/v1/bundle", summary="the bundle description (bundle.json)")
@@ -191,62 +272,76 @@ def create_app(
 
     @app.get("/v1/task", response_model=TaskOut, responses={204: {"description": "no task yet: poll again"}})
     def pull_task(device_id: str = Depends(device)) -> Any:
-        with state.lock:
-            now = time.time()
-            task = next(
-                (t for t in state.tasks.values() if t.device_id == device_id and t.update is None and t.deadline > now),
-                None,
-            )
+        task = store.open_task(device_id, time.time())
         if task is None:
             return Response(status_code=204)
         return TaskOut(
-            task_id=task.task_id, round=task.round, bundle_sha256=state.bundle_sha256,
-            weights_b64=task.weights_b64, config=task.config, deadline_unix=task.deadline,
+            task_id=task.task_id, round=task.round, bundle_sha256=sha, weights_url=f"/v1/tasks/{task.task_id}/weights",
+            weights_size=size, config=task.config, deadline_unix=task.deadline,
         )  # fmt: skip
 
-    @app.post("/v1/tasks/{task_id}/update", status_code=202, summary="push the trained weights of a task")
-    def push_update(task_id: str, body: UpdateIn, device_id: str = Depends(device)) -> dict[str, str]:
-        if body.bundle_sha256 != state.bundle_sha256:
+    @app.get("/v1/tasks/{task_id}/weights", summary="the task's global weights: float32 little-endian, binary",
+             response_class=Response)  # fmt: skip
+    def task_weights(task_id: str, device_id: str = Depends(device)) -> Response:
+        task = store.task(task_id)
+        if task is None or task.device != device_id:
+            raise _error(404, f"no task {task_id!r} for this device")
+        return Response(task.weights, media_type="application/octet-stream")
+
+    @app.post(
+        "/v1/tasks/{task_id}/update",
+        status_code=202,
+        summary="push the trained weights of a task: the body is float32 little-endian, binary",
+    )
+    async def push_update(
+        task_id: str,
+        request: Request,
+        num_examples: int,
+        bundle_sha256: str,
+        metrics: str = "{}",
+        device_id: str = Depends(device),
+    ) -> dict[str, str]:
+        """Query: `num_examples` (1..max), `bundle_sha256`, `metrics` (a JSON object of at most 32 numbers)."""
+        if bundle_sha256 != sha:
             raise _error(409, "the update was trained on another bundle (bundle_sha256 differs)")
-        if not 0 < body.num_examples <= state.max_examples:
-            raise _error(422, f"num_examples must be in 1..{state.max_examples}, got {body.num_examples}")
-        if len(body.metrics) > MAX_METRICS or not all(np.isfinite(v) for v in body.metrics.values()):
-            raise _error(422, f"metrics must be at most {MAX_METRICS} finite numbers")
-        decode_weights(body.weights_b64, state.weights_size)
-        with state.lock:
-            task = state.tasks.get(task_id)
-            if task is None or task.device_id != device_id:
-                raise _error(404, f"no task {task_id!r} for this device")
-            if task.update is not None:
-                raise _error(409, "this task already has an update (replay refused)")
-            if task.deadline <= time.time():
-                raise _error(409, f"the deadline of round {task.round} has passed; pull the next task")
-            task.update = body
+        if not 0 < num_examples <= max_examples:
+            raise _error(422, f"num_examples must be in 1..{max_examples}, got {num_examples}")
+        values = _metrics(metrics)
+        raw = await request.body()
+        check_weights(raw, size)
+        task = store.task(task_id)
+        if task is None or task.device != device_id:
+            raise _error(404, f"no task {task_id!r} for this device")
+        if task.deadline <= time.time():
+            raise _error(409, f"the deadline of round {task.round} has passed; pull the next task")
+        if not store.put_update(task_id, Update(raw, num_examples, values, bundle_sha256)):
+            raise _error(409, "this task already has an update (replay refused)")
         return {"status": "accepted"}
 
-    @app.post("/internal/devices/{device_id}/tasks", dependencies=[Depends(relay)], include_in_schema=False)
+    @app.post("/internal/devices/{device_id}/tasks", include_in_schema=False)
     def relay_task(device_id: str, body: RelayTask) -> dict[str, str]:
-        if body.artifacts_sha256 != state.description.get("artifacts_manifest_sha256"):
+        if body.artifacts_sha256 != description.get("artifacts_manifest_sha256"):
             raise _error(409, "the server trains other artifacts than this bridge's bundle was made from")
-        decode_weights(body.weights_b64, state.weights_size)
-        task = _Task(
-            uuid.uuid4().hex, device_id, body.round, body.weights_b64, body.config, time.time() + body.timeout_s
-        )
-        with state.lock:
-            for old in [t for t in state.tasks.values() if t.device_id == device_id]:
-                del state.tasks[old.task_id]  # a device works on one round at a time
-            state.tasks[task.task_id] = task
+        raw = _b64(body.weights_b64)
+        check_weights(raw, size)
+        task = Task(uuid.uuid4().hex, device_id, body.round, raw, body.config, time.time() + body.timeout_s)
+        store.put_task(task)
         return {"task_id": task.task_id}
 
-    @app.get("/internal/tasks/{task_id}/update", dependencies=[Depends(relay)], include_in_schema=False)
+    @app.get("/internal/tasks/{task_id}/update", include_in_schema=False)
     def relay_update(task_id: str) -> Any:
-        with state.lock:
-            task = state.tasks.get(task_id)
+        task = store.task(task_id)
         if task is None:
             raise _error(404, "unknown task")
-        if task.update is None:
+        update = store.update(task_id)
+        if update is None:
             return Response(status_code=410 if task.deadline <= time.time() else 204)
-        return task.update.model_dump()
+        return {
+            "bundle_sha256": update.bundle_sha256,
+            "num_examples": update.num_examples,
+            "weights_b64": base64.b64encode(update.weights).decode(),
+            "metrics": update.metrics,
+        }
 
     @app.get("/", include_in_schema=False)
     def home() -> RedirectResponse:

@@ -181,18 +181,6 @@ export class OdtClient {
   }
 }
 
-export function floatsToBase64(values) {
-  const bytes = new Uint8Array(values.buffer, values.byteOffset, values.byteLength);
-  let text = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  return btoa(text);
-}
-
-export function base64ToFloats(text) {
-  const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
-  return new Float32Array(bytes.buffer);
-}
-
 /**
  * Typed arrays for a bundle's feeds from plain arrays keyed by name (numbers, or numeric strings
  * for int64): `{ data, count }`, with `count` examples. Works for any input names and dtypes.
@@ -275,11 +263,12 @@ export class BridgeClient {
     this.token = token;
   }
 
-  static async register(baseUrl, name) {
+  /** Enrol with the bridge's enrolment secret or a one-time code from `odt bridge enroll`. */
+  static async register(baseUrl, name, enrolment = "") {
     const response = await fetch(`${baseUrl.replace(/\/$/, "")}/v1/devices`, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ name }),
+      body: JSON.stringify({ name, enrolment }),
     });
     if (!response.ok) throw new BundleError(`registration refused: HTTP ${response.status} ${await response.text()}`);
     const { device_id, token } = await response.json();
@@ -294,28 +283,33 @@ export class BridgeClient {
     return OdtClient.load(ort, `${this.base}/v1/bundle/`, { ...options, headers: this.headers });
   }
 
-  /** Poll until the server has a task for this device (HTTP 204 means: not yet). */
+  /** Poll until the server has a task for this device (HTTP 204 means: not yet); its weights arrive binary. */
   async nextTask({ pollMs = 500, timeoutMs = 120000 } = {}) {
     const end = Date.now() + timeoutMs;
     while (Date.now() < end) {
       const response = await fetch(`${this.base}/v1/task`, { headers: this.headers });
-      if (response.status === 200) return response.json();
+      if (response.status === 200) {
+        const task = await response.json();
+        const bytes = await fetchBytes(`${this.base}${task.weights_url}`, this.headers);
+        if (bytes.byteLength !== 4 * task.weights_size) throw new BundleError("the task's weights have the wrong size");
+        task.weights = new Float32Array(bytes.buffer, bytes.byteOffset, task.weights_size);
+        return task;
+      }
       if (response.status !== 204) throw new BundleError(`task request failed: HTTP ${response.status}`);
       await new Promise((resolve) => setTimeout(resolve, pollMs));
     }
     throw new BundleError(`no task within ${timeoutMs} ms`);
   }
 
+  /** The trained weights go up binary (float32 little-endian); counts and metrics in the query. */
   async pushUpdate(task, weights, numExamples, metrics = {}) {
-    const response = await fetch(`${this.base}/v1/tasks/${task.task_id}/update`, {
+    const query = new URLSearchParams({
+      num_examples: String(numExamples), bundle_sha256: task.bundle_sha256, metrics: JSON.stringify(metrics),
+    });
+    const response = await fetch(`${this.base}/v1/tasks/${task.task_id}/update?${query}`, {
       method: "POST",
-      headers: { ...this.headers, "Content-Type": "application/json" },
-      body: JSON.stringify({
-        bundle_sha256: task.bundle_sha256,
-        num_examples: numExamples,
-        weights_b64: floatsToBase64(weights),
-        metrics,
-      }),
+      headers: { ...this.headers, "Content-Type": "application/octet-stream" },
+      body: weights,
     });
     if (response.status !== 202) throw new BundleError(`update refused: HTTP ${response.status} ${await response.text()}`);
   }

@@ -67,7 +67,9 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
             lines.append(line)
             if line.startswith("bridge: open"):
                 break
-        assert f"http://127.0.0.1:{port}/web/" in lines[-1] and "browser-1" in lines[-1], "".join(lines)
+        assert f"http://127.0.0.1:{port}/web/#enrol=" in lines[-1] and "browser-1" in lines[-1], "".join(lines)
+        task["bridge"]["enrolment"] = lines[-1].split("#enrol=")[1].split()[0]
+        (tmp_path / "task.json").write_text(json.dumps(task))
         driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
         browser = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300)
         rest = run.stdout.read()
@@ -96,10 +98,10 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
 def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_path):
     make_bundle(digits_artifacts, tmp_path / "bundle")
     port = free_port()
-    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s"}
+    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s", "ODT_BRIDGE_ENROLMENT": "enrol"}
     odt = str(Path(sys.executable).parent / "odt")
     shot = tmp_path / "demo.png"
-    (tmp_path / "task.json").write_text(json.dumps({"click": "#train", "screenshot": str(shot)}))
+    (tmp_path / "task.json").write_text(json.dumps({"click": "#train", "enrolment": "enrol", "screenshot": str(shot)}))
     serve = [
         odt,
         "bridge",
@@ -152,7 +154,7 @@ def test_demo_page_trains_any_bundle_once_registered(tmp_path):
     _two_input_data(tmp_path / "demo.npz", 96, 0)
     _two_input_data(tmp_path / "mine.npz", 64, 1)
     port = free_port()
-    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s"}
+    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "s", "ODT_BRIDGE_ENROLMENT": "enrol"}
     odt = str(Path(sys.executable).parent / "odt")
     serve = [odt, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port), "--demo-data",
              str(tmp_path / "demo.npz")]  # fmt: skip
@@ -162,8 +164,8 @@ def test_demo_page_trains_any_bundle_once_registered(tmp_path):
         _wait_for(f"http://127.0.0.1:{port}/openapi.json")
         driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
         for name, task in (
-            ("demo", {"clicks": ["#train", "#train"]}),
-            ("own", {"click": "#train", "name": "browser-2", "file": str(tmp_path / "mine.npz")}),
+            ("demo", {"clicks": ["#train", "#train"], "enrolment": "enrol"}),
+            ("own", {"click": "#train", "name": "browser-2", "enrolment": "enrol", "file": str(tmp_path / "mine.npz")}),
         ):
             (tmp_path / f"{name}.json").write_text(json.dumps(task))
             result = subprocess.run([*driver, str(tmp_path / f"{name}.json")], capture_output=True, text=True,

@@ -1,8 +1,9 @@
-"""The bridge's HTTP API: the device protocol and every bad request (4xx + JSON, nothing stored)."""
+"""The bridge's HTTP API: the device protocol, enrolment and every bad request (4xx, nothing stored)."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -10,8 +11,11 @@ from fastapi.testclient import TestClient
 
 from mobile_bridge import make_bundle
 from mobile_bridge.server import create_app
+from mobile_bridge.store import Store
 
 SECRET = "relay-secret-for-tests"
+ENROL = "enrolment-secret-for-tests"
+SIZE = 17226
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +26,9 @@ def bundle(digits_artifacts, tmp_path_factory):
 
 
 @pytest.fixture()
-def api(bundle):
-    with TestClient(create_app(bundle, relay_secret=SECRET, max_examples=1000)) as client:
+def api(bundle, tmp_path):
+    app = create_app(bundle, relay_secret=SECRET, enrolment_secret=ENROL, max_examples=1000, state=tmp_path / "b.db")
+    with TestClient(app) as client:
         yield client
 
 
@@ -31,16 +36,17 @@ def _b64(values: np.ndarray) -> str:
     return base64.b64encode(np.asarray(values, "<f4").tobytes()).decode()
 
 
-def _device(api, name="phone-1") -> dict[str, str]:
-    token = api.post("/v1/devices", json={"name": name}).json()["token"]
-    return {"Authorization": f"Bearer {token}"}
+def _device(api, name="phone-1", enrolment=ENROL) -> dict[str, str]:
+    response = api.post("/v1/devices", json={"name": name, "enrolment": enrolment})
+    assert response.status_code == 200, response.text
+    return {"Authorization": f"Bearer {response.json()['token']}"}
 
 
 def _task(api, device="phone-1", weights=None) -> str:
     body = {
-        "artifacts_sha256": api.app.state.bridge.description["artifacts_manifest_sha256"],
+        "artifacts_sha256": api.app.state.store and _artifacts_sha(api),
         "round": 3,
-        "weights_b64": _b64(np.zeros(17226) if weights is None else weights),
+        "weights_b64": _b64(np.zeros(SIZE) if weights is None else weights),
         "config": {"local-epochs": 1},
         "timeout_s": 60,
     }
@@ -49,27 +55,39 @@ def _task(api, device="phone-1", weights=None) -> str:
     return response.json()["task_id"]
 
 
-def _update(api, **overrides) -> dict:
-    state = api.app.state.bridge
-    return {"bundle_sha256": state.bundle_sha256, "num_examples": 12, "weights_b64": _b64(np.ones(17226)), **overrides}
+def _artifacts_sha(api) -> str:
+    return api.get("/v1/bundle", headers=_any_device(api)).json()["artifacts_manifest_sha256"]
 
 
-def test_device_round_trip(api):
+def _any_device(api) -> dict[str, str]:
+    if not hasattr(api, "_probe"):
+        api._probe = _device(api, "probe")
+    return api._probe
+
+
+def _push(api, task_id, headers, weights=None, **query):
+    params = {"num_examples": 12, "bundle_sha256": api.app.state.bundle_sha256, "metrics": "{}", **query}
+    body = np.ones(SIZE, "<f4").tobytes() if weights is None else weights
+    return api.post(f"/v1/tasks/{task_id}/update", params=params, content=body, headers=headers)
+
+
+def test_device_round_trip_with_binary_weights(api):
     headers = _device(api)
     assert api.get("/v1/task", headers=headers).status_code == 204
-    weights = np.arange(17226, dtype=np.float32)
+    weights = np.arange(SIZE, dtype=np.float32)
     task_id = _task(api, weights=weights)
     task = api.get("/v1/task", headers=headers).json()
-    assert task["task_id"] == task_id and task["round"] == 3
-    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(task["weights_b64"]), "<f4"), weights)
+    assert task["task_id"] == task_id and task["round"] == 3 and task["weights_size"] == SIZE
+    binary = api.get(task["weights_url"], headers=headers)
+    assert binary.headers["content-type"] == "application/octet-stream"
+    np.testing.assert_array_equal(np.frombuffer(binary.content, "<f4"), weights)
     assert api.get("/v1/bundle/checkpoint", headers=headers).status_code == 200
-    assert api.get("/v1/bundle", headers=headers).json()["weights"]["size"] == 17226
     relay = {"X-Relay-Secret": SECRET}
     assert api.get(f"/internal/tasks/{task_id}/update", headers=relay).status_code == 204
-    assert api.post(f"/v1/tasks/{task_id}/update", json=_update(api), headers=headers).status_code == 202
+    assert _push(api, task_id, headers, metrics=json.dumps({"train-loss": 0.5})).status_code == 202
     update = api.get(f"/internal/tasks/{task_id}/update", headers=relay).json()
-    assert update["num_examples"] == 12
-    assert "/v1/tasks/{task_id}/update" in api.get("/openapi.json").json()["paths"]
+    assert update["num_examples"] == 12 and update["metrics"] == {"train-loss": 0.5}
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(update["weights_b64"]), "<f4"), np.ones(SIZE))
 
 
 @pytest.mark.parametrize(
@@ -77,52 +95,107 @@ def test_device_round_trip(api):
     [
         ({"headers": {}}, 401, "missing or unknown token"),  # no token
         ({"headers": {"Authorization": "Bearer forged"}}, 401, "missing or unknown token"),  # wrong token
-        ({"body": {"weights_b64": _b64(np.ones(10))}}, 422, "must be 17226 float32 values"),  # wrong length
-        ({"body": {"weights_b64": _b64(np.full(17226, np.nan))}}, 422, "NaN/Inf"),  # non-finite
-        ({"body": {"weights_b64": "***"}}, 422, "not valid base64"),  # garbage
-        ({"body": {"num_examples": 10**9}}, 422, "num_examples must be in 1..1000"),  # absurd count
-        ({"body": {"num_examples": 0}}, 422, "num_examples must be in 1..1000"),  # non-positive count
-        ({"body": {"bundle_sha256": "0" * 64}}, 409, "another bundle"),  # other bundle
+        ({"weights": np.ones(10, "<f4").tobytes()}, 422, f"must be {SIZE} float32 values"),  # wrong length
+        ({"weights": np.full(SIZE, np.nan, "<f4").tobytes()}, 422, "NaN/Inf"),  # non-finite
+        ({"query": {"num_examples": 10**9}}, 422, "num_examples must be in 1..1000"),  # absurd count
+        ({"query": {"num_examples": 0}}, 422, "num_examples must be in 1..1000"),  # non-positive count
+        ({"query": {"bundle_sha256": "0" * 64}}, 409, "another bundle"),  # other bundle
+        ({"query": {"metrics": '{"a": "x"}'}}, 422, "finite numbers"),  # metrics that are not numbers
+        ({"query": {"metrics": json.dumps({str(i): 1 for i in range(40)})}}, 422, "at most 32"),  # too many
         ({"task": "nope"}, 404, "no task"),  # unknown task
     ],
 )
 def test_bad_updates_are_refused_and_not_stored(api, change, status, message):
     headers = _device(api)
     task_id = _task(api)
-    response = api.post(
-        f"/v1/tasks/{change.get('task', task_id)}/update",
-        json=_update(api, **change.get("body", {})),
-        headers=change.get("headers", headers),
-    )
-    assert response.status_code == status and message in response.json()["detail"], response.text
-    assert api.app.state.bridge.tasks[task_id].update is None
+    response = _push(api, change.get("task", task_id), change.get("headers", headers), change.get("weights"),
+                     **change.get("query", {}))  # fmt: skip
+    assert response.status_code == status and message in str(response.json()["detail"]), response.text
+    assert api.app.state.store.update(task_id) is None
 
 
 def test_replayed_update_is_refused(api):
     headers = _device(api)
     task_id = _task(api)
-    assert api.post(f"/v1/tasks/{task_id}/update", json=_update(api), headers=headers).status_code == 202
-    again = api.post(f"/v1/tasks/{task_id}/update", json=_update(api, num_examples=99), headers=headers)
+    assert _push(api, task_id, headers).status_code == 202
+    again = _push(api, task_id, headers, num_examples=99)
     assert again.status_code == 409 and "replay refused" in again.json()["detail"]
-    assert api.app.state.bridge.tasks[task_id].update.num_examples == 12
+    assert api.app.state.store.update(task_id).num_examples == 12
 
 
 def test_update_for_an_old_round_is_refused(api):
     headers = _device(api)
     old = _task(api)
     _task(api)  # the next round replaces the device's task
-    response = api.post(f"/v1/tasks/{old}/update", json=_update(api), headers=headers)
-    assert response.status_code == 404
+    assert _push(api, old, headers).status_code == 404
 
 
-def test_oversized_request_is_refused(bundle):
-    with TestClient(create_app(bundle, relay_secret=SECRET, max_body=1000)) as api:
-        response = api.post("/v1/devices", content=b"x" * 5000, headers={"Content-Type": "application/json"})
-        assert response.status_code == 413 and "over 1000 bytes" in response.json()["detail"]
+@pytest.mark.parametrize(
+    ("enrolment", "status"),
+    [
+        ("", 403),  # no enrolment
+        ("guess", 403),  # a wrong secret
+        (ENROL, 200),
+    ],
+)
+def test_registration_needs_enrolment(api, enrolment, status):
+    response = api.post("/v1/devices", json={"name": "tablet", "enrolment": enrolment})
+    assert response.status_code == status, response.text
+
+
+def test_one_time_codes_work_once_and_tokens_are_stored_hashed(bundle, tmp_path):
+    state = tmp_path / "b.db"
+    store = Store(state)
+    store.add_codes(["code-1"])
+    store.close()
+    with TestClient(create_app(bundle, relay_secret=SECRET, enrolment_secret="", state=state)) as api:
+        first = api.post("/v1/devices", json={"name": "a", "enrolment": "code-1"})
+        assert first.status_code == 200
+        assert api.post("/v1/devices", json={"name": "b", "enrolment": "code-1"}).status_code == 403
+        token = first.json()["token"]
+    raw = state.read_bytes() + (tmp_path / "b.db-wal").read_bytes() if (tmp_path / "b.db-wal").exists() else b""
+    assert token.encode() not in raw and b"code-1" not in raw
+
+
+def test_registration_is_rate_limited_per_client(bundle, tmp_path):
+    app = create_app(bundle, relay_secret=SECRET, enrolment_secret=ENROL, state=tmp_path / "b.db",
+                     registrations_per_minute=3)  # fmt: skip
+    with TestClient(app) as api:
+        codes = [api.post("/v1/devices", json={"name": f"d{i}", "enrolment": ENROL}).status_code for i in range(5)]
+    assert codes == [200, 200, 200, 429, 429]
+
+
+def test_bodies_are_limited_as_they_stream_and_never_echoed(bundle, tmp_path):
+    app = create_app(bundle, relay_secret=SECRET, enrolment_secret=ENROL, max_body=1000, state=tmp_path / "b.db")
+    with TestClient(app) as api:
+        declared = api.post("/v1/devices", content=b"x" * 5000, headers={"Content-Type": "application/json"})
+        assert declared.status_code == 413 and "over 1000 bytes" in declared.json()["detail"]
+
+        def chunks():  # no Content-Length: chunked transfer
+            for _ in range(50):
+                yield b"y" * 100
+
+        chunked = api.post("/v1/devices", content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413
+        secret_body = json.dumps({"name": "x" * 100, "enrolment": "SECRET-PAYLOAD"})
+        invalid = api.post("/v1/devices", content=secret_body, headers={"Content-Type": "application/json"})
+        assert invalid.status_code == 422 and "SECRET-PAYLOAD" not in invalid.text and len(invalid.text) < 500
+
+
+def test_the_token_is_checked_before_the_body_is_read(api):
+    seen = []
+
+    def body():
+        seen.append(1)
+        yield np.ones(SIZE, "<f4").tobytes()
+
+    response = api.post("/v1/tasks/x/update?num_examples=1&bundle_sha256=x", content=body(),
+                        headers={"Authorization": "Bearer forged"})  # fmt: skip
+    assert response.status_code == 401 and seen == []
 
 
 def test_relay_needs_the_secret_and_matching_artifacts(api):
-    body = {"artifacts_sha256": "f" * 64, "round": 1, "weights_b64": _b64(np.zeros(17226)), "timeout_s": 5}
+    body = {"artifacts_sha256": "f" * 64, "round": 1, "weights_b64": _b64(np.zeros(SIZE)), "timeout_s": 5}
     assert api.post("/internal/devices/x/tasks", json=body, headers={"X-Relay-Secret": "no"}).status_code == 401
     response = api.post("/internal/devices/x/tasks", json=body, headers={"X-Relay-Secret": SECRET})
     assert response.status_code == 409 and "other artifacts" in response.json()["detail"]
@@ -130,5 +203,5 @@ def test_relay_needs_the_secret_and_matching_artifacts(api):
 
 def test_duplicate_device_name(api):
     _device(api, "tablet")
-    assert api.post("/v1/devices", json={"name": "tablet"}).status_code == 409
-    assert api.post("/v1/devices", json={"name": "bad name!"}).status_code == 422
+    assert api.post("/v1/devices", json={"name": "tablet", "enrolment": ENROL}).status_code == 409
+    assert api.post("/v1/devices", json={"name": "bad name!", "enrolment": ENROL}).status_code == 422

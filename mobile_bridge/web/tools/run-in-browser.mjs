@@ -23,6 +23,7 @@ try {
   if (task.click || task.clicks) {
     // Drive the demo page like a person: (choose a file,) click, wait for the status line; repeat.
     if (task.name) await page.fill("#name", task.name);
+    if (task.enrolment) await page.fill("#enrolment", task.enrolment);
     if (task.file) await page.setInputFiles("#file", task.file);
     const statuses = [];
     for (const selector of task.clicks ?? [task.click]) {
@@ -47,10 +48,10 @@ try {
     if (task.bridge) {
       // One device's round: register, load the bundle, pull the task, train, push the update.
       const b = task.bridge;
-      const device = await odt.BridgeClient.register(location.origin, b.name);
+      const device = await odt.BridgeClient.register(location.origin, b.name, b.enrolment ?? "");
       const client = await device.loadBundle(ort, { publicKeyPem: task.publicKeyPem ?? null });
       const job = await device.nextTask({ timeoutMs: b.timeoutMs ?? 120000 });
-      await client.setWeights(odt.base64ToFloats(job.weights_b64));
+      await client.setWeights(job.weights);
       const data = { input: Float32Array.from(b.input), labels: BigInt64Array.from(b.labels.map(BigInt)) };
       const epochs = Number(job.config["local-epochs"] ?? 1);
       const losses = await client.fit(data, b.labels.length, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });

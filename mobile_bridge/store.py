@@ -1,0 +1,151 @@
+"""The bridge's state in SQLite: devices (hashed tokens), enrolment codes, tasks and their updates.
+
+Every change is one transaction in a WAL-mode database with ``synchronous=FULL``, so a bridge
+killed with SIGKILL and started again knows every device, every task it handed out and every
+update it accepted. Tokens and enrolment codes are stored as sha256 digests only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Store", "Task", "Update", "digest"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS devices (name TEXT PRIMARY KEY, token_sha256 TEXT UNIQUE NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS codes (code_sha256 TEXT PRIMARY KEY, used_by TEXT, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id TEXT PRIMARY KEY, device TEXT NOT NULL, round INTEGER NOT NULL, weights BLOB NOT NULL,
+    config TEXT NOT NULL, deadline REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS tasks_by_device ON tasks (device);
+CREATE TABLE IF NOT EXISTS updates (
+    task_id TEXT PRIMARY KEY REFERENCES tasks (task_id) ON DELETE CASCADE, weights BLOB NOT NULL,
+    num_examples INTEGER NOT NULL, metrics TEXT NOT NULL, bundle_sha256 TEXT NOT NULL, received REAL NOT NULL);
+"""
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    device: str
+    round: int
+    weights: bytes
+    config: dict[str, Any]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Update:
+    weights: bytes
+    num_examples: int
+    metrics: dict[str, float]
+    bundle_sha256: str
+
+
+class Store:
+    """One SQLite file; methods are transactions (a lock serializes the bridge's threads)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        with self._lock:
+            return self._db.execute(sql, args).rowcount
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    # -- devices and enrolment -------------------------------------------------------------------
+    def add_device(self, name: str, token: str) -> bool:
+        """False when the name is taken."""
+        try:
+            self._write("INSERT INTO devices VALUES (?, ?, ?)", (name, digest(token), time.time()))
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def device_of(self, token: str) -> str | None:
+        """The device a bearer token belongs to (an indexed lookup of the token's digest)."""
+        row = self._one("SELECT name FROM devices WHERE token_sha256 = ?", (digest(token),))
+        return None if row is None else str(row[0])
+
+    def add_codes(self, codes: list[str]) -> None:
+        with self._lock:
+            self._db.executemany("INSERT INTO codes VALUES (?, NULL, ?)", [(digest(c), time.time()) for c in codes])
+
+    def use_code(self, code: str, device: str) -> bool:
+        """Spend a one-time enrolment code; False if it is unknown or spent."""
+        return self._write("UPDATE codes SET used_by = ? WHERE code_sha256 = ? AND used_by IS NULL",
+                           (device, digest(code))) == 1  # fmt: skip
+
+    def has_codes(self) -> bool:
+        return self._one("SELECT 1 FROM codes WHERE used_by IS NULL LIMIT 1", ()) is not None
+
+    # -- tasks and updates -----------------------------------------------------------------------
+    def put_task(self, task: Task) -> None:
+        """The device's new task replaces its old ones (a device works on one round at a time)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM tasks WHERE device = ?", (task.device,))
+                self._db.execute(
+                    "INSERT INTO tasks VALUES (?, ?, ?, ?, ?, ?)",
+                    (task.task_id, task.device, task.round, task.weights, json.dumps(task.config), task.deadline),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def task(self, task_id: str) -> Task | None:
+        row = self._one("SELECT * FROM tasks WHERE task_id = ?", (task_id,))
+        return None if row is None else Task(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+
+    def open_task(self, device: str, now: float) -> Task | None:
+        """The device's task that still waits for an update and whose deadline has not passed."""
+        row = self._one(
+            "SELECT t.* FROM tasks t LEFT JOIN updates u USING (task_id) "
+            "WHERE t.device = ? AND u.task_id IS NULL AND t.deadline > ?",
+            (device, now),
+        )
+        return None if row is None else Task(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+
+    def put_update(self, task_id: str, update: Update) -> bool:
+        """False when the task has an update already (replay)."""
+        try:
+            self._write(
+                "INSERT INTO updates VALUES (?, ?, ?, ?, ?, ?)",
+                (task_id, update.weights, update.num_examples, json.dumps(update.metrics), update.bundle_sha256,
+                 time.time()),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def update(self, task_id: str) -> Update | None:
+        row = self._one("SELECT weights, num_examples, metrics, bundle_sha256 FROM updates WHERE task_id = ?",
+                        (task_id,))  # fmt: skip
+        return None if row is None else Update(row[0], row[1], json.loads(row[2]), row[3])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

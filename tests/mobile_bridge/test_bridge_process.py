@@ -1,0 +1,121 @@
+"""The bridge as a real process: it survives kill -9 mid-round, and a 400 MB chunked upload costs it nothing."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from federated.processes import free_port
+from mobile_bridge import make_bundle
+
+ODT = str(Path(sys.executable).parent / "odt")
+SIZE = 17226
+
+
+@pytest.fixture()
+def bridge(digits_artifacts, tmp_path):
+    make_bundle(digits_artifacts, tmp_path / "bundle")
+    port = free_port()
+    env = {**os.environ, "ODT_BRIDGE_SECRET": "relay", "ODT_BRIDGE_ENROLMENT": "enrol"}
+    command = [ODT, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port), "--state", str(tmp_path / "b.db")]
+    processes = []
+
+    def start() -> subprocess.Popen:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processes.append(process)
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=1).close()
+                return process
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("the bridge did not start")
+
+    yield port, start
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def _call(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, data
+
+
+def test_a_bridge_killed_between_pull_and_push_loses_nothing(bridge, digits_artifacts):
+    port, start = bridge
+    process = start()
+    status, data = _call(port, "POST", "/v1/devices", json.dumps({"name": "phone", "enrolment": "enrol"}).encode(),
+                         {"Content-Type": "application/json"})  # fmt: skip
+    device = {"Authorization": f"Bearer {json.loads(data)['token']}"}
+    manifest = json.loads((Path(digits_artifacts) / "manifest.json").read_bytes())
+    del manifest
+    status, data = _call(port, "GET", "/v1/bundle", headers=device)
+    artifacts_sha = json.loads(data)["artifacts_manifest_sha256"]
+    task = {"artifacts_sha256": artifacts_sha, "round": 4, "timeout_s": 600,
+            "weights_b64": base64.b64encode(np.zeros(SIZE, "<f4").tobytes()).decode()}  # fmt: skip
+    relay = {"X-Relay-Secret": "relay", "Content-Type": "application/json"}
+    status, data = _call(port, "POST", "/internal/devices/phone/tasks", json.dumps(task).encode(), relay)
+    task_id = json.loads(data)["task_id"]
+    status, data = _call(port, "GET", "/v1/task", headers=device)  # the device pulled its task...
+    assert status == 200 and json.loads(data)["task_id"] == task_id
+
+    os.kill(process.pid, signal.SIGKILL)  # ...and the bridge dies
+    process.wait()
+    start()
+
+    query = f"/v1/tasks/{task_id}/update?num_examples=7&bundle_sha256={json.loads(data)['bundle_sha256']}"
+    status, _ = _call(port, "POST", query, np.full(SIZE, 0.5, "<f4").tobytes(),
+                      {**device, "Content-Type": "application/octet-stream"})  # fmt: skip
+    assert status == 202  # the same token, the same task
+    status, data = _call(port, "GET", f"/internal/tasks/{task_id}/update", headers=relay)
+    update = json.loads(data)
+    assert status == 200 and update["num_examples"] == 7
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(update["weights_b64"]), "<f4"), 0.5)
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_400mb_chunked_upload_is_cut_off_with_bounded_memory(bridge):
+    port, start = bridge
+    process = start()
+    before = _rss(process.pid)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.putrequest("POST", "/v1/devices")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Transfer-Encoding", "chunked")  # no Content-Length to check
+    connection.endheaders()
+    chunk = b"x" * (1 << 20)
+    sent = 0
+    try:
+        while sent < 400 * (1 << 20):
+            connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sent += len(chunk)
+        connection.send(b"0\r\n\r\n")
+    except OSError:  # the bridge stopped reading and closed the connection
+        pass
+    response = connection.getresponse()
+    assert response.status == 413 and b"request body over" in response.read()
+    connection.close()
+    assert sent < 400 * (1 << 20)  # it did not take the whole upload
+    assert _rss(process.pid) - before < 50 * (1 << 20)
