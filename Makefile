@@ -50,6 +50,7 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/federation.py
 	$(PY) benchmarks/browser.py
+	$(PY) benchmarks/faults.py
 
 # The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
 wheel: $(STAMP) $(WEB_STAMP)
