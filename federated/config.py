@@ -141,7 +141,7 @@ def validate(config: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in config.items():
         key = BY_NAME.get(name)
         if key is None:
-            close = difflib.get_close_matches(name, BY_NAME, n=1) or [k for k in BY_NAME if name in k][:1]
+            close = [k for k in BY_NAME if name in k][:1] or difflib.get_close_matches(name, BY_NAME, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(BY_NAME)}."
             raise RunConfigError(f"unknown run config key {name!r}.{hint}")
         checked[name] = key.check(value)

@@ -75,7 +75,10 @@ def make_bundle(
         raise BundleError(f"bundle learning rate: {exc}") from exc
     if target.exists() and not force:
         raise BundleError(f"{target} already exists; pass --force to replace it.")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"cannot create {target.parent}: {exc.strerror}. Choose a writable --out.") from None
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         rate = {

@@ -23,11 +23,15 @@ def keygen(path: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, 
         raise SignatureError(f"{private} or {public} exists; pass --force to replace the key pair.")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    private.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(private, pem, secret=True)
-    private.chmod(0o600)
     spki = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    atomic_write_bytes(public, spki)
+    try:
+        private.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(private, pem, secret=True)
+        atomic_write_bytes(public, spki)
+    except OSError as exc:
+        raise SignatureError(
+            f"cannot write the key pair to {private}: {exc.strerror}. Choose a writable --out."
+        ) from None
     return private, public
 
 

@@ -57,6 +57,10 @@ CASES = [
     (["bundle", "{art}", "--out", "{tmp}/b", "--schedule", "linear", "--total-steps", "0"], 1, "total >= 1"),
     (["bundle", "{art}", "--out", "{tmp}/b", "--sign-key", "{private}"], 1, "is a public key"),
     (["verify-bundle", "{tmp}"], 1, "has no bundle.json"),
+    # outputs under a path that is a file
+    (["bundle", "{art}", "--out", "{good}/b"], 1, "Choose a writable --out"),
+    (["keygen", "--out", "{good}/k"], 1, "Choose a writable --out"),
+    (["export", "{art}", "--out", "{good}/m.onnx"], 1, "cannot create export directory"),
     # artifacts that are not artifacts
     (["train", "{tmp}", "--data", "{good}"], 1, "not an artifact directory"),
     (["predict", "{tmp}/none.onnx", "--data", "{good}", "--artifacts", "{art}"], 1, "cannot load inference model"),
