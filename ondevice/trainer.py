@@ -6,12 +6,14 @@ import json
 import logging
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from ._checkpoint import writer_lock
 from ._metrics import Meter, flatten_weights
 from .data import batches, check_data
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
@@ -216,10 +218,6 @@ class Trainer:
         if seed is not None:
             self.seed = seed
         history = History()
-        from contextlib import nullcontext
-
-        from ._checkpoint import writer_lock
-
         lock = nullcontext() if checkpoint is None else writer_lock(Path(checkpoint))
         with lock, progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
             while self.epoch < epochs:
@@ -351,8 +349,6 @@ class Trainer:
         The old file survives a failure and, if sound, is kept as ``PATH.previous``; a second
         writer of the same path is refused while this one holds it.
         """
-        from ._checkpoint import writer_lock
-
         with writer_lock(Path(path)):
             return self._save(Path(path))
 
