@@ -90,7 +90,7 @@ def simulate(
     clients: int, config: Mapping[str, Any], *, work: Path | None = None, on_line: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the app with Flower's simulation runtime (a real `flower-superlink --simulation`)."""
-    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-"))
+    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-")).resolve()  # flwr run works in the app folder
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     _write_connection(work / "flwr-home", port, None)
@@ -117,7 +117,7 @@ def deploy(
     With ``tls`` a throwaway CA signs the SuperLink's certificate and SuperNode authentication
     is on: each node's public key is registered before the run.
     """
-    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-"))
+    work = Path(work or tempfile.mkdtemp(prefix="odt-fl-")).resolve()  # flwr run works in the app folder
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     certs = make_tls(work / "tls") if tls else None

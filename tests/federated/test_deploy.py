@@ -36,9 +36,10 @@ def _accuracies(report: dict) -> list[float]:
     return [row["central.accuracy"] for row in report["rounds"]]
 
 
-def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path):
+def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative work directory, as `make demo` passes (flwr runs in the app folder)
     report = simulate(
-        4, _config(digits_artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 3}), work=tmp_path / "w"
+        4, _config(digits_artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 3}), work=Path("w")
     )
     accuracy = _accuracies(report)
     assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.3
