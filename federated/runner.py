@@ -66,7 +66,7 @@ def _flwr_run(
     command = ["flwr", "run", str(APP_DIR), "odt", "--stream", "--run-config", _run_config(config)]
     command += ["--federation-config", federation] if federation else []
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=group.env, text=True, cwd=APP_DIR,
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=group.env, text=True, cwd=group.log_dir,
         start_new_session=True,
     )  # fmt: skip
     group.processes["flwr-run"] = process  # type: ignore[assignment]
