@@ -56,6 +56,7 @@ bench: $(STAMP) $(WEB_STAMP)
 wheel: $(STAMP) $(WEB_STAMP)
 	rm -rf build
 	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation . -w dist
+	rm -rf build
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -2,75 +2,37 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import onnx
 import torch
 from torch import nn
 
-from ondevice.files import fsync_dir, public_mode, sha256_file
 from ondevice.manifest import (
-    BATCH,
-    MANIFEST_NAME,
-    BufferUpdate,
-    LossSpec,
     Manifest,
-    OptimizerSpec,
-    ParamSpec,
-    TensorSpec,
-    Verification,
 )
-from ondevice.session import ORT_VERSION
 
-from ._activations import rewrite_activations
-from ._batchnorm import expose_batchnorm_updates
 from ._edges import edge_batches, embedding_inputs
-from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
-from ._padding import mask_padding_gradients, padding_rows
+from ._padding import padding_rows
 from .errors import (
-    ArtifactError,
     InputSpecError,
-    OutputExistsError,
-    SelectionError,
-    VerificationError,
 )
 from .export import (
-    average_pool_to_conv,
-    check_gradient_ops,
-    complete_gradient_outputs,
     export_onnx,
-    gather_to_slice,
-    infer_shapes,
-    on_trained_path,
-    reaching,
     torch_module,
 )
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
-from .selection import select_trainable
-from .verify import Tolerances, format_table, verify_batches
+from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
+from .verify import Tolerances, verify_batches
 
-__all__ = ["generate", "build_artifacts", "Source"]
+__all__ = ["generate"]
 
 log = logging.getLogger(__name__)
-
-_NP_DTYPES = {
-    onnx.TensorProto.FLOAT: "float32",
-    onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.INT32: "int32",
-    onnx.TensorProto.BOOL: "bool",
-}
 
 
 def generate(
@@ -110,10 +72,10 @@ def generate(
     True
     """
     out_dir = Path(out_dir).absolute()
-    _check_output(out_dir, force)
+    check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
-    axes = _dynamic_axes(names, example, dynamic_axes or {})
-    options = _Options(
+    axes = resolve_axes(names, example, dynamic_axes or {})
+    options = Options(
         output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
         ort_format, axes,
     )  # fmt: skip
@@ -138,67 +100,6 @@ def generate(
     return build_artifacts(source, example, names, options, out_dir, name, prove if verify else None)
 
 
-@dataclass(frozen=True)
-class Source:
-    """A forward graph ready for the ORT pipeline, with what the generator must know about it."""
-
-    graph: onnx.ModelProto
-    outputs: list[str]
-    params: list[str]
-    """Initializers that may train, in the model's order."""
-    states: list[str]
-    """Float initializers that are model state (params and buffers such as BatchNorm statistics)."""
-    padding: Mapping[str, int]
-    describe: Callable[[str], tuple[str, str]]
-    """Node name -> (layer, layer type), for error messages."""
-
-
-Prover = Callable[[Path, Manifest, onnx.ModelProto, int], "tuple[Verification, list[str]]"]
-
-
-def build_artifacts(
-    source: Callable[[], Source],
-    example: list[torch.Tensor],
-    names: list[str],
-    options: _Options,
-    out_dir: Path,
-    name: str | None,
-    prove: Prover | None,
-) -> Manifest:
-    """Build, prove and publish: the directory appears complete or not at all."""
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
-        if prove is not None:
-            report, causes = prove(work, manifest, original, loss_index)
-            manifest = replace(manifest, verification=report)
-            if not report.passed:
-                raise VerificationError(
-                    f"the artifacts disagree with their reference beyond tolerance; nothing was written to {out_dir}.\n"
-                    + format_table(report)
-                    + "".join(f"\nlikely cause: {c}" for c in causes),
-                    report,
-                )
-        manifest.save(work)
-        _publish(work, out_dir)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return manifest
-
-
-def _check_output(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise OutputExistsError(f"{out_dir} already exists. Pass --force (force=True) to replace it.")
-    parent = out_dir.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ArtifactError(f"cannot create {parent}: {exc.strerror}. Choose a writable --out.") from exc
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ArtifactError(f"{parent} is not writable. Choose a writable --out.")
-
-
 def _examples(
     model: nn.Module,
     example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
@@ -220,25 +121,6 @@ def _examples(
     return names, tensors
 
 
-def _dynamic_axes(
-    names: list[str], example: list[torch.Tensor], given: Mapping[str, Mapping[int, str]]
-) -> dict[str, dict[int, str]]:
-    axes: dict[str, dict[int, str]] = {}
-    for name, dims in given.items():
-        if name not in names:
-            raise InputSpecError(f"dynamic_axes names input {name!r}; the inputs are {names}.")
-        rank = example[names.index(name)].dim()
-        for axis, dim in dims.items():
-            if not isinstance(axis, int) or not 0 < axis < rank:
-                raise InputSpecError(
-                    f"dynamic axis {axis!r} of {name!r} must be an integer from 1 to {rank - 1} (0 is the batch)."
-                )
-            if not isinstance(dim, str) or not dim.isidentifier() or dim == BATCH:
-                raise InputSpecError(f"dynamic axis {axis} of {name!r} needs a name such as 'seq', got {dim!r}.")
-        axes[name] = dict(dims)
-    return axes
-
-
 def _forward_names(model: nn.Module, count: int) -> list[str]:
     params = [
         p.name
@@ -246,160 +128,3 @@ def _forward_names(model: nn.Module, count: int) -> list[str]:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return params[:count] if len(params) >= count else [f"input{i}" for i in range(count)]
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The export options of one `generate` call, as `_build` needs them."""
-
-    output_names: Sequence[str] | None
-    loss: Loss
-    loss_output: str | None
-    optimizer: AdamW | SGD
-    trainable: tuple[str, ...]
-    freeze: tuple[str, ...]
-    train_last: int | None
-    bias_only: bool
-    opset: int
-    ort_format: bool
-    dynamic_axes: Mapping[str, Mapping[int, str]]
-
-
-def _build(
-    source: Source, example: list[torch.Tensor], input_names: list[str], o: _Options, work: Path, name: str
-) -> tuple[Manifest, int, onnx.ModelProto]:
-    loss, optimizer, opset = o.loss, o.optimizer, o.opset
-    onnx_model, outputs = source.graph, source.outputs
-    original = copy.deepcopy(onnx_model)
-    complete_gradient_outputs(onnx_model)
-    average_pool_to_conv(onnx_model)
-    gather_to_slice(onnx_model)
-    initializers = {i.name: i for i in onnx_model.graph.initializer}
-    trainable = select_trainable(
-        source.params, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
-    )
-    loss_output = o.loss_output or outputs[0]
-    if loss_output not in outputs:
-        raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
-    unreachable = [n for n in trainable if n not in reaching(onnx_model, trainable, loss_output)]
-    if unreachable:
-        log.warning("frozen because the loss on %r does not depend on them: %s", loss_output, ", ".join(unreachable))
-        trainable = [n for n in trainable if n not in unreachable]
-        if not trainable:
-            raise SelectionError(f"no selected parameter affects the loss output {loss_output!r}.")
-    frozen = [n for n in source.states if n not in trainable]
-    live = on_trained_path(onnx_model, trainable)
-    rewritten = rewrite_activations(onnx_model, lambda node: node.output[0] in live)
-    if rewritten:
-        log.info("rewritten for ORT's gradient builder: %s", ", ".join(sorted(set(rewritten))))
-    check_gradient_ops(onnx_model, trainable, source.describe)
-    onnx_model = infer_shapes(onnx_model)
-    updates = expose_batchnorm_updates(onnx_model, frozen, opset)
-
-    output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
-    extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
-    run_ort_generator(
-        onnx_model,
-        trainable,
-        frozen,
-        loss,
-        loss_output,
-        optimizer,
-        extra + list(updates.values()),
-        work,
-        describe=lambda node: "{!r} ({})".format(*source.describe(node)),
-    )
-    padding = _mask_padding(work / "training_model.onnx", dict(source.padding), trainable)
-    repair_eval_model(work / "eval_model.onnx")
-    if o.ort_format:
-        convert_to_ort_format(work)
-
-    order = _parameter_order(work / "training_model.onnx")
-    shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
-    trainable_specs, offset = [], 0
-    for param in [n for n in order if n in set(trainable)]:
-        trainable_specs.append(ParamSpec(param, shapes[param], offset))
-        offset += trainable_specs[-1].size
-    target = loss.target_spec(output_specs[loss_output])
-    manifest = Manifest(
-        name=name,
-        files={p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file() and p.name != MANIFEST_NAME},
-        inputs=tuple(
-            TensorSpec(
-                n, _dtype_name(t), (BATCH, *(o.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(t.shape) if i))
-            )
-            for n, t in zip(input_names, example)
-        ),
-        targets=() if target is None else (target,),
-        loss_output=_loss_output_name(work),
-        loss_input=None if loss.kind == "model" else loss_output,
-        outputs=tuple(output_specs[n] for n in extra),
-        trainable=tuple(trainable_specs),
-        frozen=tuple(ParamSpec(n, shapes[n]) for n in order if n in set(frozen)),
-        buffers=tuple(BufferUpdate(b, o) for b, o in updates.items()),
-        loss=LossSpec(loss.kind, loss.options()),
-        optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
-        padding=padding,
-        versions={
-            "odt": _own_version(),
-            "torch": torch.__version__,
-            "onnx": onnx.__version__,
-            "onnxruntime": ORT_VERSION,
-            "opset": opset,
-            "ir_version": int(onnx.load(work / "training_model.onnx", load_external_data=False).ir_version),
-        },
-    )
-    check_loads(work, manifest)
-    return manifest, outputs.index(loss_output), original
-
-
-def _mask_padding(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
-    rows = {name: row for name, row in rows.items() if name in trainable}
-    if not rows:
-        return {}
-    model = onnx.load(training_model)
-    done = mask_padding_gradients(model, rows)
-    onnx.save(model, training_model)
-    log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
-    return {name: rows[name] for name in done}
-
-
-def _parameter_order(training_model: Path) -> list[str]:
-    """Parameters in the order of the training graph's inputs (= ORT's contiguous buffer order)."""
-    model = onnx.load(training_model, load_external_data=False)
-    return [i.name for i in model.graph.input]
-
-
-def _loss_output_name(work: Path) -> str:
-    model = onnx.load(work / "training_model.onnx", load_external_data=False)
-    return model.graph.output[0].name
-
-
-def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
-    tensor = value.type.tensor_type
-    dims: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim]
-    return TensorSpec(value.name, _NP_DTYPES.get(tensor.elem_type, str(tensor.elem_type)), tuple(dims))
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _own_version() -> str:
-    try:
-        return metadata.version("ondevice-training")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _publish(work: Path, out_dir: Path) -> None:
-    """Move the finished directory into place; an existing one (--force) is replaced whole."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.rename(out_dir, old)
-    os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
-    os.rename(work, out_dir)
-    fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -22,10 +22,10 @@ from ondevice.manifest import BATCH, Manifest, Verification
 from ondevice.session import OrtTraining, ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
-from .build import Source, _check_output, _dynamic_axes, _Options, build_artifacts
 from .errors import InputSpecError, ModelLoadError
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
+from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets, merge_reports
 
 __all__ = ["generate_from_onnx", "onnx_example"]
@@ -76,15 +76,15 @@ def generate_from_onnx(
     """
     path, out_dir = Path(path), Path(out_dir).absolute()
     original = _load(path)
-    _check_output(out_dir, force)
+    check_output(out_dir, force)
     example = dict(example_inputs) if example_inputs is not None else onnx_example(original, seed)
     names = [i.name for i in _inputs(original)]
     if sorted(example) != sorted(names):
         raise InputSpecError(f"example inputs must be named {names}, got {sorted(example)}.")
     tensors = [example[n] for n in names]
-    axes = _dynamic_axes(names, tensors, _named_axes(original))
+    axes = resolve_axes(names, tensors, _named_axes(original))
     opset = next((o.version for o in original.opset_import if o.domain in ("", "ai.onnx")), 17)
-    options = _Options(
+    options = Options(
         None, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
         ort_format, axes,
     )  # fmt: skip
