@@ -104,7 +104,7 @@ def main(grid: Grid, context: Context) -> None:
             train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
             evaluate_fn=central,
         )
-        final = result.arrays if result.arrays is not None else final
+        final = result.arrays if result.arrays else final  # no round aggregated: the model it started from
     metrics, plot = write_report(rows, out, asdict(settings))
     save_weights(out / "global_weights.npz", from_arrays(final))  # with the running statistics
     if evaluator.manifest.outputs:
