@@ -207,9 +207,11 @@ def _run_predict(args: argparse.Namespace) -> int:
             manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
         outputs = Predictor(model, manifest).predict(data)
     if args.out:
+        import io
+
         from .files import atomic_write_bytes
 
-        buffer = __import__("io").BytesIO()
+        buffer = io.BytesIO()
         np.savez(buffer, **outputs)
         atomic_write_bytes(args.out, buffer.getvalue())
     if args.json:

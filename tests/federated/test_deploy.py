@@ -5,6 +5,7 @@ Every test checks that no process it started is still alive afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -166,7 +167,7 @@ def test_flwr_run_runs_the_app_folder(digits_artifacts, data_dir, tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "round 2: global accuracy" in result.stdout
-    report = __import__("json").loads((tmp_path / "out" / "metrics.json").read_text())
+    report = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.3
     time.sleep(0.5)
     assert _alive_with_home(home) == []
@@ -182,7 +183,7 @@ def _cmdline(pid: int) -> str:
 def _saved_round(path: Path) -> int:
     try:
         with np.load(path) as state:
-            return int(__import__("json").loads(state["__meta__"].tobytes().decode())["round"])
+            return int(json.loads(state["__meta__"].tobytes().decode())["round"])
     except Exception:  # not there yet, or being replaced
         return -1
 
@@ -211,12 +212,12 @@ def test_a_run_whose_server_is_killed_resumes_after_its_last_round(digits_artifa
     resumed = subprocess.run([*base, "--resume", str(out)], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resuming after round {killed_after} of {rounds}" in resumed.stdout
-    report = __import__("json").loads((out / "metrics.json").read_text())
+    report = json.loads((out / "metrics.json").read_text())
     assert [r["round"] for r in report["rounds"]] == list(range(rounds + 1))
     straight = np.load(tmp_path / "straight" / "global_weights.npz")
     final = np.load(out / "global_weights.npz")
     for name in straight.files:  # equal up to the float32 rounding of replies summed in arrival order
         np.testing.assert_allclose(final[name], straight[name], atol=1e-4, err_msg=name)
-    accuracy = __import__("json").loads((tmp_path / "straight" / "metrics.json").read_text())["rounds"][-1]
+    accuracy = json.loads((tmp_path / "straight" / "metrics.json").read_text())["rounds"][-1]
     assert abs(report["rounds"][-1]["central.accuracy"] - accuracy["central.accuracy"]) <= 0.004  # one test example
     assert _alive_with_home(out / "logs" / "flwr-home") == []
