@@ -122,62 +122,46 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
-    from .errors import InputSpecError
-    from .from_onnx import generate_from_onnx
-    from .loading import DTYPES
+def _shared(args: argparse.Namespace) -> dict[str, Any]:
+    """The generate options both starting points take (loss, optimizer, selection, verification)."""
     from .losses import loss_from_name
     from .optimizers import optimizer_from_name
     from .verify import Tolerances
 
+    return {
+        "loss": loss_from_name(args.loss, **_loss_options(args)),
+        "loss_output": args.loss_output,
+        "optimizer": optimizer_from_name(args.optimizer, **_optimizer_options(args)),
+        "trainable": args.trainable,
+        "freeze": args.freeze,
+        "train_last": args.train_last,
+        "bias_only": args.bias_only,
+        "ort_format": args.ort_format,
+        "verify": not args.no_verify,
+        "tolerances": Tolerances(atol=args.atol, rtol=args.rtol),
+        "force": args.force,
+        "seed": args.seed,
+    }
+
+
+def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
+    from .errors import InputSpecError
+    from .from_onnx import generate_from_onnx
+    from .loading import DTYPES
+
     if args.weights or args.output_name or args.opset != 17:
         raise InputSpecError("--weights, --output-name and --opset apply to PyTorch models, not to an .onnx file.")
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
-    return generate_from_onnx(
-        args.model,
-        args.out,
-        example_inputs=example,
-        loss=loss_from_name(args.loss, **_loss_options(args)),
-        loss_output=args.loss_output,
-        optimizer=optimizer_from_name(args.optimizer, **_optimizer_options(args)),
-        trainable=args.trainable,
-        freeze=args.freeze,
-        train_last=args.train_last,
-        bias_only=args.bias_only,
-        ort_format=args.ort_format,
-        verify=not args.no_verify,
-        tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
-        force=args.force,
-        seed=args.seed,
-    )
+    return generate_from_onnx(args.model, args.out, example_inputs=example, **_shared(args))
 
 
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
     from .build import generate
     from .loading import dynamic_axes_of
-    from .losses import loss_from_name
-    from .optimizers import optimizer_from_name
-    from .verify import Tolerances
 
+    axes = dynamic_axes_of([spec for spec, _ in specs])
     return generate(
-        model,
-        example,
-        args.out,
-        dynamic_axes=dynamic_axes_of([spec for spec, _ in specs]),
-        output_names=args.output_name,
-        loss=loss_from_name(args.loss, **_loss_options(args)),
-        loss_output=args.loss_output,
-        optimizer=optimizer_from_name(args.optimizer, **_optimizer_options(args)),
-        trainable=args.trainable,
-        freeze=args.freeze,
-        train_last=args.train_last,
-        bias_only=args.bias_only,
-        opset=args.opset,
-        ort_format=args.ort_format,
-        verify=not args.no_verify,
-        tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
-        force=args.force,
-        seed=args.seed,
+        model, example, args.out, dynamic_axes=axes, output_names=args.output_name, opset=args.opset, **_shared(args)
     )
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .errors import (
     ArtifactIntegrityError,
     CheckpointCorruptError,
@@ -19,6 +16,7 @@ from .errors import (
     VersionMismatchError,
     WeightsError,
 )
+from .lazy import lazy_exports
 
 # Everything else loads on first use, so `import PACKAGE` (and `odt --help`) stays cheap.
 _LAZY = {
@@ -53,14 +51,4 @@ __all__ = [
     "ConfigError",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)
