@@ -160,14 +160,16 @@ def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = T
                 f"checkpoint {path} was saved from other artifacts (manifest sha256 {found}..., these are "
                 f"{manifest_sha[:12]}...). Use the artifact directory it was trained from."
             )
-        if verify:
-            start = len(MAGIC) + _LENGTH.size + length
-            if path.stat().st_size != start + size:
-                raise CheckpointCorruptError(f"checkpoint {path} is truncated or padded{_hint(path)}")
-            if _sha256(handle, size) != digest:
-                raise CheckpointCorruptError(f"checkpoint {path} was altered (sha256 differs){_hint(path)}")
         header["payload_offset"] = len(MAGIC) + _LENGTH.size + length
+        _check_size(path, header)
+        if verify and _sha256(handle, size) != digest:
+            raise CheckpointCorruptError(f"checkpoint {path} was altered (sha256 differs){_hint(path)}")
     return header
+
+
+def _check_size(path: Path, header: dict[str, Any]) -> None:
+    if path.stat().st_size != header["payload_offset"] + int(header["size"]):
+        raise CheckpointCorruptError(f"checkpoint {path} is truncated or padded{_hint(path)}")
 
 
 def _hint(path: Path) -> str:
@@ -179,13 +181,21 @@ def _hint(path: Path) -> str:
 
 @contextmanager
 def unpacked(path: Path, manifest_sha: str) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """ORT's checkpoint bytes of a verified checkpoint file, in a temporary file for ORT to load."""
-    header = read_header(path, manifest_sha, verify=True)
+    """ORT's checkpoint bytes of a verified checkpoint file, in a temporary file for ORT to load.
+
+    The payload is hashed while it is copied (one read); the sha256 is checked before ORT opens it.
+    """
+    header = read_header(path, manifest_sha, verify=False)  # also checks the size
     with tempfile.TemporaryDirectory(prefix="odt-ckpt-") as tmp:
         raw = Path(tmp) / "checkpoint"
+        digest = hashlib.sha256()
         with open(path, "rb") as source, open(raw, "wb") as out:
             source.seek(header["payload_offset"])
-            shutil.copyfileobj(source, out, 1 << 20)
+            for chunk in iter(lambda: source.read(1 << 20), b""):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != header["sha256"]:
+            raise CheckpointCorruptError(f"checkpoint {path} was altered (sha256 differs){_hint(path)}")
         yield raw, header
 
 
