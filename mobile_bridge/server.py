@@ -118,7 +118,11 @@ class _TooLarge(BaseException):  # not Exception: FastAPI turns those into a 400
 
 class BodyGuard:
     """ASGI middleware: the caller is authenticated from the headers before any body is read, and a
-    body is cut off at ``limit`` bytes as it streams in (Content-Length or chunked alike)."""
+    body is cut off at ``limit`` bytes as it streams in (Content-Length or chunked alike).
+
+    ``authorized(method, path, headers)`` returns ``(status, message)`` to refuse, or the caller's
+    device id (None for calls without a device), which endpoints read as ``request.state.device``.
+    """
 
     def __init__(self, app: Any, *, limit: int, authorized: Any) -> None:
         self.app, self.limit, self.authorized = app, limit, authorized
@@ -127,9 +131,10 @@ class BodyGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        problem = self.authorized(scope["method"], scope["path"], headers)
-        if problem is not None:
-            return await _json(send, problem[0], problem[1])
+        verdict = self.authorized(scope["method"], scope["path"], headers)
+        if isinstance(verdict, tuple):
+            return await _json(send, *verdict)
+        scope.setdefault("state", {})["device"] = verdict
         if int(headers.get("content-length") or 0) > self.limit:
             return await _json(send, 413, f"request body over {self.limit} bytes")
         seen, started = 0, False
@@ -205,14 +210,16 @@ def create_app(
     limit = max_body or 2 * 4 * size + 65_536  # base64 of one buffer plus JSON (the relay's task)
     registrations = _RateLimit(registrations_per_minute)
 
-    def authorized(method: str, path: str, headers: dict[str, str]) -> tuple[int, str] | None:
+    def authorized(method: str, path: str, headers: dict[str, str]) -> tuple[int, str] | str | None:
         if path.startswith("/internal/"):
             if not hmac.compare_digest(headers.get("x-relay-secret", ""), relay_secret):
                 return 401, "wrong relay secret"
         elif path.startswith("/v1/") and not (method == "POST" and path == "/v1/devices"):
             token = headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not token or store.device_of(token) is None:
-                return 401, "missing or unknown token: register with POST /v1/devices first"
+            found = store.device_of(token) if token else None
+            return (
+                found if found is not None else (401, "missing or unknown token: register with POST /v1/devices first")
+            )
         return None
 
     app = FastAPI(
@@ -229,11 +236,9 @@ def create_app(
         problems = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()[:10]]
         return JSONResponse({"detail": problems}, status_code=422)
 
-    def device(authorization: str = Header(default="")) -> str:
-        found = store.device_of(authorization.removeprefix("Bearer ").strip())
-        if found is None:  # BodyGuard refused it already; kept for the OpenAPI description
-            raise _error(401, "missing or unknown token: register with POST /v1/devices first")
-        return found
+    def device(request: Request, authorization: str = Header(default="")) -> str:
+        """The device BodyGuard authenticated (the header parameter documents the scheme in OpenAPI)."""
+        return str(request.state.device)
 
     @app.post("/v1/devices", response_model=Registered, summary="enrol a device and get its token")
     def register(body: Registration, request: Request) -> Registered:
