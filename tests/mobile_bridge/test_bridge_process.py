@@ -63,8 +63,6 @@ def test_a_bridge_killed_between_pull_and_push_loses_nothing(bridge, digits_arti
     status, data = _call(port, "POST", "/v1/devices", json.dumps({"name": "phone", "enrolment": "enrol"}).encode(),
                          {"Content-Type": "application/json"})  # fmt: skip
     device = {"Authorization": f"Bearer {json.loads(data)['token']}"}
-    manifest = json.loads((Path(digits_artifacts) / "manifest.json").read_bytes())
-    del manifest
     status, data = _call(port, "GET", "/v1/bundle", headers=device)
     artifacts_sha = json.loads(data)["artifacts_manifest_sha256"]
     task = {"artifacts_sha256": artifacts_sha, "round": 4, "timeout_s": 600,
