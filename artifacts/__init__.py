@@ -28,10 +28,12 @@ _LAZY = {
     "SGD": ".optimizers",
     "AdamW": ".optimizers",
     "Tolerances": ".verify",
+    "Lora": ".lora",
 }
 
 __all__ = [
     "generate",
+    "Lora",
     "Tolerances",
     "CrossEntropy",
     "MSE",

@@ -12,19 +12,16 @@ import onnx
 import torch
 from torch import nn
 
-from ondevice.manifest import (
-    Manifest,
-)
+from ondevice.manifest import Manifest, TokenizerSpec
 
 from ._edges import edge_batches, embedding_inputs
 from ._padding import padding_rows
-from .errors import (
-    InputSpecError,
-)
+from .errors import InputSpecError, SelectionError
 from .export import (
     export_onnx,
     torch_module,
 )
+from .lora import Lora, add_adapters
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
@@ -50,6 +47,9 @@ def generate(
     freeze: Sequence[str] = (),
     train_last: int | None = None,
     bias_only: bool = False,
+    lora: Lora | None = None,
+    labels: Sequence[str] = (),
+    tokenizer: TokenizerSpec | None = None,
     opset: int = 17,
     ort_format: bool = False,
     verify: bool = True,
@@ -64,6 +64,11 @@ def generate(
     is the batch and becomes dynamic, as do the axes named in ``dynamic_axes``
     (``{"ids": {1: "seq"}}``). The directory appears complete or not at all.
 
+    ``lora`` adds low-rank adapters to the target Linear layers (``model`` itself is not changed);
+    then the adapters train, plus whatever ``trainable`` names (e.g. a new head). ``labels`` names
+    the classes; ``tokenizer`` (a ``tokenizer.json`` and the inputs it fills) travels with the
+    artifacts so a device can train on text.
+
     Examples
     --------
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
@@ -75,9 +80,17 @@ def generate(
     check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
+    adapters: list = []
+    if lora is not None:
+        if train_last is not None or bias_only:
+            raise SelectionError(
+                "LoRA chooses what trains: combine it with trainable=[...] only, not train_last/bias_only."
+            )
+        model, adapters = add_adapters(model, lora, seed)
+        trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
     options = Options(
         output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes,
+        ort_format, axes, tuple(adapters), tuple(labels), tokenizer,
     )  # fmt: skip
 
     def source() -> Source:

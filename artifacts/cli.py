@@ -76,6 +76,24 @@ def register(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--freeze", action="append", default=[], metavar="GLOB", help="freeze matches (repeatable)")
     t.add_argument("--train-last", type=int, metavar="N", help="train only the last N modules with parameters")
     t.add_argument("--bias-only", action="store_true", help="train biases only (BitFit)")
+    t.add_argument("--lora", type=int, metavar="RANK", help="add LoRA adapters of this rank (they train)")
+    t.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: scale = alpha / rank (default 2 x rank)")
+    t.add_argument(
+        "--lora-targets",
+        default="query,value",
+        metavar="NAMES",
+        help="comma-separated Linear layer names (or globs) that get adapters (default query,value)",
+    )
+
+    x = p.add_argument_group("classes and text")
+    x.add_argument("--labels", metavar="A,B,...", help="class names in output order (recorded in the manifest)")
+    x.add_argument(
+        "--tokenizer",
+        metavar="TOKENIZER.json",
+        help="a Hugging Face tokenizer.json that fills the first input (ids) and the second (attention mask), "
+        "if any; it travels with the artifacts so `odt train --data FILE.jsonl` tokenizes on the device",
+    )
+    x.add_argument("--max-length", type=int, help="tokens per text (default: the example's sequence length)")
 
     v = p.add_argument_group("export and verification")
     v.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
@@ -141,7 +159,12 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
         "tolerances": Tolerances(atol=args.atol, rtol=args.rtol),
         "force": args.force,
         "seed": args.seed,
+        "labels": _labels(args.labels),
     }
+
+
+def _labels(text: str | None) -> tuple[str, ...]:
+    return () if not text else tuple(label.strip() for label in text.split(","))
 
 
 def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
@@ -149,8 +172,10 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
     from .from_onnx import generate_from_onnx
     from .loading import DTYPES
 
-    if args.weights or args.output_name or args.opset != 17:
-        raise InputSpecError("--weights, --output-name and --opset apply to PyTorch models, not to an .onnx file.")
+    if args.weights or args.output_name or args.opset != 17 or args.lora is not None or args.tokenizer:
+        raise InputSpecError(
+            "--weights, --output-name, --opset, --lora and --tokenizer apply to PyTorch models, not to an .onnx file."
+        )
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
     return generate_from_onnx(args.model, args.out, example_inputs=example, **_shared(args))
 
@@ -158,11 +183,46 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
     from .build import generate
     from .loading import dynamic_axes_of
+    from .lora import Lora
 
     axes = dynamic_axes_of([spec for spec, _ in specs])
+    lora = None
+    if args.lora is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
+        lora = Lora(rank=args.lora, alpha=alpha, targets=targets)
     return generate(
-        model, example, args.out, dynamic_axes=axes, output_names=args.output_name, opset=args.opset, **_shared(args)
+        model,
+        example,
+        args.out,
+        dynamic_axes=axes,
+        output_names=args.output_name,
+        opset=args.opset,
+        lora=lora,
+        tokenizer=_tokenizer(args, example),
+        **_shared(args),
     )
+
+
+def _tokenizer(args: argparse.Namespace, example: dict[str, Any]) -> Any:
+    from ondevice.manifest import TokenizerSpec
+
+    from .errors import InputSpecError
+
+    if args.tokenizer is None:
+        if args.max_length is not None:
+            raise InputSpecError("--max-length applies with --tokenizer.")
+        return None
+    names = list(example)
+    if example[names[0]].is_floating_point() or example[names[0]].dim() != 2:
+        raise InputSpecError(
+            f"--tokenizer fills the first input with token ids (batch x seq integers); {names[0]!r} is not."
+        )
+    mask = names[1] if len(names) > 1 and not example[names[1]].is_floating_point() else None
+    length = args.max_length if args.max_length is not None else int(example[names[0]].shape[1])
+    if length < 1:
+        raise InputSpecError(f"--max-length must be at least 1, got {length}.")
+    return TokenizerSpec(args.tokenizer, names[0], mask, length)
 
 
 def _index_range(model: Any) -> int:

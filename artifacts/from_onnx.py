@@ -54,6 +54,7 @@ def generate_from_onnx(
     freeze: Sequence[str] = (),
     train_last: int | None = None,
     bias_only: bool = False,
+    labels: Sequence[str] = (),
     ort_format: bool = False,
     verify: bool = True,
     tolerances: Tolerances = Tolerances(),
@@ -86,7 +87,7 @@ def generate_from_onnx(
     opset = next((o.version for o in original.opset_import if o.domain in ("", "ai.onnx")), 17)
     options = Options(
         None, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes,
+        ort_format, axes, labels=tuple(labels),
     )  # fmt: skip
     floats = [i.name for i in original.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims]
     statistics = {n.input[i] for n in original.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}

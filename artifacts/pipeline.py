@@ -19,12 +19,14 @@ from ondevice.files import fsync_dir, public_mode, sha256_file
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
+    Adapter,
     BufferUpdate,
     LossSpec,
     Manifest,
     OptimizerSpec,
     ParamSpec,
     TensorSpec,
+    TokenizerSpec,
     Verification,
 )
 from ondevice.session import ORT_VERSION
@@ -163,6 +165,10 @@ class Options:
     opset: int
     ort_format: bool
     dynamic_axes: Mapping[str, Mapping[int, str]]
+    adapters: tuple[Adapter, ...] = ()
+    labels: tuple[str, ...] = ()
+    tokenizer: TokenizerSpec | None = None
+    """Its ``file`` is the source path; the artifact directory holds a copy named by its base name."""
 
 
 def _build(
@@ -213,6 +219,7 @@ def _build(
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:
         convert_to_ort_format(work)
+    tokenizer = _attach_tokenizer(o.tokenizer, input_names, work)
 
     order = _parameter_order(work / "training_model.onnx")
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
@@ -240,6 +247,9 @@ def _build(
         loss=LossSpec(loss.kind, loss.options()),
         optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
         padding=padding,
+        adapters=o.adapters,
+        labels=tuple(o.labels),
+        tokenizer=tokenizer,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,
@@ -249,8 +259,25 @@ def _build(
             "ir_version": int(onnx.load(work / "training_model.onnx", load_external_data=False).ir_version),
         },
     )
+    if manifest.labels and manifest.num_classes != len(manifest.labels):
+        raise InputSpecError(
+            f"{len(manifest.labels)} class labels given, but the classifier has {manifest.num_classes} outputs."
+        )
     check_loads(work, manifest)
     return manifest, outputs.index(loss_output), original
+
+
+def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: Path) -> TokenizerSpec | None:
+    if spec is None:
+        return None
+    source = Path(spec.file)
+    for name in (spec.ids, spec.mask):
+        if name is not None and name not in input_names:
+            raise InputSpecError(f"the tokenizer fills input {name!r}, but the model's inputs are {input_names}.")
+    if not source.is_file():
+        raise InputSpecError(f"tokenizer file {source} does not exist; pass the model's tokenizer.json.")
+    shutil.copyfile(source, work / "tokenizer.json")
+    return replace(spec, file="tokenizer.json")
 
 
 def _mask_padding(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:

@@ -224,14 +224,23 @@ def writer_lock(path: Path) -> Iterator[None]:
         handle.close()  # releases the lock
 
 
-def export_inference(session: OrtTraining, outputs: list[str], path: Path) -> Path:
-    """The eval graph with the current weights and the loss removed, as one ONNX file."""
+def export_inference(session: OrtTraining, outputs: list[str], path: Path, adapters: tuple = ()) -> Path:
+    """The eval graph with the current weights and the loss removed, as one ONNX file.
+
+    LoRA ``adapters`` are folded into their base weights (a plain model).
+    """
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
     _make_parent(path, "export directory")
     tmp = _temp_beside(path)
     try:
         session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
+        if adapters:
+            import onnx
+
+            from .lora import fold_adapters
+
+            onnx.save(fold_adapters(onnx.load(tmp), adapters), tmp)
         os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:

@@ -142,3 +142,45 @@ def validate_manifest(data: dict[str, Any]) -> None:
             _fail(f"padding[{name!r}]", "a trainable embedding weight", name)
         if _int(f"padding[{name!r}]", row) >= trainable[name][0]:
             _fail(f"padding[{name!r}]", f"a row below {trainable[name][0]}", row)
+    _adapters(data.get("adapters", []), trainable, frozen)
+    labels = _list("labels", data.get("labels", []))
+    for i, label in enumerate(labels):
+        _name(f"labels[{i}]", label)
+    if len(set(labels)) != len(labels):
+        _fail("labels", "distinct class names", labels)
+    _tokenizer(data.get("tokenizer"), files, data["inputs"])
+    if data.get("plan") is not None and not isinstance(data["plan"], dict):
+        _fail("plan", "an object", data["plan"])
+
+
+def _adapters(value: Any, trainable: dict[str, tuple[int, ...]], frozen: dict[str, tuple[int, ...]]) -> None:
+    shapes = {**frozen, **trainable}
+    for i, adapter in enumerate(_list("adapters", value)):
+        at = f"adapters[{i}]"
+        if not isinstance(adapter, dict):
+            _fail(at, "an object", adapter)
+        names = [_name(f"{at}.{key}", adapter.get(key)) for key in ("weight", "a", "b")]
+        missing = [n for n in names if n not in shapes]
+        if missing:
+            _fail(at, "names of parameters in trainable or frozen", missing)
+        (out, inp), a, b = shapes[names[0]], shapes[names[1]], shapes[names[2]]
+        if len(a) != 2 or len(b) != 2 or a[1] != inp or b[0] != out or a[0] != b[1]:
+            _fail(at, f"A (rank x {inp}) and B ({out} x rank) for a {out} x {inp} weight", (a, b))
+        scale = adapter.get("scale")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            _fail(f"{at}.scale", "a finite number", scale)
+
+
+def _tokenizer(value: Any, files: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        _fail("tokenizer", "an object", value)
+    if value.get("file") not in files:
+        _fail("tokenizer.file", "a file listed in files", value.get("file"))
+    names = {spec["name"] for spec in inputs}
+    if value.get("ids") not in names:
+        _fail("tokenizer.ids", f"one of the inputs {sorted(names)}", value.get("ids"))
+    if value.get("mask") is not None and value.get("mask") not in names:
+        _fail("tokenizer.mask", f"one of the inputs {sorted(names)} or null", value.get("mask"))
+    _int("tokenizer.max_length", value.get("max_length"), low=1)

@@ -23,6 +23,8 @@ __all__ = [
     "TensorSpec",
     "ParamSpec",
     "BufferUpdate",
+    "Adapter",
+    "TokenizerSpec",
     "LossSpec",
     "OptimizerSpec",
     "VerificationRow",
@@ -67,6 +69,33 @@ class BufferUpdate:
 
     name: str
     output: str
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter: the layer's ``weight`` W acts as ``W + scale * B @ A`` (``a``: rank x in, ``b``: out x rank).
+
+    ``odt export`` folds the product into W, so the exported model is a plain one.
+    """
+
+    weight: str
+    a: str
+    b: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A Hugging Face ``tokenizer.json`` in the artifact directory that turns text into the inputs.
+
+    ``ids`` (and ``mask``, when the model takes an attention mask) name the inputs it fills;
+    texts are padded or cut to ``max_length`` tokens.
+    """
+
+    file: str
+    ids: str
+    mask: str | None
+    max_length: int
 
 
 @dataclass(frozen=True)
@@ -130,6 +159,12 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     padding: Mapping[str, int] = field(default_factory=dict)
     """Embedding weights whose padding row (value) gets no gradient, as with PyTorch's ``padding_idx``."""
+    adapters: tuple[Adapter, ...] = ()
+    labels: tuple[str, ...] = ()
+    """Class names, in the order of the classifier's outputs (empty: classes are numbers)."""
+    tokenizer: TokenizerSpec | None = None
+    plan: Mapping[str, Any] | None = None
+    """The memory planner's choice and its measurements, when ``--memory-budget`` picked the trainable set."""
 
     @property
     def trainable_size(self) -> int:
@@ -241,6 +276,10 @@ def _from_dict(data: Any) -> Manifest:
             versions=dict(data["versions"]),
             verification=None if verification is None else _verification(verification),
             padding={str(k): int(v) for k, v in data.get("padding", {}).items()},
+            adapters=tuple(Adapter(**a) for a in data.get("adapters", [])),
+            labels=tuple(data.get("labels", [])),
+            tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
+            plan=data.get("plan"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

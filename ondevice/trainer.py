@@ -384,7 +384,11 @@ class Trainer:
         self._session.set_learning_rate(self._lr)
 
     def export(self, path: str | os.PathLike[str]) -> Path:
-        """Write the current model as an inference ONNX file (outputs: the manifest's outputs)."""
+        """Write the current model as an inference ONNX file (outputs: the manifest's outputs).
+
+        LoRA adapters are folded into their base weights: the file is a plain model.
+        """
         from ._checkpoint import export_inference
 
-        return export_inference(self._session, [o.name for o in self.manifest.outputs], Path(path))
+        outputs = [o.name for o in self.manifest.outputs]
+        return export_inference(self._session, outputs, Path(path), self.manifest.adapters)

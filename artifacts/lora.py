@@ -1,0 +1,98 @@
+"""LoRA adapters: low-rank updates of chosen Linear layers, inserted before export.
+
+A target layer computes ``x W^T + b + scale * (x A^T) B^T`` with ``A`` (rank x in) random and
+``B`` (out x rank) zero, so the adapted model starts equal to the original. Only the adapters
+(and layers named trainable) train; ``odt export`` folds ``W + scale * B A`` back into ``W``.
+The base parameters keep their names (``layer.weight``); the adapters are ``layer.lora_A`` and
+``layer.lora_B``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ondevice.manifest import Adapter
+
+from .errors import SelectionError
+from .selection import matches
+
+__all__ = ["Lora", "LoraLinear", "add_adapters"]
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Adapters of ``rank`` on every Linear whose name ends with one of ``targets`` (or matches a glob).
+
+    ``scale = alpha / rank``; give tiers of one federation the same ratio so their adapters agree.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("query", "value")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise SelectionError(f"LoRA rank must be an integer >= 1, got {self.rank!r}.")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0 and math.isfinite(self.alpha)):
+            raise SelectionError(f"LoRA alpha must be a positive number, got {self.alpha!r}.")
+        if isinstance(self.targets, str) or not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise SelectionError(f"LoRA targets must be a non-empty list of layer names, got {self.targets!r}.")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraLinear(nn.Module):
+    """A Linear layer with a low-rank adapter; shares the original layer's weight and bias."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float, generator: torch.Generator) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.scale = scale
+        a = torch.empty(rank, base.in_features, dtype=base.weight.dtype)
+        bound = 1.0 / math.sqrt(base.in_features)  # kaiming_uniform(a=sqrt(5)) as in nn.Linear and peft
+        self.lora_A = nn.Parameter(a.uniform_(-bound, bound, generator=generator))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.weight + self.scale * (self.lora_B @ self.lora_A)
+
+
+def _is_target(name: str, targets: tuple[str, ...]) -> bool:
+    return any(name == t or name.endswith("." + t) or matches(t, name) for t in targets)
+
+
+def add_adapters(model: nn.Module, lora: Lora, seed: int = 0) -> tuple[nn.Module, list[Adapter]]:
+    """A copy of ``model`` with adapters on its target Linear layers, and the adapters' records.
+
+    The caller's model is not changed. Raises SelectionError when no Linear matches.
+    """
+    adapted = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    linears = [(n, m) for n, m in adapted.named_modules() if isinstance(m, nn.Linear)]
+    chosen = [(n, m) for n, m in linears if _is_target(n, lora.targets)]
+    if not chosen:
+        sample = ", ".join(n for n, _ in linears[:8]) + (", ..." if len(linears) > 8 else "")
+        raise SelectionError(
+            f"LoRA targets {list(lora.targets)} match no Linear layer. Linear layers are: {sample or 'none'}."
+        )
+    adapters = []
+    for name, module in chosen:
+        parent_name, _, attr = name.rpartition(".")
+        parent = adapted.get_submodule(parent_name) if parent_name else adapted
+        setattr(parent, attr, LoraLinear(module, lora.rank, lora.scale, generator))
+        prefix = f"{name}."
+        adapters.append(Adapter(prefix + "weight", prefix + "lora_A", prefix + "lora_B", lora.scale))
+    return adapted, adapters
