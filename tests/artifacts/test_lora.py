@@ -72,12 +72,12 @@ def test_only_adapters_and_the_head_train(lora_artifacts):
     names = [p.name for p in manifest.trainable]
     layers = [f"model.bert.encoder.layer.{i}.attention.self.{t}" for i in range(2) for t in ("query", "value")]
     assert sorted(names) == sorted(
-        [*(f"{l}.lora_{m}" for l in layers for m in "AB"), "model.classifier.weight", "model.classifier.bias"]
+        [*(f"{layer}.lora_{m}" for layer in layers for m in "AB"), "model.classifier.weight", "model.classifier.bias"]
     )
-    assert [a.weight for a in manifest.adapters] == [f"{l}.weight" for l in layers]
+    assert [a.weight for a in manifest.adapters] == [f"{layer}.weight" for layer in layers]
     assert all(a.scale == 2.0 for a in manifest.adapters)
     assert manifest.trainable_size == 4 * (4 * 32 + 32 * 4) + 3 * 32 + 3
-    assert {p.name for p in manifest.frozen} >= {f"{l}.weight" for l in layers}
+    assert {p.name for p in manifest.frozen} >= {f"{layer}.weight" for layer in layers}
     assert manifest.verification.passed
     assert Manifest.load(lora_artifacts[1]).adapters == manifest.adapters
     assert not any("lora" in name for name, _ in model.named_parameters())  # the caller's model is untouched
@@ -153,7 +153,8 @@ def test_cli_generates_lora_artifacts(tmp_path):
         "from torch import nn\n"
         "class M(nn.Module):\n"
         "    def __init__(self):\n"
-        "        super().__init__(); self.query = nn.Linear(8, 8); self.value = nn.Linear(8, 8); self.head = nn.Linear(8, 3)\n"
+        "        super().__init__()\n"
+        "        self.query, self.value, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)\n"
         "    def forward(self, x):\n"
         "        return self.head(self.query(x).relu() + self.value(x))\n"
         "def build():\n    return M()\n"
