@@ -125,8 +125,13 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def register_train(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train an artifact directory on .npz data (no torch needed)")
     p.add_argument("directory", help="artifact directory made by `odt generate`")
-    p.add_argument("--data", required=True, help=".npz file whose keys are the manifest's input names")
-    p.add_argument("--val", help=".npz validation data, evaluated after every epoch (default: none)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help=".npz file whose keys are the manifest's input names, or .jsonl of {text, label} lines "
+        "(artifacts with a tokenizer)",
+    )
+    p.add_argument("--val", help="validation data (.npz or .jsonl), evaluated after every epoch (default: none)")
     p.add_argument(
         "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
     )
@@ -155,7 +160,7 @@ def register_train(commands: argparse._SubParsersAction) -> None:
 def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("evaluate", help="loss (and accuracy) of artifacts or a checkpoint on .npz data")
     p.add_argument("directory", help="artifact directory")
-    p.add_argument("--data", required=True, help=".npz file keyed by the manifest's input names")
+    p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, or .jsonl of texts")
     p.add_argument(
         "--checkpoint", metavar="CKPT_DIR", help="evaluate CKPT_DIR/latest.ckpt (default: the initial weights)"
     )
@@ -177,7 +182,13 @@ def register_export(commands: argparse._SubParsersAction) -> None:
 def register_predict(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("predict", help="run a trained model (artifacts or an exported .onnx) on .npz data")
     p.add_argument("model", help="artifact directory, or an .onnx file from `odt export` (then give --artifacts)")
-    p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names (labels not needed)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--data", help=".npz keyed by the manifest's input names, or .jsonl of texts (no labels needed)"
+    )
+    source.add_argument(
+        "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer)"
+    )
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help="with an artifact directory: CKPT_DIR/latest.ckpt")
     p.add_argument("--artifacts", help="with an .onnx file: the artifact directory it came from (its manifest)")
     p.add_argument("--out", help="also write every output to this .npz (default: print only)")
@@ -190,17 +201,18 @@ def _run_predict(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from .data import load_npz
     from .errors import ConfigError
     from .manifest import Manifest
     from .predict import Predictor
+    from .text import TextEncoder, load_data
     from .trainer import Trainer
 
-    data = load_npz(args.data)
+    if args.model.endswith(".onnx") and not args.artifacts:
+        raise ConfigError("an .onnx model needs --artifacts DIR (the artifacts it was exported from).")
+    directory = args.artifacts if args.model.endswith(".onnx") else args.model
+    data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
     with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
         if args.model.endswith(".onnx"):
-            if not args.artifacts:
-                raise ConfigError("an .onnx model needs --artifacts DIR (the artifacts it was exported from).")
             manifest, model = Manifest.load(args.artifacts), args.model
         else:
             trainer = Trainer.load(args.model, checkpoint=_checkpoint_file(args.checkpoint))
@@ -222,7 +234,9 @@ def _run_predict(args: argparse.Namespace) -> int:
         shifted = np.exp(scores - scores.max(-1, keepdims=True))
         probabilities = shifted / shifted.sum(-1, keepdims=True)
         for index, (label, p) in enumerate(zip(scores.argmax(-1), probabilities.max(-1))):
-            print(f"{index}\tclass {label}\t(p={p:.3f})")
+            name = manifest.labels[label] if manifest.labels else f"class {label}"
+            text = f"\t{args.text[index]}" if args.text else ""
+            print(f"{index}\t{name}\t(p={p:.3f}){text}")
     else:
         for name, value in outputs.items():
             print(f"{name}: shape {value.shape}, first {np.ravel(value)[:5].tolist()}")
@@ -238,8 +252,8 @@ def _checkpoint_file(directory: str | None) -> str | None:
 def _run_train(args: argparse.Namespace) -> int:
     import math
 
-    from .data import load_npz
     from .schedules import Schedule
+    from .text import load_data
     from .trainer import Trainer
 
     if args.resume and not args.checkpoint:
@@ -249,8 +263,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.resume
         else Trainer.load(args.directory, threads=args.threads)
     )
-    train = load_npz(args.data)
-    val = load_npz(args.val) if args.val else None
+    train = load_data(args.data, args.directory)
+    val = load_data(args.val, args.directory) if args.val else None
     named = bool(args.checkpoint)
     if not named:  # never throw the trained weights away
         args.checkpoint = f"{Path(args.directory).resolve().name}.ckpt"
@@ -305,11 +319,11 @@ def _resume(directory: str, checkpoint: Path, threads: int | None):  # type: ign
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from .data import load_npz
+    from .text import load_data
     from .trainer import Trainer
 
     trainer = Trainer.load(args.directory, checkpoint=_checkpoint_file(args.checkpoint))
-    metrics = trainer.evaluate(load_npz(args.data), batch_size=args.batch_size)
+    metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size)
     print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return 0
 

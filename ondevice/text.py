@@ -1,0 +1,127 @@
+"""Text on the device: the artifacts' ``tokenizer.json`` turns sentences into the model's inputs.
+
+Tokenization uses Hugging Face's Rust ``tokenizers`` library (no torch; ``pip install
+'ondevice-training[text]'``). A ``.jsonl`` dataset holds one ``{"text": ..., "label": ...}`` object
+per line; labels are class names from the manifest (or class numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .data import load_npz
+from .errors import DataError, ManifestError
+from .manifest import Manifest
+
+__all__ = ["TextEncoder", "load_jsonl", "load_data"]
+
+MAX_LINES = 1_000_000
+
+
+class TextEncoder:
+    """Encode texts as the manifest's token-id (and attention-mask) inputs.
+
+    Texts are cut to the manifest's ``max_length`` tokens and padded to the longest one given.
+
+    Examples
+    --------
+    >>> encoder = TextEncoder("out/intents/artifacts")  # doctest: +SKIP
+    >>> encoder(["turn on the kitchen lights"])["ids"].shape  # doctest: +SKIP
+    (1, 8)
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+        directory = Path(directory)
+        self.manifest = manifest if manifest is not None else Manifest.load(directory)
+        spec = self.manifest.tokenizer
+        if spec is None:
+            raise ManifestError(
+                f"artifacts {directory} carry no tokenizer: give .npz data with the inputs "
+                f"{[t.name for t in self.manifest.inputs]}, or regenerate with `odt generate --tokenizer FILE`."
+            )
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ManifestError(
+                "these artifacts read text with the `tokenizers` library: pip install 'ondevice-training[text]'."
+            ) from None
+        try:
+            self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
+        except Exception as exc:
+            raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
+        self._tokenizer.enable_truncation(spec.max_length)
+        self._tokenizer.enable_padding()
+        self.spec = spec
+
+    def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise DataError("texts must be a list of strings.")
+        if not texts:
+            raise DataError("no texts given.")
+        encoded = self._tokenizer.encode_batch(list(texts))
+        out = {self.spec.ids: np.array([e.ids for e in encoded], dtype=np.int64)}
+        if self.spec.mask is not None:
+            out[self.spec.mask] = np.array([e.attention_mask for e in encoded], dtype=np.int64)
+        return out
+
+
+def load_jsonl(
+    path: str | os.PathLike[str], directory: str | os.PathLike[str], *, labels: bool = True
+) -> dict[str, np.ndarray]:
+    """A ``.jsonl`` file of ``{"text", "label"}`` lines as the artifacts' arrays (tokenized)."""
+    path, directory = Path(path), Path(directory)
+    encoder = TextEncoder(directory)
+    manifest = encoder.manifest
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist.")
+    texts, targets = [], []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if number > MAX_LINES:
+                raise DataError(f"{path} has more than {MAX_LINES:,} lines: split it.")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{number} is not JSON ({exc.msg}): write one object per line.") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise DataError(
+                    f'{path}:{number}: expected {{"text": "...", "label": ...}}, found {line.strip()[:80]!r}.'
+                )
+            texts.append(row["text"])
+            if labels and manifest.targets:
+                targets.append(_label(row.get("label"), manifest, f"{path}:{number}"))
+    if not texts:
+        raise DataError(f"{path} holds no examples.")
+    data = encoder(texts)
+    if labels and manifest.targets:
+        data[manifest.targets[0].name] = np.array(targets, dtype=np.int64)
+    return data
+
+
+def _label(value: object, manifest: Manifest, where: str) -> int:
+    names = manifest.labels
+    if isinstance(value, str) and value in names:
+        return names.index(value)
+    classes = manifest.num_classes
+    if isinstance(value, int) and not isinstance(value, bool) and classes is not None and 0 <= value < classes:
+        return value
+    known = (
+        f"one of {list(names)[:8]}{' ...' if len(names) > 8 else ''}" if names else f"a class number below {classes}"
+    )
+    raise DataError(f"{where}: label {value!r} is not {known}.")
+
+
+def load_data(
+    path: str | os.PathLike[str], directory: str | os.PathLike[str], *, labels: bool = True
+) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file, or of a ``.jsonl`` text file tokenized for the artifacts in ``directory``."""
+    if Path(path).suffix == ".jsonl":
+        return load_jsonl(path, directory, labels=labels)
+    return load_npz(path)
