@@ -118,11 +118,20 @@ def _check_paths(config: dict[str, Any]) -> None:
         Manifest.load(config["artifacts"])
     except OdtError as exc:
         raise RunConfigError(f"run config 'artifacts': {exc}") from exc
-    missing = [n for n in ("train.npz", "test.npz") if not (Path(config["data"]) / n).is_file()]
+    for tier in (t.strip() for t in str(config.get("tiers", "")).split(",") if t.strip()):
+        try:
+            Manifest.load(tier)
+        except OdtError as exc:
+            raise RunConfigError(f"run config 'tiers': {exc}") from exc
+    data = Path(config["data"])
+    train = data / "clients" if config.get("partitioning") == "files" else data / "train.npz"
+    missing = [p.name for p in (train,) if not p.exists()]
+    if not any((data / f"test{suffix}").is_file() for suffix in (".npz", ".jsonl")):
+        missing.append("test.npz (or test.jsonl)")
     if missing:
         raise RunConfigError(
             f"run config 'data': {config['data']} has no {' or '.join(missing)} "
-            "(the shared training data clients partition, and the server's test set)."
+            "(the clients' training data, and the server's test set)."
         )
 
 

@@ -19,8 +19,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from .buffers import split_state
 from .codec import encode
 from .errors import FederatedError
-from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, train_reply
-from .task import Settings, node_data, node_trainer
+from .partial import fit_to, personal_names
+from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, to_arrays, train_reply
+from .task import Settings, node_artifacts, node_data, node_trainer
 
 __all__ = ["app", "RELAY_GROUP"]
 
@@ -50,17 +51,26 @@ def _relay(context: Context) -> Callable[[Message, Context], Message] | None:
     return found[0].load()
 
 
+PERSONAL = "odt.personal"
+"""Key of the node's own state record that keeps its personal tensors between rounds."""
+
+
 def _task(msg: Message, context: Context):  # type: ignore[no-untyped-def]
     settings = Settings.from_config(context.run_config)
     config: ConfigRecord = msg.content[CONFIG]
-    artifacts = str(context.node_config.get("artifacts", settings.artifacts))
-    trainer = node_trainer(artifacts, str(config["manifest-sha256"]))
+    artifacts = node_artifacts(settings, context.node_config)
+    trainer = node_trainer(artifacts, str(config["manifest-sha256"]), str(config.get("tier-sha256s", "")))
     global_weights = from_arrays(msg.content[ARRAYS])
-    weights, buffers = split_state(trainer.manifest, global_weights)
+    if config.get("partial"):  # mixed tiers or personal tensors: take the global part this node trains
+        weights, buffers = {**trainer.get_weights(), **fit_to(trainer.manifest, global_weights)}, {}
+        if PERSONAL in context.state.array_records:
+            weights.update(from_arrays(context.state.array_records[PERSONAL]))
+    else:
+        weights, buffers = split_state(trainer.manifest, global_weights)
     trainer.set_weights(weights)
     if buffers:
         trainer.set_buffers(buffers)
-    train, val = node_data(settings, context.node_config)
+    train, val = node_data(settings, context.node_config, artifacts)
     return settings, config, trainer, global_weights, train, val
 
 
@@ -78,6 +88,9 @@ def train(msg: Message, context: Context) -> Message:
         data, epochs=settings.local_epochs, batch_size=min(settings.batch_size, size), seed=round_seed, progress=False
     )
     state = {**trainer.get_weights(), **trainer.get_buffers()}  # running statistics travel too
+    personal = personal_names(trainer.manifest, settings.personal)
+    if personal:  # they never leave the node: kept in its own state for the next round
+        context.state[PERSONAL] = to_arrays({name: state.pop(name) for name in personal})
     payload = encode(state, global_weights, str(config.get("codec", "none")))
     last = history.last()
     return train_reply(
@@ -97,9 +110,17 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     if _relay(context) is not None:  # devices behind a relay do not evaluate: the server does, centrally
         return skip_evaluation(msg)
-    _, _, trainer, _, _, val = _task(msg, context)
+    settings, _, trainer, global_weights, _, val = _task(msg, context)
     result = trainer.evaluate(val)
     metrics = {"num-examples": len(next(iter(val.values()))), "eval-loss": result["loss"]}
     if "accuracy" in result:
         metrics["eval-accuracy"] = result["accuracy"]
+    metrics["client"] = int(context.node_config.get("partition-id", -1))
+    personal = personal_names(trainer.manifest, settings.personal)
+    if personal:  # the same node with the global values of its personal tensors: the global model
+        trainer.set_weights({**trainer.get_weights(), **fit_to(trainer.manifest, global_weights)})
+        shared = trainer.evaluate(val)
+        metrics["global-eval-loss"] = shared["loss"]
+        if "accuracy" in shared:
+            metrics["global-eval-accuracy"] = shared["accuracy"]
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

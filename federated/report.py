@@ -22,6 +22,8 @@ def round_row(server_round: int, central: dict[str, Any], seen: Any) -> dict[str
         row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
         row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
         row["clipped"] = {str(k): v for k, v in seen.clipped.items()}
+        if seen.eval_by_client:
+            row["clients"] = {str(k): v for k, v in sorted(seen.eval_by_client.items())}
         if seen.dp_sampled is not None:
             row["dp_sampled_clients"] = seen.dp_sampled
             row["dp_noise_std"] = seen.dp_noise_std

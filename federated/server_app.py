@@ -10,10 +10,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from ondevice import Trainer
-from ondevice.data import load_npz
+from ondevice.text import load_data
 
 from .buffers import split_state
 from .errors import FederatedError
+from .partial import fit_to, union_of
 from .protocol import from_arrays, to_arrays
 from .report import round_row, save_weights, write_report
 from .run_state import load_run_state, save_run_state
@@ -31,7 +32,9 @@ def main(grid: Grid, context: Context) -> None:
     settings = Settings.from_config(context.run_config)
     artifacts = Path(settings.artifacts).resolve()
     evaluator = Trainer.load(artifacts)
-    test = load_npz(str(Path(settings.data) / "test.npz"))
+    test = load_data(_test_file(Path(settings.data)), artifacts)
+    tiers = {t.manifest_sha256: t for t in (Trainer.load(d.strip()) for d in settings.tiers.split(",") if d.strip())}
+    tiers.pop(evaluator.manifest_sha256, None)
     inner = make_strategy(
         settings.strategy,
         min_nodes=settings.min_nodes,
@@ -61,16 +64,26 @@ def main(grid: Grid, context: Context) -> None:
         norm_bound=settings.norm_bound,
         max_update_norm=settings.max_update_norm,
         norm_action=settings.norm_action,
+        tiers={sha: t.manifest for sha, t in tiers.items()},
+        partial=bool(settings.personal),
     )
 
     def load(arrays: ArrayRecord) -> None:
+        if strategy.partial:  # the global model holds every tier's tensors: take this model's part
+            evaluator.set_weights({**evaluator.get_weights(), **fit_to(evaluator.manifest, from_arrays(arrays))})
+            return
         weights, buffers = split_state(evaluator.manifest, from_arrays(arrays))
         evaluator.set_weights(weights)
         if buffers:
             evaluator.set_buffers(buffers)
 
     out = Path(settings.output)
-    initial = {**evaluator.get_weights(), **evaluator.get_buffers()}
+    try:
+        initial = union_of(
+            [{**evaluator.get_weights(), **evaluator.get_buffers()}, *(t.get_weights() for t in tiers.values())]
+        )
+    except ValueError as exc:
+        raise FederatedError(f"the tiers do not share one base model: {exc}.") from None
     rows: list[dict] = []
     if settings.resume:
         state = load_run_state(out, inner, evaluator.manifest_sha256)
@@ -111,3 +124,9 @@ def main(grid: Grid, context: Context) -> None:
         load(final)
         evaluator.export(out / "global_model.onnx")
     print(f"federated report: {metrics} and {plot}", flush=True)
+
+
+def _test_file(data: Path) -> Path:
+    """DATA/test.npz, or DATA/test.jsonl for artifacts that read text."""
+    text = data / "test.jsonl"
+    return text if text.is_file() and not (data / "test.npz").is_file() else data / "test.npz"

@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from ondevice.manifest import Manifest
 
@@ -29,6 +30,7 @@ from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
 from .config import STRATEGIES
 from .errors import FederatedError
+from .partial import aggregate_partial, slice_problem
 from .protocol import from_arrays, hash_tag, to_arrays
 from .validation import norm_bounds, update_norm, update_problem
 
@@ -96,6 +98,7 @@ class RoundLog:
     dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)
     dp_noise_std: float | None = None
     buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
+    eval_by_client: dict[int, dict[str, float]] = field(default_factory=dict)  # partition id -> its eval metrics
     accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
 
 
@@ -118,8 +121,19 @@ class GuardedStrategy(Strategy):
         norm_bound: float = 10.0,
         max_update_norm: float = 0.0,
         norm_action: str = "reject",
+        tiers: dict[str, Manifest] | None = None,
+        partial: bool = False,
     ) -> None:
+        """``tiers`` (manifest sha256 -> manifest) are the other artifact sets whose nodes may join;
+        with them or with ``partial`` (personal tensors), replies hold only what a node shares and
+        are averaged tensor by tensor (:func:`federated.partial.aggregate_partial`), FedAvg only."""
         self.inner = inner
+        self.tiers = {manifest_sha256: manifest, **(tiers or {})}
+        self.partial = partial or len(self.tiers) > 1
+        if self.partial and (type(inner) is not FedAvg or codec != "none" or manifest.buffers):
+            raise FederatedError(
+                "mixed tiers and personal tensors work with strategy fedavg, codec none and no BatchNorm statistics."
+            )
         self.norm_bound, self.max_update_norm, self.norm_action = norm_bound, max_update_norm, norm_action
         self.keep_updates = keep_updates
         self.manifest = manifest
@@ -136,6 +150,9 @@ class GuardedStrategy(Strategy):
     def _stamp(self, config: ConfigRecord) -> ConfigRecord:
         config["manifest-sha256"] = self.sha256
         config["codec"] = self.codec
+        if self.partial:
+            config["partial"] = True
+            config["tier-sha256s"] = ",".join(self.tiers)
         return config
 
     def configure_train(
@@ -180,13 +197,30 @@ class GuardedStrategy(Strategy):
             else:
                 kept.append(message)
         kept = self._bounded(server_round, kept, record)
-        arrays, metrics = self.inner.aggregate_train(server_round, kept)
+        if self.partial:
+            arrays, metrics = self._aggregate_partial(kept)
+        else:
+            arrays, metrics = self.inner.aggregate_train(server_round, kept)
         if arrays is not None and self.manifest.buffers:
             _, previous = split_state(self.manifest, self._global)
             averaged = average_buffers(list(record.buffers.values())) or previous
             arrays = to_arrays({**from_arrays(arrays), **averaged})
         record.train_metrics = dict(metrics or {})
         return arrays, metrics
+
+    def _aggregate_partial(self, kept: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if not kept:
+            return None, None
+        updates = [
+            (
+                int(next(iter(m.content.metric_records.values()))["num-examples"]),
+                from_arrays(next(iter(m.content.array_records.values()))),
+            )
+            for m in kept
+        ]
+        merged = aggregate_partial(self._global, updates)
+        metrics = aggregate_metricrecords([m.content for m in kept], "num-examples")
+        return to_arrays(merged), metrics
 
     def _bounded(self, server_round: int, kept: list[Message], record: RoundLog) -> list[Message]:
         """Updates whose norm is out of bounds (finite poisoning) are rejected or clipped."""
@@ -202,9 +236,10 @@ class GuardedStrategy(Strategy):
             reason = f"update norm {norms[node]:.3g} is over its bound {over[node]:.3g}"
             if self.norm_action == "clip":
                 scale = over[node] / norms[node]
-                clipped = {
-                    k: self._global[k] + (v - self._global[k]) * np.float32(scale) for k, v in weights[node].items()
-                }
+                clipped = {}
+                for k, v in weights[node].items():
+                    start = self._global[k][tuple(slice(0, n) for n in v.shape)]
+                    clipped[k] = start + (v - start) * np.float32(scale)
                 (key,) = message.content.array_records.keys()
                 message.content[key] = to_arrays(clipped)
                 record.clipped[node] = reason
@@ -224,6 +259,8 @@ class GuardedStrategy(Strategy):
         metrics = content[metrics_key]
         payload = from_arrays(content[arrays_key])
         record.bytes_up[message.metadata.src_node_id] = payload_bytes(payload)
+        if self.partial:
+            return self._admit_partial(message, payload, metrics)
         try:
             weights = decode(payload, self._global, self.codec)
         except CodecError as exc:
@@ -248,6 +285,25 @@ class GuardedStrategy(Strategy):
                 record.accepted[node] = (count, {**ordered, **buffers})
         return problem
 
+    def _admit_partial(self, message: Message, payload: dict[str, np.ndarray], metrics: MetricRecord) -> str | None:
+        """A partial update: a known tier, only tensors that tier trains, each a slice of the global one."""
+        tiers = {hash_tag(sha): manifest for sha, manifest in self.tiers.items()}
+        manifest = tiers.get(metrics.get("manifest-tag"))  # type: ignore[arg-type]
+        if manifest is None:
+            return "trained on artifacts of no tier of this run (manifest hash differs)"
+        count = metrics.get("num-examples")
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= self.max_examples:
+            return f"example count {count!r} is outside 1..{self.max_examples}"
+        trains = {p.name: p.shape for p in manifest.trainable}
+        for name, array in payload.items():
+            if trains.get(name) != array.shape:
+                return f"tensor {name!r} {array.shape} is not one its tier trains"
+            problem = slice_problem(name, array, self._global)
+            if problem:
+                return problem
+        del metrics["manifest-tag"]
+        return None
+
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -255,8 +311,20 @@ class GuardedStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.offset
-        metrics = self.inner.aggregate_evaluate(server_round, [m for m in replies if self._sound_evaluation(m)])
-        self.rounds.setdefault(server_round, RoundLog()).eval_metrics = dict(metrics or {})
+        sound = [m for m in replies if self._sound_evaluation(m)]
+        metrics = self.inner.aggregate_evaluate(server_round, sound)
+        record = self.rounds.setdefault(server_round, RoundLog())
+        record.eval_metrics = {k: v for k, v in dict(metrics or {}).items() if k != "client"}
+        for message in sound:
+            (values,) = message.content.metric_records.values()
+            if isinstance(values.get("client"), int) and values["client"] >= 0:
+                record.eval_by_client[int(values["client"])] = {k: v for k, v in values.items() if k != "client"}
+        if metrics is not None and "global-eval-accuracy" in metrics:
+            print(
+                f"round {server_round}: clients' validation accuracy {metrics['eval-accuracy']:.4f} with their "
+                f"personal tensors, {metrics['global-eval-accuracy']:.4f} with the global ones",
+                flush=True,
+            )
         return metrics
 
     def _sound_evaluation(self, message: Message) -> bool:

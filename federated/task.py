@@ -11,23 +11,24 @@ from ondevice import Trainer
 from ondevice.data import load_npz
 from ondevice.files import sha256_file
 from ondevice.manifest import MANIFEST_NAME
+from ondevice.text import load_data
 
 from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError
 from .partitions import partition
 
-__all__ = ["Settings", "node_trainer", "node_data", "manifest_sha256"]
+__all__ = ["Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts"]
 
 
 def manifest_sha256(artifacts: str | Path) -> str:
     return sha256_file(Path(artifacts) / MANIFEST_NAME)
 
 
-def node_trainer(artifacts: str, expected_sha256: str) -> Trainer:
+def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "") -> Trainer:
     """A fresh trainer over the node's artifacts (every file hash checked once), refused when
-    they are not the server's."""
+    they are not the server's (or, in a mixed-tier run, not one of the comma-separated ``tiers``)."""
     trainer = Trainer.load(artifacts)
-    if trainer.manifest_sha256 != expected_sha256:
+    if trainer.manifest_sha256 != expected_sha256 and trainer.manifest_sha256 not in tiers.split(","):
         raise ArtifactMismatchError(
             f"this node's artifacts ({artifacts}, manifest sha256 {trainer.manifest_sha256[:12]}...) differ from "
             f"the server's ({expected_sha256[:12]}...). Copy the server's artifact directory to the node."
@@ -35,13 +36,40 @@ def node_trainer(artifacts: str, expected_sha256: str) -> Trainer:
     return trainer
 
 
+def client_files(settings: Settings, nodes: int) -> list[Path]:
+    """The per-client data files of partitioning ``files``: one per node, in name order."""
+    files = sorted(p for p in (Path(settings.data) / "clients").glob("*") if p.suffix in (".npz", ".jsonl"))
+    if len(files) != nodes:
+        raise FederatedError(
+            f"partitioning 'files' needs one file per node in {Path(settings.data) / 'clients'}: "
+            f"found {len(files)} for {nodes} nodes."
+        )
+    return files
+
+
+def node_artifacts(settings: Settings, node_config: Mapping[str, Any]) -> str:
+    """The node's artifact directory: its node config's ``artifacts``, else (mixed tiers in a
+    simulation) tier ``partition-id mod tiers`` of ``artifacts`` + ``tiers``, else ``artifacts``."""
+    if "artifacts" in node_config:
+        return str(node_config["artifacts"])
+    tiers = [settings.artifacts, *(t for t in settings.tiers.split(",") if t.strip())]
+    return tiers[int(node_config.get("partition-id", 0)) % len(tiers)].strip()
+
+
 def node_data(
-    settings: Settings, node_config: Mapping[str, Any]
+    settings: Settings, node_config: Mapping[str, Any], artifacts: str
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(train, validation) arrays of this node: its own ``data`` .npz from node config, or its
-    partition of the shared ``train.npz``; 20 % of it (seeded) is held out for evaluation."""
+    """(train, validation) arrays of this node: its own ``data`` file from node config, the
+    ``partition-id``-th file of ``DATA/clients/`` (partitioning ``files``), or its partition of the
+    shared ``train.npz``; 20 % of it (seeded) is held out for evaluation. ``.jsonl`` text is
+    tokenized with the tokenizer of the node's ``artifacts``."""
     if "data" in node_config:
-        data = load_npz(str(node_config["data"]))
+        data = load_data(str(node_config["data"]), artifacts)
+    elif settings.partitioning == "files":
+        data = load_data(
+            client_files(settings, int(node_config.get("num-partitions", 0)))[int(node_config["partition-id"])],
+            artifacts,
+        )
     else:
         try:
             pid, count = int(node_config["partition-id"]), int(node_config["num-partitions"])

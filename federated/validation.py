@@ -50,10 +50,15 @@ def update_problem(
 
 
 def update_norm(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
-    """L2 norm of ``weights - reference`` over every tensor of ``weights`` (float64, no overflow)."""
+    """L2 norm of ``weights - reference`` over every tensor of ``weights`` (float64, no overflow).
+
+    A tensor smaller than its reference (a lower LoRA rank) is compared with the leading slice.
+    """
     total = 0.0
     for name, value in weights.items():
-        delta = np.asarray(value, np.float64) - np.asarray(reference[name], np.float64)
+        value = np.asarray(value, np.float64)
+        start = np.asarray(reference[name])[tuple(slice(0, n) for n in value.shape)]
+        delta = value - np.asarray(start, np.float64)
         total += float(np.dot(delta.ravel(), delta.ravel()))
     return float(np.sqrt(total))
 

@@ -54,8 +54,9 @@ class TextEncoder:
             self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
         except Exception as exc:
             raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
+        padding = self._tokenizer.padding or {}  # keep the tokenizer's pad token, pad to the longest text
+        self._tokenizer.enable_padding(pad_id=padding.get("pad_id", 0), pad_token=padding.get("pad_token", "[PAD]"))
         self._tokenizer.enable_truncation(spec.max_length)
-        self._tokenizer.enable_padding()
         self.spec = spec
 
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:

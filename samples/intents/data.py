@@ -1,0 +1,142 @@
+"""Voice-assistant commands from Home Assistant's intent templates, one skewed dataset per home.
+
+Home Assistant's English sentence templates (``home-assistant-intents``) are expanded with its own
+template library (``hassil``), filled with each home's area, device and floor names. Every home
+has its own names and its own mix of intents (Dirichlet), as real homes do. Training homes take
+their names from one pool, the held-out homes from another: the test set is homes the model has
+never seen, with area and device names it has never read. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+AREAS = (
+    "kitchen", "living room", "bedroom", "bathroom", "garage", "office", "hallway", "dining room", "basement",
+    "attic", "nursery", "guest room", "laundry room", "patio", "porch", "study", "den", "pantry", "playroom",
+    "master bedroom", "kids room", "workshop", "garden", "balcony", "library", "gym", "sunroom", "cellar",
+    "loft", "mudroom", "family room", "back yard", "front yard", "entrance", "landing", "closet",
+)  # fmt: skip
+DEVICES = (
+    "ceiling light", "floor lamp", "desk lamp", "fan", "heater", "tv", "speaker", "blinds", "curtains",
+    "coffee maker", "kettle", "dishwasher", "reading light", "night light", "strip lights", "chandelier",
+    "air purifier", "humidifier", "radio", "fairy lights", "spotlight", "porch light", "garage door",
+    "wall lamp", "pendant", "sconce", "ceiling fan", "projector", "soundbar", "lava lamp", "aquarium light",
+    "heated towel rail", "dehumidifier", "window shade", "skylight", "pool pump",
+)  # fmt: skip
+FLOORS = ("upstairs", "downstairs", "first floor", "second floor", "ground floor", "top floor")
+MIN_TEMPLATES = 10
+"""Intents with fewer expansions than this are left out (too few sentences to learn from or test)."""
+
+
+@dataclass(frozen=True)
+class Home:
+    name: str
+    areas: tuple[str, ...]
+    devices: tuple[str, ...]
+    floors: tuple[str, ...]
+    mix: tuple[float, ...]
+    """Share of each intent (in the order of ``INTENTS``) in this home's commands."""
+
+
+def _templates():  # type: ignore[no-untyped-def]
+    from hassil import Intents
+    from home_assistant_intents import get_intents
+
+    logging.getLogger("hassil").setLevel(logging.ERROR)
+    return Intents.from_dict(get_intents("en"))
+
+
+def _expand(home: Home, per_intent: int) -> dict[str, list[str]]:
+    """Every intent's sentences for one home (hassil's enumeration, capped per intent)."""
+    from hassil.intents import TextSlotList
+    from hassil.sample import sample_intents
+
+    intents = _templates()
+    intents.slot_lists["area"] = TextSlotList.from_strings(list(home.areas))
+    intents.slot_lists["name"] = TextSlotList.from_strings(list(home.devices))
+    intents.slot_lists["floor"] = TextSlotList.from_strings(list(home.floors))
+    sentences: dict[str, list[str]] = {}
+    for intent, text in sample_intents(intents, max_sentences_per_intent=per_intent, language="en"):
+        sentences.setdefault(intent, []).append(text)
+    return sentences
+
+
+def intent_names() -> list[str]:
+    """The intents with at least ``MIN_TEMPLATES`` expansions, sorted: the classifier's labels."""
+    probe = Home("probe", AREAS[:3], DEVICES[:3], FLOORS[:2], ())
+    return sorted(i for i, texts in _expand(probe, MIN_TEMPLATES).items() if len(set(texts)) >= MIN_TEMPLATES)
+
+
+def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: int) -> list[Home]:
+    """``count`` homes with names from the first half of each pool (``unseen``: the second half)."""
+    rng = np.random.default_rng(seed + (1_000 if unseen else 0))
+    half = slice(len(AREAS) // 2, None) if unseen else slice(None, len(AREAS) // 2)
+    areas, devices, floors = AREAS[half], DEVICES[half], FLOORS
+    homes = []
+    for index in range(count):
+        mix = rng.dirichlet(np.full(intents, alpha))
+        homes.append(
+            Home(
+                name=f"{'unseen-' if unseen else ''}home-{index}",
+                areas=tuple(rng.choice(areas, 4, replace=False)),
+                devices=tuple(rng.choice(devices, 6, replace=False)),
+                floors=tuple(rng.choice(floors, 2, replace=False)),
+                mix=tuple(float(m) for m in mix),
+            )
+        )
+    return homes
+
+
+def home_sentences(home: Home, intents: list[str], size: int, seed: int) -> list[dict[str, str]]:
+    """``size`` labelled commands of one home, drawn by its intent mix (each intent at least twice)."""
+    rng = np.random.default_rng(seed)
+    pool = _expand(home, 300)
+    counts = np.maximum(np.round(np.asarray(home.mix) * size).astype(int), 2)
+    rows = []
+    for intent, count in zip(intents, counts):
+        texts = sorted(set(pool.get(intent, [])))
+        for i in rng.choice(len(texts), count, replace=count > len(texts)):
+            rows.append({"text": texts[i], "label": intent, "home": home.name})
+    rng.shuffle(rows)  # type: ignore[arg-type]
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, str]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def prepare(
+    out: Path, *, homes: int = 8, unseen_homes: int = 2, per_home: int = 400, alpha: float = 1.0, seed: int = 0
+) -> dict[str, Path]:
+    """Write ``train/val/test.jsonl`` and ``clients/<home>.jsonl`` under ``out``; returns the paths.
+
+    ``train``/``val`` hold the training homes' commands (90/10 per home), ``clients/`` each
+    training home's own share of ``train`` (for federated runs, partitioning ``files``), ``test``
+    the unseen homes'. ``labels.json`` lists the intents in label order.
+    """
+    intents = intent_names()
+    train, val, test, paths = [], [], [], {}
+    for index, home in enumerate(make_homes(homes, seed, unseen=False, alpha=alpha, intents=len(intents))):
+        rows = home_sentences(home, intents, per_home, seed * 7_919 + index)
+        cut = len(rows) // 10
+        val += rows[:cut]
+        train += rows[cut:]
+        paths[home.name] = write_jsonl(rows[cut:], out / "clients" / f"{home.name}.jsonl")
+    for index, home in enumerate(make_homes(unseen_homes, seed, unseen=True, alpha=alpha, intents=len(intents))):
+        test += home_sentences(home, intents, per_home, seed * 7_919 + 100 + index)
+    (out / "labels.json").write_text(json.dumps(intents))
+    return {
+        "train": write_jsonl(train, out / "train.jsonl"),
+        "val": write_jsonl(val, out / "val.jsonl"),
+        "test": write_jsonl(test, out / "test.jsonl"),
+        "labels": out / "labels.json",
+        **{f"home:{name}": path for name, path in paths.items()},
+    }
