@@ -53,12 +53,10 @@ def make_artifacts(out: Path, labels: list[str], rank: int) -> Path:
         tokenizer=TokenizerSpec(str(minilm_path() / "tokenizer.json"), "ids", "mask", SEQ),
         force=True,
     )
-    report = manifest.verification
-    worst = max(report.rows, key=lambda r: r.max_abs / (r.atol + r.rtol * 1e-9))
-    print(f"   verification: {'PASS' if report.passed else 'FAIL'}, {len(report.rows)} quantities compared; {report.note}")
-    print(f"   closest to its tolerance: {worst.item} (max abs diff {worst.max_abs:.2e}, atol {worst.atol:.0e})")
+    report = manifest.verification  # generate raises unless every row passed
+    print(f"   verification: PASS, {len(report.rows)} quantities equal to PyTorch within tolerance; {report.note}")
     total = manifest.trainable_size + manifest.frozen_size
-    print(f"   {manifest.trainable_size:,} of {total:,} parameters train (LoRA rank {rank} + head) -> {out / 'artifacts'}")
+    print(f"   {manifest.trainable_size:,} of {total:,} parameters train (LoRA rank {rank} + head)")
     return out / "artifacts"
 
 
