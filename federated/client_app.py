@@ -97,7 +97,7 @@ def train(msg: Message, context: Context) -> Message:
         msg,
         payload,
         size,
-        str(config["manifest-sha256"]),
+        trainer.manifest_sha256,  # its own artifacts (in a mixed-tier run, its tier)
         **{
             "train-loss": float(last.get("loss", float("nan"))),
             "train-accuracy": float(last.get("accuracy", 0.0)),

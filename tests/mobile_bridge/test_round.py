@@ -47,7 +47,7 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
         "--set", "save-updates=true",
     ]  # fmt: skip
     settings = Settings.from_config({"data": str(data_dir)})
-    device_data, _ = node_data(settings, {"partition-id": 0, "num-partitions": 2})
+    device_data, _ = node_data(settings, {"partition-id": 0, "num-partitions": 2}, str(digits_artifacts))
     task = {
         "module": "/web/odt-web.mjs",
         "ortBase": "/web/ort/",
