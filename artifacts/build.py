@@ -50,6 +50,8 @@ def generate(
     lora: Lora | None = None,
     labels: Sequence[str] = (),
     tokenizer: TokenizerSpec | None = None,
+    memory_budget: int | str | None = None,
+    batch_size: int = 16,
     opset: int = 17,
     ort_format: bool = False,
     verify: bool = True,
@@ -69,6 +71,11 @@ def generate(
     the classes; ``tokenizer`` (a ``tokenizer.json`` and the inputs it fills) travels with the
     artifacts so a device can train on text.
 
+    ``memory_budget`` (``"200MB"``) lets the planner choose what trains: it measures the peak RSS
+    of training steps at ``batch_size`` for candidate trainable sets (LoRA ranks on ``lora``'s
+    targets plus ``trainable``, last-N modules, biases, everything) and keeps the most trainable
+    one that fits; the manifest's ``plan`` records the table.
+
     Examples
     --------
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
@@ -80,6 +87,25 @@ def generate(
     check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
+    plan_record = None
+    if memory_budget is not None:
+        from .planner import chosen_options, format_plan, plan
+
+        result = plan(
+            model,
+            dict(zip(names, example)),
+            budget=memory_budget,
+            batch_size=batch_size,
+            generate_options={"dynamic_axes": dynamic_axes, "output_names": output_names, "loss": loss,
+                              "loss_output": loss_output, "optimizer": optimizer, "freeze": freeze, "opset": opset},
+            lora=lora or Lora(),
+            head=tuple(trainable),
+        )  # fmt: skip
+        log.info("%s", format_plan(result))
+        chosen = chosen_options(result)
+        lora, trainable = chosen.get("lora"), chosen.get("trainable", ())
+        train_last, bias_only = chosen.get("train_last"), chosen.get("bias_only", False)
+        plan_record = result.record()
     adapters: list = []
     if lora is not None:
         if train_last is not None or bias_only:
@@ -90,7 +116,7 @@ def generate(
         trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
     options = Options(
         output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes, tuple(adapters), tuple(labels), tokenizer,
+        ort_format, axes, tuple(adapters), tuple(labels), tokenizer, plan_record,
     )  # fmt: skip
 
     def source() -> Source:

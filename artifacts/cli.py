@@ -85,6 +85,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="comma-separated Linear layer names (or globs) that get adapters (default query,value)",
     )
 
+    t.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="let the planner pick what trains: the most trainable set whose measured training step fits SIZE "
+        "(e.g. 200MB) at --batch-size; candidates: LoRA ranks 4/8/16 on --lora-targets (+ --trainable), "
+        "last-N modules, biases, everything",
+    )
+    t.add_argument("--batch-size", type=int, default=16, help="batch size the memory plan is measured at (default 16)")
+
     x = p.add_argument_group("classes and text")
     x.add_argument("--labels", metavar="A,B,...", help="class names in output order (recorded in the manifest)")
     x.add_argument(
@@ -131,6 +140,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if manifest.verification is not None:
         print(format_table(manifest.verification))
+    if manifest.plan is not None:
+        from .planner import Plan, format_plan
+
+        print(format_plan(Plan(**{k: manifest.plan[k] for k in ("budget", "batch_size", "chosen", "rows")})))
     total = manifest.trainable_size + manifest.frozen_size
     print(
         f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
@@ -187,10 +200,11 @@ def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], s
 
     axes = dynamic_axes_of([spec for spec, _ in specs])
     lora = None
-    if args.lora is not None:
+    if args.lora is not None or args.memory_budget is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
-        lora = Lora(rank=args.lora, alpha=alpha, targets=targets)
+        rank = args.lora if args.lora is not None else 8
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * rank
+        lora = Lora(rank=rank, alpha=alpha, targets=targets)
     return generate(
         model,
         example,
@@ -199,6 +213,8 @@ def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], s
         output_names=args.output_name,
         opset=args.opset,
         lora=lora,
+        memory_budget=args.memory_budget,
+        batch_size=args.batch_size,
         tokenizer=_tokenizer(args, example),
         **_shared(args),
     )

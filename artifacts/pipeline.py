@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx
 import torch
@@ -169,6 +169,7 @@ class Options:
     labels: tuple[str, ...] = ()
     tokenizer: TokenizerSpec | None = None
     """Its ``file`` is the source path; the artifact directory holds a copy named by its base name."""
+    plan: Mapping[str, Any] | None = None
 
 
 def _build(
@@ -250,6 +251,7 @@ def _build(
         adapters=o.adapters,
         labels=tuple(o.labels),
         tokenizer=tokenizer,
+        plan=o.plan,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,

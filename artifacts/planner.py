@@ -1,0 +1,246 @@
+"""The memory-budget planner: the most trainable capacity whose training step fits a budget.
+
+Candidates are trainable sets of one model (last-N modules, biases only, LoRA ranks on chosen
+targets, everything). Each is estimated from its parameter counts, then the promising ones,
+largest first, are built (unverified) and MEASURED: a fresh torch-free process loads the
+artifacts and runs training steps on a batch of the requested size, and its peak RSS is read
+from the kernel. The first that fits is chosen. Estimates only order and prune the work; a
+choice always rests on a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import OptionError, SelectionError
+from .lora import Lora
+
+__all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_options", "format_plan", "measure"]
+
+log = logging.getLogger(__name__)
+
+RUNTIME_BYTES = 80 * 2**20
+"""Rough resident size of Python + numpy + ONNX Runtime before any model (only orders estimates)."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """``"200MB"``, ``"1.5GiB"`` or a byte count -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise OptionError(f"memory budget must look like 200MB, 1.5GiB or a byte count, got {text!r}.")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise OptionError(f"memory budget must be positive, got {text!r}.")
+    return size
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One trainable set, as ``generate`` options."""
+
+    name: str
+    options: Mapping[str, Any]
+    trainable: int
+    estimate: int
+    """Estimated peak bytes: runtime + weights + gradients and AdamW moments of what trains + activations."""
+
+
+@dataclass
+class Plan:
+    budget: int
+    batch_size: int
+    chosen: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        """What the manifest keeps: the budget, the choice and every candidate's figures."""
+        return asdict(self)
+
+
+def candidates(
+    model: nn.Module, example: Sequence[torch.Tensor], lora: Lora | None, ranks: Sequence[int], head: Sequence[str]
+) -> list[Candidate]:
+    """Trainable sets of ``model`` with their sizes and estimates, most trainable first."""
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    owners = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
+    activations = 4 * sum(t.numel() for t in example) * 64  # a guess: 64 floats per input value
+
+    def estimate(trainable: int) -> int:
+        return RUNTIME_BYTES + 4 * total + 16 * trainable + activations  # weights; grad + 2 moments + update
+
+    found: list[Candidate] = [Candidate("everything", {}, total, estimate(total))]
+    for n in (1, 2, 4, 8, 16, 32):
+        if n < len(owners):
+            size = sum(p.numel() for name, p in params.items() if name.rsplit(".", 1)[0] in owners[-n:])
+            found.append(Candidate(f"last {n} module{'s' if n > 1 else ''}", {"train_last": n}, size, estimate(size)))
+    biases = sum(p.numel() for name, p in params.items() if name.endswith("bias"))
+    if biases:
+        found.append(Candidate("biases only", {"bias_only": True}, biases, estimate(biases)))
+    if lora is not None:
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        targeted = [m for n, m in linears.items() if any(n == t or n.endswith("." + t) for t in lora.targets)]
+        heads = sum(p.numel() for name, p in params.items() if any(name.startswith(h + ".") for h in head))
+        for rank in ranks:
+            size = sum(rank * (m.in_features + m.out_features) for m in targeted) + heads
+            if targeted:
+                options = {"lora": Lora(rank, lora.alpha / lora.rank * rank, lora.targets), "trainable": list(head)}
+                found.append(
+                    Candidate(f"LoRA rank {rank}" + (" + head" if head else ""), options, size, estimate(size))
+                )
+    unique = {c.trainable: c for c in sorted(found, key=lambda c: -c.trainable)}  # same size: keep one
+    return sorted(unique.values(), key=lambda c: -c.trainable)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Mapping[str, torch.Tensor],
+    *,
+    budget: int | str,
+    batch_size: int,
+    generate_options: Mapping[str, Any],
+    lora: Lora | None = None,
+    ranks: Sequence[int] = (4, 8, 16),
+    head: Sequence[str] = (),
+    steps: int = 4,
+    progress: bool = True,
+) -> Plan:
+    """Measure candidates (largest first) until one trains within ``budget`` at ``batch_size``.
+
+    ``generate_options`` are the other options of the final ``generate`` call (loss, optimizer,
+    dynamic axes...). Raises SelectionError, with the smallest measured peak, when nothing fits.
+    """
+    from .build import generate
+
+    budget = parse_size(budget)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
+    result = Plan(budget=budget, batch_size=batch_size)
+    found = candidates(model, list(example_inputs.values()), lora, ranks, head)
+    work = Path(tempfile.mkdtemp(prefix="odt-plan-"))
+    try:
+        for candidate in found:
+            row: dict[str, Any] = {"candidate": candidate.name, "trainable": candidate.trainable,
+                                   "estimate": candidate.estimate}  # fmt: skip
+            result.rows.append(row)
+            if result.chosen is not None:
+                row["fits"] = None  # larger ones were measured first; this one was not needed
+                continue
+            if candidate.estimate > 1.5 * budget:
+                row["fits"] = False
+                row["note"] = "estimate over budget, not measured"
+                continue
+            directory = work / f"c{len(result.rows)}"
+            options = {**generate_options, **candidate.options}
+            with _quiet_logs():
+                manifest = generate(model, example_inputs, directory, verify=False, **options)
+            measured = measure(directory, _batch(manifest, example_inputs, batch_size, work / "batch.npz"), steps)
+            row.update(measured, fits=measured["peak_rss"] <= budget)
+            if progress:
+                verdict = "fits" if row["fits"] else "over"
+                print(f"   measured {candidate.name}: peak {_mb(measured['peak_rss'])}, {verdict}", flush=True)
+            if row["fits"]:
+                result.chosen = candidate.name
+                result.rows[-1]["options"] = {k: _plain(v) for k, v in candidate.options.items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if result.chosen is None:
+        measured = [r for r in result.rows if "peak_rss" in r]
+        smallest = min(measured, key=lambda r: r["peak_rss"]) if measured else None
+        figure = (
+            f"the smallest measured peak is {_mb(smallest['peak_rss'])} ({smallest['candidate']})"
+            if smallest
+            else "every estimate is over 1.5x the budget"
+        )
+        raise SelectionError(
+            f"no trainable set fits {_mb(budget)} at batch size {batch_size}: {figure}. "
+            "Raise the budget or lower the batch size.\n" + format_plan(result)
+        )
+    return result
+
+
+def chosen_options(result: Plan) -> dict[str, Any]:
+    """The generate options of the chosen candidate (as the planner recorded them)."""
+    row = next(r for r in result.rows if r["candidate"] == result.chosen)
+    options = dict(row.get("options", {}))
+    if "lora" in options:
+        lora = options["lora"]
+        options["lora"] = Lora(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]))
+    return options
+
+
+def measure(directory: Path, batch: Path, steps: int = 4) -> dict[str, float]:
+    """Peak RSS (bytes) and median step time (ms) of training ``directory`` in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ondevice.measure", str(directory), "--data", str(batch), "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if done.returncode != 0:
+        raise SelectionError(f"measuring {directory.name} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _batch(manifest: Any, example: Mapping[str, torch.Tensor], size: int, path: Path) -> Path:
+    """One batch of ``size`` from the example rows (repeated), with labels for the loss."""
+    rows = {name: t.detach().numpy() for name, t in example.items()}
+    index = np.arange(size) % len(next(iter(rows.values())))
+    feeds = {name: value[index] for name, value in rows.items()}
+    for target in manifest.targets:
+        classes = manifest.num_classes or 2
+        shape = (size, *(d for d in target.shape[1:] if isinstance(d, int)))
+        feeds[target.name] = (np.arange(math.prod(shape)) % classes).reshape(shape).astype(target.dtype)
+    np.savez(path, **feeds)
+    return path
+
+
+def format_plan(result: Plan) -> str:
+    lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}",
+             f"   {'candidate':<22} {'trainable':>12}  {'peak RSS':>10}  {'ms/step':>8}  fits"]  # fmt: skip
+    for row in result.rows:
+        peak = _mb(row["peak_rss"]) if "peak_rss" in row else f"~{_mb(row['estimate'])}"
+        step = f"{row['step_ms']:8.1f}" if "step_ms" in row else f"{'-':>8}"
+        fits = {True: "yes", False: "no", None: "-"}[row.get("fits")]
+        mark = "  <- chosen" if row["candidate"] == result.chosen else ""
+        lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {peak:>10}  {step}  {fits}{mark}")
+    return "\n".join(lines)
+
+
+def _mb(size: float) -> str:
+    return f"{size / 1e6:.0f} MB"
+
+
+def _plain(value: Any) -> Any:
+    return asdict(value) if isinstance(value, Lora) else value
+
+
+class _quiet_logs:
+    """Candidates are built unverified and thrown away: keep their warnings out of the table."""
+
+    def __enter__(self) -> None:
+        self.level = logging.getLogger("artifacts").level
+        logging.getLogger("artifacts").setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("artifacts").setLevel(self.level)

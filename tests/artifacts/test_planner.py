@@ -1,0 +1,65 @@
+"""The memory-budget planner: its pick fits the budget when measured again in a fresh process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from artifacts import OptionError, SelectionError, generate
+from artifacts.planner import measure, parse_size
+from ondevice import Manifest
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # ~4.7M parameters: AdamW state for all of them is ~60 MB more than for the head
+    return nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+
+
+EXAMPLE = {"input": torch.randn(8, 256, generator=torch.Generator().manual_seed(0))}
+
+
+def _peak(directory, tmp_path, batch: int = 32) -> float:
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "batch.npz", input=rng.normal(size=(batch, 256)).astype(np.float32), labels=np.arange(batch) % 10
+    )
+    return measure(directory, tmp_path / "batch.npz")["peak_rss"]
+
+
+def test_parse_size():
+    assert parse_size("200MB") == 200_000_000
+    assert parse_size("1.5GiB") == int(1.5 * 2**30)
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "-3MB", "0", "12 parsecs"):
+        with pytest.raises(OptionError, match="memory budget"):
+            parse_size(bad)
+
+
+def test_the_pick_fits_a_budget_between_two_candidates(tmp_path):
+    generate(_model(), EXAMPLE, tmp_path / "full", verify=False)
+    generate(_model(), EXAMPLE, tmp_path / "head", verify=False, train_last=1)
+    full, head = _peak(tmp_path / "full", tmp_path), _peak(tmp_path / "head", tmp_path)
+    assert full > head + 30e6  # the candidates really differ
+    budget = int((full + head) / 2)
+
+    manifest = generate(_model(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=32)
+    plan = manifest.plan
+    assert plan["budget"] == budget and plan["batch_size"] == 32
+    rows = {row["candidate"]: row for row in plan["rows"]}
+    assert rows["everything"]["fits"] is False and rows["everything"]["peak_rss"] > budget
+    chosen = rows[plan["chosen"]]
+    assert chosen["fits"] is True and chosen["peak_rss"] <= budget
+    assert manifest.trainable_size == chosen["trainable"] < rows["everything"]["trainable"]
+    assert manifest.verification.passed  # the final artifacts are verified as usual
+    assert Manifest.load(tmp_path / "planned").plan == plan
+    assert _peak(tmp_path / "planned", tmp_path) <= budget  # measured again, in a fresh process
+
+
+def test_a_budget_nothing_fits_names_the_smallest_measurement(tmp_path):
+    with pytest.raises(
+        SelectionError, match=r"no trainable set fits 80 MB at batch size 32: the smallest measured peak is \d+ MB"
+    ):
+        generate(_model(), EXAMPLE, tmp_path / "a", memory_budget="80MB", batch_size=32)
+    assert not (tmp_path / "a").exists()
