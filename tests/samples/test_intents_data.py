@@ -1,0 +1,57 @@
+"""The intents sample's data: deterministic, skewed per home, test homes unseen."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("hassil")  # in requirements/lock.txt: never skipped under `make test`
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("intents_data", ROOT / "samples" / "intents" / "data.py")
+intents = importlib.util.module_from_spec(_spec)
+sys.modules["intents_data"] = intents  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(intents)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_data_is_deterministic_and_test_homes_are_unseen(tmp_path):
+    first = intents.prepare(tmp_path / "a", homes=3, unseen_homes=1, per_home=120)
+    again = intents.prepare(tmp_path / "b", homes=3, unseen_homes=1, per_home=120)
+    for split in ("train", "val", "test"):
+        assert first[split].read_bytes() == again[split].read_bytes()
+    other = intents.prepare(tmp_path / "c", homes=3, unseen_homes=1, per_home=120, seed=1)
+    assert other["train"].read_bytes() != first["train"].read_bytes()
+
+    labels = json.loads(first["labels"].read_text())
+    assert len(labels) >= 25 and labels == sorted(labels)
+    train, test = _rows(first["train"]), _rows(first["test"])
+    assert {r["label"] for r in train} <= set(labels)
+    train_homes = intents.make_homes(3, 0, unseen=False, alpha=1.0, intents=len(labels))
+    test_home = intents.make_homes(1, 0, unseen=True, alpha=1.0, intents=len(labels))[0]
+    seen_names = {n for h in train_homes for n in (*h.areas, *h.devices)}
+    assert not seen_names & {*test_home.areas, *test_home.devices}
+    assert any(name in r["text"] for r in test for name in test_home.devices)  # its own names are in its commands
+    assert not any(name in r["text"] for r in train for name in test_home.devices)
+
+
+def test_each_client_file_is_one_home_with_its_own_mix(tmp_path):
+    paths = intents.prepare(tmp_path, homes=3, unseen_homes=1, per_home=150)
+    clients = sorted((tmp_path / "clients").glob("*.jsonl"))
+    assert [p.stem for p in clients] == ["home-0", "home-1", "home-2"]
+    mixes = []
+    for path in clients:
+        rows = _rows(path)
+        assert {r["home"] for r in rows} == {path.stem}
+        counts = {}
+        for r in rows:
+            counts[r["label"]] = counts.get(r["label"], 0) + 1
+        mixes.append(max(counts, key=counts.get))
+    assert len(set(mixes)) > 1  # the homes' favourite intents differ (Dirichlet skew)
+    assert sum(len(_rows(p)) for p in clients) == len(_rows(paths["train"]))
