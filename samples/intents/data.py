@@ -9,8 +9,10 @@ never seen, with area and device names it has never read. Deterministic for a se
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,9 @@ DEVICES = (
 )  # fmt: skip
 FLOORS = ("upstairs", "downstairs", "first floor", "second floor", "ground floor", "top floor")
 MIN_TEMPLATES = 10
-"""Intents with fewer expansions than this are left out (too few sentences to learn from or test)."""
+"""Intents with fewer distinct sentences than this are left out (too few to learn from or test)."""
+PER_TEMPLATE = 8
+"""Expansions kept per sentence template and home (names, areas and wordings vary within them)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Home:
     """Share of each intent (in the order of ``INTENTS``) in this home's commands."""
 
 
+@functools.cache
 def _templates():  # type: ignore[no-untyped-def]
     from hassil import Intents
     from home_assistant_intents import get_intents
@@ -52,25 +57,58 @@ def _templates():  # type: ignore[no-untyped-def]
     return Intents.from_dict(get_intents("en"))
 
 
-def _expand(home: Home, per_intent: int) -> dict[str, list[str]]:
-    """Every intent's sentences for one home (hassil's enumeration, capped per intent)."""
+def _expand(home: Home, per_template: int) -> dict[str, list[str]]:
+    """Every intent's sentences for one home: up to ``per_template`` expansions of each template.
+
+    Number slots stay as ``{brightness}`` placeholders (spelling out every number of every range
+    is hassil's slow part); :func:`_fill` puts seeded numbers in.
+
+    hassil's ``sample_intents`` caps sentences per intent, in template order, so the first
+    template of an intent (e.g. covers for HassTurnOff) would crowd out the rest (lights, fans):
+    this walks the same templates and caps each one instead.
+    """
+    from itertools import islice
+
     from hassil.intents import TextSlotList
-    from hassil.sample import sample_intents
+    from hassil.sample import sample_sentence
 
     intents = _templates()
-    intents.slot_lists["area"] = TextSlotList.from_strings(list(home.areas))
-    intents.slot_lists["name"] = TextSlotList.from_strings(list(home.devices))
-    intents.slot_lists["floor"] = TextSlotList.from_strings(list(home.floors))
+    slots = {
+        **intents.slot_lists,
+        "area": TextSlotList.from_strings(list(home.areas)),
+        "name": TextSlotList.from_strings(list(home.devices)),
+        "floor": TextSlotList.from_strings(list(home.floors)),
+    }
     sentences: dict[str, list[str]] = {}
-    for intent, text in sample_intents(intents, max_sentences_per_intent=per_intent, language="en"):
-        sentences.setdefault(intent, []).append(text)
+    for name, intent in intents.intents.items():
+        for data in intent.data:
+            rules = {**intents.expansion_rules, **data.expansion_rules}
+            for template in data.sentences:
+                if any(n in data.wildcard_list_names for n in template.list_names(rules)):
+                    continue
+                texts = sample_sentence(template, slots, rules, language="en", expand_ranges=False)
+                sentences.setdefault(name, []).extend(islice(texts, per_template))
     return sentences
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_RANGES = {"hours": (1, 5), "minutes": (1, 59), "seconds": (5, 59), "temperature": (15, 30), "volume_step": (1, 20)}
+
+
+def _fill(text: str, rng: np.random.Generator) -> str:
+    """Seeded numbers for the range slots: hours 1-5, minutes 1-59, temperatures 15-30, else 0-100."""
+
+    def number(match: re.Match[str]) -> str:
+        low, high = next((r for key, r in _RANGES.items() if key in match.group(1)), (0, 100))
+        return str(int(rng.integers(low, high + 1)))
+
+    return _PLACEHOLDER.sub(number, text)
 
 
 def intent_names() -> list[str]:
     """The intents with at least ``MIN_TEMPLATES`` expansions, sorted: the classifier's labels."""
     probe = Home("probe", AREAS[:3], DEVICES[:3], FLOORS[:2], ())
-    return sorted(i for i, texts in _expand(probe, MIN_TEMPLATES).items() if len(set(texts)) >= MIN_TEMPLATES)
+    return sorted(i for i, texts in _expand(probe, PER_TEMPLATE).items() if len(set(texts)) >= MIN_TEMPLATES)
 
 
 def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: int) -> list[Home]:
@@ -96,13 +134,13 @@ def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: in
 def home_sentences(home: Home, intents: list[str], size: int, seed: int) -> list[dict[str, str]]:
     """``size`` labelled commands of one home, drawn by its intent mix (each intent at least twice)."""
     rng = np.random.default_rng(seed)
-    pool = _expand(home, 300)
+    pool = _expand(home, PER_TEMPLATE)
     counts = np.maximum(np.round(np.asarray(home.mix) * size).astype(int), 2)
     rows = []
     for intent, count in zip(intents, counts):
         texts = sorted(set(pool.get(intent, [])))
         for i in rng.choice(len(texts), count, replace=count > len(texts)):
-            rows.append({"text": texts[i], "label": intent, "home": home.name})
+            rows.append({"text": _fill(texts[i], rng), "label": intent, "home": home.name})
     rng.shuffle(rows)  # type: ignore[arg-type]
     return rows
 

@@ -1,0 +1,266 @@
+"""Fine-tuning the pretrained all-MiniLM-L6-v2 on a device budget: full, last two layers, LoRA.
+
+A. one training step at sequence 64, batch 16 (issue 13's shape): the SDK against PyTorch eager
+   with the same trainable set, interleaved blocks in one process (medians), peak RSS of each side
+   in its own fresh process (VmHWM).
+B. the intents sample (real commands, test = unseen homes): accuracy of full fine-tuning and of
+   LoRA rank 8 + head after the same epochs, on device.
+C. federated rounds over the 8 homes: LoRA + head against full-model FedAvg, bytes each client
+   sends per round and final accuracy.
+
+Run: .venv/bin/python benchmarks/finetune.py [--quick]   (writes benchmarks/results/finetune.*)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "intents")]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks._machine import machine  # noqa: E402
+from benchmarks.compare import HFAdamW  # noqa: E402
+
+SEQ, BATCH, THREADS = 64, 16, 2
+LORA = {"rank": 8, "alpha": 16.0, "targets": ("query", "value")}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "full fine-tuning": {},
+    "last 2 layers + head": {"trainable": ["encoder.encoder.layer.4", "encoder.encoder.layer.5", "head"]},
+    "LoRA r8 (query, value) + head": {"lora": LORA, "trainable": ["head"]},
+}
+
+
+def build(config: dict[str, Any], classes: int) -> tuple[nn.Module, list[str]]:
+    """The PyTorch model of a configuration and the names of what trains (LoRA added like the SDK does)."""
+    from model import IntentClassifier
+
+    from artifacts import Lora
+    from artifacts.lora import add_adapters
+    from artifacts.selection import matches
+
+    torch.manual_seed(0)
+    model = IntentClassifier(classes)
+    patterns = list(config.get("trainable", []))
+    if "lora" in config:
+        model, adapters = add_adapters(model, Lora(**config["lora"]), seed=0)
+        patterns += [n for a in adapters for n in (a.a, a.b)]
+    names = [n for n, _ in model.named_parameters() if not patterns or any(matches(p, n) for p in patterns)]
+    return model, names
+
+
+def generate_config(config: dict[str, Any], classes: int, labels: list[str], out: Path, lr: float) -> Path:
+    from model import IntentClassifier, minilm_path
+
+    from artifacts import AdamW, Lora, generate
+    from ondevice.manifest import TokenizerSpec
+
+    torch.manual_seed(0)
+    example = {"ids": torch.randint(1, 30_000, (8, 16)), "mask": torch.ones(8, 16, dtype=torch.int64)}
+    options = {k: v for k, v in config.items() if k != "lora"}
+    if "lora" in config:
+        options["lora"] = Lora(**config["lora"])
+    generate(IntentClassifier(classes), example, out, dynamic_axes={"ids": {1: "seq"}, "mask": {1: "seq"}},
+             optimizer=AdamW(lr=lr), labels=labels, verify=False, force=True,
+             tokenizer=TokenizerSpec(str(minilm_path() / "tokenizer.json"), "ids", "mask", 32), **options)  # fmt: skip
+    return out
+
+
+def batches(classes: int, count: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "ids": rng.integers(1_000, 30_000, (BATCH, SEQ)),
+            "mask": np.ones((BATCH, SEQ), np.int64),
+            "labels": rng.integers(0, classes, BATCH),
+        }  # fmt: skip
+        for _ in range(count)
+    ]
+
+
+TORCH_RSS = """
+import sys, json, numpy as np, torch
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/samples/intents"]
+from benchmarks.finetune import build, CONFIGS
+from benchmarks.compare import HFAdamW
+torch.set_num_threads(int(sys.argv[4]))
+model, names = build(CONFIGS[sys.argv[2]], int(sys.argv[5]))
+model.train()
+for n, p in model.named_parameters():
+    p.requires_grad_(n in set(names))
+data = np.load(sys.argv[3])
+opt = HFAdamW([p for n, p in model.named_parameters() if n in set(names)])
+for _ in range(4):
+    torch.nn.functional.cross_entropy(model(torch.from_numpy(data["ids"]), torch.from_numpy(data["mask"])),
+                                      torch.from_numpy(data["labels"])).backward()
+    opt.step(); opt.zero_grad()
+print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024)
+"""
+
+
+def step_and_memory(
+    name: str, config: dict[str, Any], classes: int, labels: list[str], work: Path, blocks: int, steps: int
+) -> dict[str, Any]:
+    from artifacts.planner import measure
+    from ondevice import Trainer
+
+    directory = generate_config(config, classes, labels, work / name.split()[0], lr=1e-4)
+    data = batches(classes, 4)
+    np.savez(work / "batch.npz", **data[0])
+    trainer = Trainer.load(directory, threads=THREADS)
+    torch.set_num_threads(THREADS)
+    model, names = build(config, classes)
+    model.train()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in set(names))
+    optimizer = HFAdamW([p for n, p in model.named_parameters() if n in set(names)])
+    tensors = [{k: torch.from_numpy(v) for k, v in b.items()} for b in data]
+
+    def sdk(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            trainer.train_step(data[i % len(data)])
+        return (time.perf_counter() - start) / n
+
+    def eager(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            b = tensors[i % len(tensors)]
+            nn.functional.cross_entropy(model(b["ids"], b["mask"]), b["labels"]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return (time.perf_counter() - start) / n
+
+    sdk(2), eager(2)  # warm-up
+    ours, theirs = [], []
+    for _ in range(blocks):
+        ours.append(sdk(steps))
+        theirs.append(eager(steps))
+    sdk_rss = statistics.median(measure(directory, work / "batch.npz")["peak_rss"] for _ in range(2))
+    torch_rss = statistics.median(
+        int(
+            subprocess.run(
+                [sys.executable, "-c", TORCH_RSS, str(ROOT), name, str(work / "batch.npz"), str(THREADS), str(classes)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[-1]
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    return {
+        "config": name,
+        "trainable": len(names)
+        and sum(p.numel() for n, p in build(config, classes)[0].named_parameters() if n in set(names)),
+        "sdk_step_ms": 1e3 * statistics.median(ours),
+        "torch_step_ms": 1e3 * statistics.median(theirs),
+        "sdk_spread_ms": [1e3 * min(ours), 1e3 * max(ours)],
+        "torch_spread_ms": [1e3 * min(theirs), 1e3 * max(theirs)],
+        "speedup": statistics.median(theirs) / statistics.median(ours),
+        "sdk_rss_mb": sdk_rss / 1e6,
+        "torch_rss_mb": torch_rss / 1e6,
+    }
+
+
+def accuracy(
+    name: str, config: dict[str, Any], lr: float, data: dict[str, Path], labels: list[str], work: Path, epochs: int
+) -> dict[str, Any]:
+    from ondevice import Schedule, Trainer
+    from ondevice.text import load_jsonl
+
+    directory = generate_config(config, len(labels), labels, work / ("acc-" + name.split()[0]), lr=lr)
+    train, test = load_jsonl(data["train"], directory), load_jsonl(data["test"], directory)
+    trainer = Trainer.load(directory, threads=THREADS)
+    steps = epochs * -(-len(train["labels"]) // 32)
+    start = time.perf_counter()
+    trainer.fit(train, epochs=epochs, batch_size=32, progress=False,
+                schedule=Schedule("cosine", lr, total=steps, warmup=steps // 10))  # fmt: skip
+    seconds = time.perf_counter() - start
+    return {"config": name, "lr": lr, "epochs": epochs, "train_s": seconds,
+            "test_accuracy": trainer.evaluate(test)["accuracy"], "directory": str(directory)}  # fmt: skip
+
+
+def federated(name: str, directory: str, data_dir: Path, work: Path, rounds: int, lr: float) -> dict[str, Any]:
+    from federated.runner import simulate
+
+    out = work / f"fl-{name.split()[0]}"
+    config = {"num-server-rounds": rounds, "artifacts": directory, "data": str(data_dir), "output": str(out),
+              "local-epochs": 1, "lr": lr, "partitioning": "files", "round-timeout": 1200.0}  # fmt: skip
+    homes = len(list((data_dir / "clients").glob("*.jsonl")))
+    start = time.perf_counter()
+    simulate(homes, config, work=out / "logs", on_line=lambda line: None)
+    seconds = time.perf_counter() - start
+    rows = json.loads((out / "metrics.json").read_text())["rounds"]
+    per_client = [v for row in rows[1:] for v in row["bytes_up_per_client"].values()]
+    return {"config": name, "rounds": rounds, "clients": homes, "wall_s": seconds,
+            "bytes_up_per_client_round": statistics.median(per_client),
+            "final_accuracy": rows[-1]["central.accuracy"]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer blocks, 1 epoch, 1 round (smoke run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    from data import prepare
+
+    blocks, steps, epochs, rounds = (2, 2, 1, 1) if args.quick else (7, 5, 2, 3)
+    work = Path(tempfile.mkdtemp(prefix="odt-finetune-"))
+    data = prepare(work / "data")
+    labels = json.loads(data["labels"].read_text())
+    result: dict[str, Any] = {"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
+                              "step": [], "accuracy": [], "federated": []}  # fmt: skip
+    for name, config in CONFIGS.items():
+        result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps))
+        print(json.dumps(result["step"][-1]), flush=True)
+    lrs = {"full fine-tuning": 1e-4, "LoRA r8 (query, value) + head": 2e-3}
+    for name, lr in lrs.items():
+        result["accuracy"].append(accuracy(name, CONFIGS[name], lr, data, labels, work, epochs))
+        print(json.dumps(result["accuracy"][-1]), flush=True)
+    for row in result["accuracy"]:
+        lr = 1e-4 if row["config"].startswith("full") else 2e-3
+        result["federated"].append(federated(row["config"], row["directory"], work / "data", work, rounds, lr))
+        print(json.dumps(result["federated"][-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "finetune.json").write_text(json.dumps(result, indent=2))
+    (args.out / "finetune.md").write_text(table(result))
+    print(table(result))
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [f"MiniLM-L6 fine-tuning, {result['date']}, {m['cpu']}, {result['threads']} threads", "",
+             f"Step at sequence {SEQ}, batch {BATCH} (median of interleaved blocks; peak RSS of a fresh process):", "",
+             "| trainable set | trainable | SDK ms/step | PyTorch ms/step | speed-up | SDK peak RSS "
+             "| PyTorch peak RSS |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in result["step"]:
+        lines.append(f"| {r['config']} | {r['trainable']:,} | {r['sdk_step_ms']:.0f} | {r['torch_step_ms']:.0f} | "
+                     f"{r['speedup']:.2f}x | {r['sdk_rss_mb']:.0f} MB | {r['torch_rss_mb']:.0f} MB |")  # fmt: skip
+    lines += ["", "Intents (test = 2 unseen homes), trained on device:", "",
+              "| trainable set | epochs | train time | test accuracy |", "|---|---:|---:|---:|"]  # fmt: skip
+    for r in result["accuracy"]:
+        lines.append(f"| {r['config']} | {r['epochs']} | {r['train_s']:.0f} s | {r['test_accuracy']:.4f} |")
+    lines += ["", "Federated over the 8 homes (Flower simulation, FedAvg):", "",
+              "| trainable set | rounds | bytes up per client per round | final accuracy | wall time |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in result["federated"]:
+        lines.append(f"| {r['config']} | {r['rounds']} | {r['bytes_up_per_client_round'] / 1e6:.2f} MB | "
+                     f"{r['final_accuracy']:.4f} | {r['wall_s']:.0f} s |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
