@@ -143,7 +143,8 @@ def _run(args: argparse.Namespace) -> int:
     if manifest.plan is not None:
         from .planner import Plan, format_plan
 
-        print(format_plan(Plan(**{k: manifest.plan[k] for k in ("budget", "batch_size", "chosen", "rows")})))
+        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory")
+        print(format_plan(Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})))
     total = manifest.trainable_size + manifest.frozen_size
     print(
         f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "

@@ -57,7 +57,8 @@ def build(config: dict[str, Any], classes: int) -> tuple[nn.Module, list[str]]:
         model, adapters = add_adapters(model, Lora(**config["lora"]), seed=0)
         patterns += [n for a in adapters for n in (a.a, a.b)]
     names = [n for n, _ in model.named_parameters() if not patterns or any(matches(p, n) for p in patterns)]
-    return model, names
+    # BERT's pooler is not on the mean-pooled path: the generator freezes it, PyTorch must skip it too
+    return model, [n for n in names if ".pooler." not in n]
 
 
 def generate_config(config: dict[str, Any], classes: int, labels: list[str], out: Path, lr: float) -> Path:
@@ -213,8 +214,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer blocks, 1 epoch, 1 round (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    import transformers
     from data import prepare
 
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     blocks, steps, epochs, rounds = (2, 2, 1, 1) if args.quick else (7, 5, 2, 3)
     work = Path(tempfile.mkdtemp(prefix="odt-finetune-"))
     data = prepare(work / "data")

@@ -153,6 +153,13 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.ckpt")
     p.add_argument("--seed", type=int, help="data order and dropout seed (default 0; with --resume, the checkpoint's)")
     p.add_argument("--threads", type=int, help="ORT intra-op threads (default: ORT's choice)")
+    p.add_argument(
+        "--lean-memory",
+        action="store_true",
+        default=None,
+        help="lower peak memory: ORT's memory arena off (measured on MiniLM: -19 %% to -32 %% peak RSS, "
+        "0-15 %% slower steps)",
+    )
     p.add_argument("--json", action="store_true", help="print the history as JSON")
     p.set_defaults(run=_run_train)
 
@@ -259,9 +266,9 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
     trainer = (
-        _resume(args.directory, Path(_checkpoint_file(args.checkpoint)), args.threads)
+        _resume(args.directory, Path(_checkpoint_file(args.checkpoint)), args.threads, args.lean_memory)
         if args.resume
-        else Trainer.load(args.directory, threads=args.threads)
+        else Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
     )
     train = load_data(args.data, args.directory)
     val = load_data(args.val, args.directory) if args.val else None
@@ -297,14 +304,14 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(directory: str, checkpoint: Path, threads: int | None):  # type: ignore[no-untyped-def]
+def _resume(directory: str, checkpoint: Path, threads: int | None, lean: bool | None = None):  # type: ignore[no-untyped-def]
     """Resume from the checkpoint, or from the one before it when it is missing or corrupt (said so)."""
     from ._checkpoint import previous_of
     from .errors import CheckpointCorruptError
     from .trainer import Trainer
 
     try:
-        return Trainer.load(directory, checkpoint=checkpoint, threads=threads)
+        return Trainer.load(directory, checkpoint=checkpoint, threads=threads, lean_memory=lean)
     except CheckpointCorruptError as exc:
         previous = previous_of(checkpoint)
         if not previous.is_file():
@@ -315,7 +322,7 @@ def _resume(directory: str, checkpoint: Path, threads: int | None):  # type: ign
         if checkpoint.exists() or not previous.is_file():
             raise
         print(f"warning: {checkpoint} is missing (a save was interrupted); resuming from {previous}.", file=sys.stderr)
-    return Trainer.load(directory, checkpoint=previous, threads=threads)
+    return Trainer.load(directory, checkpoint=previous, threads=threads, lean_memory=lean)
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:

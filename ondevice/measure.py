@@ -23,12 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help=".npz holding one batch of the manifest's feeds")
     parser.add_argument("--steps", type=int, default=4, help="train steps (default 4; the first is warm-up)")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--lean-memory", action="store_true", help="ORT's memory arena off (Trainer.load)")
     args = parser.parse_args(argv)
 
     from .data import load_npz
     from .trainer import Trainer
 
-    trainer = Trainer.load(args.directory, threads=args.threads)
+    trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
     batch = load_npz(args.data)
     times = []
     for _ in range(max(args.steps, 2)):

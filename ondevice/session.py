@@ -65,10 +65,17 @@ def ort_error_message(exc: BaseException) -> str:
     return re.sub(r"^/\S+:\d+ ", "", text).strip()[:400]
 
 
-def session_options(threads: int | None = None) -> C.SessionOptions:
-    """Session options with ORT logging at errors only and an optional intra-op thread count."""
+def session_options(threads: int | None = None, lean_memory: bool = False) -> C.SessionOptions:
+    """Session options with ORT logging at errors only and an optional intra-op thread count.
+
+    ``lean_memory`` turns ORT's CPU memory arena off: freed activations go back to the system
+    instead of a pool that grows in doubling chunks. Measured on MiniLM (seq 64, batch 16, 2
+    threads): peak RSS 932 -> 751-766 MB with every weight training (step ~15 % slower), 540 ->
+    369-407 MB with LoRA (step time unchanged within noise).
+    """
     options = C.SessionOptions()
     options.log_severity_level = 3
+    options.enable_cpu_mem_arena = not lean_memory
     if threads is not None:
         options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1
@@ -88,9 +95,11 @@ class OrtTraining:
         checkpoint: str | os.PathLike[str] | None = None,
         threads: int | None = None,
         with_optimizer: bool = True,
+        lean_memory: bool = False,
     ) -> None:
         directory = Path(directory)
-        options = session_options(threads)
+        self.lean_memory = lean_memory
+        options = session_options(threads, lean_memory)
         self.state = C.load_checkpoint(os.fspath(checkpoint or directory / "checkpoint"))
         self.module = C.Module(
             os.fspath(directory / "training_model.onnx"),

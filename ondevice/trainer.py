@@ -81,8 +81,14 @@ class Trainer:
         *,
         checkpoint: str | os.PathLike[str] | None = None,
         threads: int | None = None,
+        lean_memory: bool | None = None,
     ) -> Trainer:
-        """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming."""
+        """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming.
+
+        ``lean_memory`` trades some speed for a lower peak (ORT's memory arena off; see
+        :func:`ondevice.session.session_options` for what it measured); by default it follows
+        the memory planner's choice recorded in the manifest (off without a plan).
+        """
         directory = Path(directory)
         manifest = Manifest.load(directory)
         made_with = str(manifest.versions.get("onnxruntime", ""))
@@ -92,14 +98,16 @@ class Trainer:
                 f"Install onnxruntime-training=={made_with} or regenerate the artifacts."
             )
         sha = sha256_file(directory / MANIFEST_NAME)
+        if lean_memory is None:
+            lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
         try:
             if checkpoint is None:
-                session = OrtTraining(directory, threads=threads)
+                session = OrtTraining(directory, threads=threads, lean_memory=lean_memory)
             else:
                 from ._checkpoint import unpacked
 
                 with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
-                    session = OrtTraining(directory, checkpoint=raw, threads=threads)
+                    session = OrtTraining(directory, checkpoint=raw, threads=threads, lean_memory=lean_memory)
         except OndeviceError:
             raise
         except Exception as exc:
