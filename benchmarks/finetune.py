@@ -5,7 +5,7 @@ A. one training step at sequence 64, batch 16 (issue 13's shape): the SDK agains
    in its own fresh process (VmHWM).
 B. the intents sample (real commands, test = unseen homes): accuracy of full fine-tuning and of
    LoRA rank 8 + head after the same epochs, on device.
-C. federated rounds over the 8 homes: LoRA + head against full-model FedAvg, bytes each client
+C. federated rounds over the 8 homes (2 local epochs): LoRA + head against full-model FedAvg, bytes each client
    sends per round and final accuracy.
 
 Run: .venv/bin/python benchmarks/finetune.py [--quick]   (writes benchmarks/results/finetune.*)
@@ -33,7 +33,9 @@ from torch import nn  # noqa: E402
 from benchmarks._machine import machine  # noqa: E402
 from benchmarks.compare import HFAdamW  # noqa: E402
 
-SEQ, BATCH, THREADS = 64, 16, 2
+THREADS = 2
+SHAPES = ((64, 16), (16, 32))
+"""(sequence, batch): issue 13's benchmark shape, and the intents task's (its longest command is 15 tokens)."""
 LORA = {"rank": 8, "alpha": 16.0, "targets": ("query", "value")}
 CONFIGS: dict[str, dict[str, Any]] = {
     "full fine-tuning": {},
@@ -78,14 +80,14 @@ def generate_config(config: dict[str, Any], classes: int, labels: list[str], out
     return out
 
 
-def batches(classes: int, count: int) -> list[dict[str, np.ndarray]]:
+def batches(classes: int, count: int, seq: int, batch: int) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(1)
     return [
         {
-            "ids": rng.integers(1_000, 30_000, (BATCH, SEQ)),
-            "mask": np.ones((BATCH, SEQ), np.int64),
-            "labels": rng.integers(0, classes, BATCH),
-        }  # fmt: skip
+            "ids": rng.integers(1_000, 30_000, (batch, seq)),
+            "mask": np.ones((batch, seq), np.int64),
+            "labels": rng.integers(0, classes, batch),
+        }
         for _ in range(count)
     ]
 
@@ -111,13 +113,22 @@ print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).sp
 
 
 def step_and_memory(
-    name: str, config: dict[str, Any], classes: int, labels: list[str], work: Path, blocks: int, steps: int
+    name: str,
+    config: dict[str, Any],
+    classes: int,
+    labels: list[str],
+    work: Path,
+    blocks: int,
+    steps: int,
+    shape: tuple[int, int],
 ) -> dict[str, Any]:
     from artifacts.planner import measure
     from ondevice import Trainer
 
-    directory = generate_config(config, classes, labels, work / name.split()[0], lr=1e-4)
-    data = batches(classes, 4)
+    directory = work / name.split()[0]
+    if not directory.exists():
+        generate_config(config, classes, labels, directory, lr=1e-4)
+    data = batches(classes, 4, *shape)
     np.savez(work / "batch.npz", **data[0])
     trainer = Trainer.load(directory, threads=THREADS)
     torch.set_num_threads(THREADS)
@@ -149,6 +160,7 @@ def step_and_memory(
         ours.append(sdk(steps))
         theirs.append(eager(steps))
     sdk_rss = statistics.median(measure(directory, work / "batch.npz")["peak_rss"] for _ in range(2))
+    lean = [measure(directory, work / "batch.npz", lean_memory=True) for _ in range(2)]
     torch_rss = statistics.median(
         int(
             subprocess.run(
@@ -157,19 +169,22 @@ def step_and_memory(
                 text=True,
                 check=True,
             ).stdout.split()[-1]
-        )  # fmt: skip
+        )
         for _ in range(2)
     )
     return {
         "config": name,
-        "trainable": len(names)
-        and sum(p.numel() for n, p in build(config, classes)[0].named_parameters() if n in set(names)),
+        "seq": shape[0],
+        "batch": shape[1],
+        "trainable": sum(p.numel() for n, p in model.named_parameters() if n in set(names)),
         "sdk_step_ms": 1e3 * statistics.median(ours),
         "torch_step_ms": 1e3 * statistics.median(theirs),
         "sdk_spread_ms": [1e3 * min(ours), 1e3 * max(ours)],
         "torch_spread_ms": [1e3 * min(theirs), 1e3 * max(theirs)],
         "speedup": statistics.median(theirs) / statistics.median(ours),
         "sdk_rss_mb": sdk_rss / 1e6,
+        "sdk_lean_rss_mb": statistics.median(m["peak_rss"] for m in lean) / 1e6,
+        "sdk_lean_step_ms": statistics.median(m["step_ms"] for m in lean),
         "torch_rss_mb": torch_rss / 1e6,
     }
 
@@ -197,7 +212,7 @@ def federated(name: str, directory: str, data_dir: Path, work: Path, rounds: int
 
     out = work / f"fl-{name.split()[0]}"
     config = {"num-server-rounds": rounds, "artifacts": directory, "data": str(data_dir), "output": str(out),
-              "local-epochs": 1, "lr": lr, "partitioning": "files", "round-timeout": 1200.0}  # fmt: skip
+              "local-epochs": 2, "lr": lr, "partitioning": "files", "round-timeout": 1200.0}  # fmt: skip
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
     start = time.perf_counter()
     simulate(homes, config, work=out / "logs", on_line=lambda line: None)
@@ -219,15 +234,16 @@ def main() -> int:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    blocks, steps, epochs, rounds = (2, 2, 1, 1) if args.quick else (7, 5, 2, 3)
+    blocks, steps, epochs, rounds = (2, 2, 1, 1) if args.quick else (7, 5, 2, 5)
     work = Path(tempfile.mkdtemp(prefix="odt-finetune-"))
     data = prepare(work / "data")
     labels = json.loads(data["labels"].read_text())
     result: dict[str, Any] = {"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
                               "step": [], "accuracy": [], "federated": []}  # fmt: skip
-    for name, config in CONFIGS.items():
-        result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps))
-        print(json.dumps(result["step"][-1]), flush=True)
+    for shape in SHAPES:
+        for name, config in CONFIGS.items():
+            result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps, shape))
+            print(json.dumps(result["step"][-1]), flush=True)
     lrs = {"full fine-tuning": 1e-4, "LoRA r8 (query, value) + head": 2e-3}
     for name, lr in lrs.items():
         result["accuracy"].append(accuracy(name, CONFIGS[name], lr, data, labels, work, epochs))
@@ -246,13 +262,16 @@ def main() -> int:
 def table(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"MiniLM-L6 fine-tuning, {result['date']}, {m['cpu']}, {result['threads']} threads", "",
-             f"Step at sequence {SEQ}, batch {BATCH} (median of interleaved blocks; peak RSS of a fresh process):", "",
-             "| trainable set | trainable | SDK ms/step | PyTorch ms/step | speed-up | SDK peak RSS "
-             "| PyTorch peak RSS |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "One training step (ms: median of interleaved blocks in one process; peak RSS: a fresh process "
+             "each, median of 2; lean = ORT's memory arena off):", "",
+             "| seq x batch | trainable set | trainable | SDK ms/step | PyTorch ms/step | speed-up | SDK peak RSS "
+             "| SDK lean: peak RSS, ms/step | PyTorch peak RSS |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["step"]:
-        lines.append(f"| {r['config']} | {r['trainable']:,} | {r['sdk_step_ms']:.0f} | {r['torch_step_ms']:.0f} | "
-                     f"{r['speedup']:.2f}x | {r['sdk_rss_mb']:.0f} MB | {r['torch_rss_mb']:.0f} MB |")  # fmt: skip
+        lines.append(f"| {r['seq']} x {r['batch']} | {r['config']} | {r['trainable']:,} | {r['sdk_step_ms']:.0f} | "
+                     f"{r['torch_step_ms']:.0f} | {r['speedup']:.2f}x | {r['sdk_rss_mb']:.0f} MB | "
+                     f"{r['sdk_lean_rss_mb']:.0f} MB, {r['sdk_lean_step_ms']:.0f} | "
+                     f"{r['torch_rss_mb']:.0f} MB |")  # fmt: skip
     lines += ["", "Intents (test = 2 unseen homes), trained on device:", "",
               "| trainable set | epochs | train time | test accuracy |", "|---|---:|---:|---:|"]  # fmt: skip
     for r in result["accuracy"]:
