@@ -207,28 +207,38 @@ def accuracy(
             "test_accuracy": trainer.evaluate(test)["accuracy"], "directory": str(directory)}  # fmt: skip
 
 
-def federated(name: str, directory: str, data_dir: Path, work: Path, rounds: int, lr: float) -> dict[str, Any]:
+def federated(
+    name: str, directory: Path, data_dir: Path, work: Path, rounds: int, lr: float, personal: str = ""
+) -> dict[str, Any]:
     from federated.runner import simulate
 
-    out = work / f"fl-{name.split()[0]}"
-    config = {"num-server-rounds": rounds, "artifacts": directory, "data": str(data_dir), "output": str(out),
-              "local-epochs": 2, "lr": lr, "partitioning": "files", "round-timeout": 1200.0}  # fmt: skip
+    out = work / f"run-{len(list(work.glob('run-*')))}"
+    config = {"num-server-rounds": rounds, "artifacts": str(directory), "data": str(data_dir), "output": str(out),
+              "local-epochs": 2, "lr": lr, "partitioning": "files", "round-timeout": 1200.0,
+              "personal": personal}  # fmt: skip
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
     start = time.perf_counter()
     simulate(homes, config, work=out / "logs", on_line=lambda line: None)
     seconds = time.perf_counter() - start
     rows = json.loads((out / "metrics.json").read_text())["rounds"]
     per_client = [v for row in rows[1:] for v in row["bytes_up_per_client"].values()]
-    return {"config": name, "rounds": rounds, "clients": homes, "wall_s": seconds,
-            "bytes_up_per_client_round": statistics.median(per_client),
-            "final_accuracy": rows[-1]["central.accuracy"]}  # fmt: skip
+    clients = rows[-1].get("clients", {})
+    return {"config": name + (f", personal {personal}" if personal else ""), "rounds": rounds, "clients": homes,
+            "wall_s": seconds, "bytes_up_per_client_round": statistics.median(per_client),
+            "final_accuracy": rows[-1]["central.accuracy"],
+            "client_accuracy": {k: v.get("eval-accuracy") for k, v in clients.items()},
+            "client_global_accuracy": {k: v.get("global-eval-accuracy") for k, v in clients.items()}}  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer blocks, 1 epoch, 1 round (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--parts", default="step,accuracy,federated", help="which parts to run; the others keep their last results"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     import transformers
     from data import prepare
 
@@ -238,19 +248,22 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="odt-finetune-"))
     data = prepare(work / "data")
     labels = json.loads(data["labels"].read_text())
-    result: dict[str, Any] = {"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
-                              "step": [], "accuracy": [], "federated": []}  # fmt: skip
-    for shape in SHAPES:
+    previous = args.out / "finetune.json"
+    result: dict[str, Any] = json.loads(previous.read_text()) if previous.is_file() else {}
+    result.update({"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d")})
+    result.update({part: [] for part in ("step", "accuracy", "federated") if part in parts or part not in result})
+    for shape in SHAPES if "step" in parts else ():
         for name, config in CONFIGS.items():
             result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps, shape))
             print(json.dumps(result["step"][-1]), flush=True)
     lrs = {"full fine-tuning": 1e-4, "LoRA r8 (query, value) + head": 2e-3}
-    for name, lr in lrs.items():
+    for name, lr in lrs.items() if "accuracy" in parts else ():
         result["accuracy"].append(accuracy(name, CONFIGS[name], lr, data, labels, work, epochs))
         print(json.dumps(result["accuracy"][-1]), flush=True)
-    for row in result["accuracy"]:
-        lr = 1e-4 if row["config"].startswith("full") else 2e-3
-        result["federated"].append(federated(row["config"], row["directory"], work / "data", work, rounds, lr))
+    runs = [(name, lr, "") for name, lr in lrs.items()] + [("LoRA r8 (query, value) + head", 2e-3, "head.*")]
+    for name, lr, personal in runs if "federated" in parts else ():
+        directory = generate_config(CONFIGS[name], len(labels), labels, work / f"fl-art-{len(personal)}-{lr}", lr)
+        result["federated"].append(federated(name, directory, work / "data", work, rounds, lr, personal))
         print(json.dumps(result["federated"][-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "finetune.json").write_text(json.dumps(result, indent=2))
@@ -282,6 +295,18 @@ def table(result: dict[str, Any]) -> str:
     for r in result["federated"]:
         lines.append(f"| {r['config']} | {r['rounds']} | {r['bytes_up_per_client_round'] / 1e6:.2f} MB | "
                      f"{r['final_accuracy']:.4f} | {r['wall_s']:.0f} s |")  # fmt: skip
+    shared = next(
+        (r for r in result["federated"] if r["config"].startswith("LoRA") and "personal" not in r["config"]), None
+    )
+    own = next((r for r in result["federated"] if "personal" in r["config"]), None)
+    if shared and own and shared.get("client_accuracy") and own.get("client_accuracy"):
+        lines += ["", "Per home, after the last round (each home's held-out 20 %): the global LoRA model, and the "
+                  "model whose head stayed personal:", "",
+                  "| home | global model | personal head |", "|---|---:|---:|"]  # fmt: skip
+        for home in sorted(shared["client_accuracy"], key=int):
+            mine = own["client_accuracy"].get(home)
+            lines.append(f"| {home} | {shared['client_accuracy'][home]:.4f} | {mine:.4f} |" if mine is not None else
+                         f"| {home} | {shared['client_accuracy'][home]:.4f} | - |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

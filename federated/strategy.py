@@ -30,7 +30,7 @@ from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
 from .config import STRATEGIES
 from .errors import FederatedError
-from .partial import aggregate_partial, slice_problem
+from .partial import aggregate_partial, leading, slice_problem
 from .protocol import from_arrays, hash_tag, to_arrays
 from .validation import norm_bounds, update_norm, update_problem
 
@@ -238,7 +238,7 @@ class GuardedStrategy(Strategy):
                 scale = over[node] / norms[node]
                 clipped = {}
                 for k, v in weights[node].items():
-                    start = self._global[k][tuple(slice(0, n) for n in v.shape)]
+                    start = self._global[k][leading(v.shape)]
                     clipped[k] = start + (v - start) * np.float32(scale)
                 (key,) = message.content.array_records.keys()
                 message.content[key] = to_arrays(clipped)

@@ -8,6 +8,8 @@ import numpy as np
 
 from ondevice.manifest import Manifest
 
+from .partial import leading
+
 __all__ = ["update_problem", "update_norm", "norm_bounds"]
 
 
@@ -57,7 +59,7 @@ def update_norm(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.nd
     total = 0.0
     for name, value in weights.items():
         value = np.asarray(value, np.float64)
-        start = np.asarray(reference[name])[tuple(slice(0, n) for n in value.shape)]
+        start = np.asarray(reference[name])[leading(value.shape)]
         delta = value - np.asarray(start, np.float64)
         total += float(np.dot(delta.ravel(), delta.ravel()))
     return float(np.sqrt(total))

@@ -84,6 +84,20 @@ def _rehash(directory: Path, name: str, content: bytes) -> None:
         (lambda d: _edit_manifest(d, frozen=[{"name": "x", "shape": [0]}]), ManifestError, r"frozen\[0\].shape"),
         # an empty model with a re-hashed manifest: ORT's refusal, without ORT's source paths
         (lambda d: _rehash(d, "training_model.onnx", b""), Exception, r"^(?!.*onnxruntime_src)(?!.*\.cc:).*$"),
+        # an adapter whose A and B do not fit its weight (0.weight is 32 x 64 in the digits MLP)
+        (
+            lambda d: _edit_manifest(d, adapters=[{"weight": "0.weight", "a": "0.bias", "b": "3.weight", "scale": 2}]),
+            ManifestError,
+            r"adapters\[0\] must be A \(rank x 64\)",
+        ),
+        # class names that do not match, or repeat
+        (lambda d: _edit_manifest(d, labels=["a", "a"]), ManifestError, "labels must be distinct class names"),
+        # a tokenizer that is not one of the hashed files
+        (
+            lambda d: _edit_manifest(d, tokenizer={"file": "t.json", "ids": "input", "mask": None, "max_length": 8}),
+            ManifestError,
+            "tokenizer.file must be a file listed in files",
+        ),
         # an artifact file altered after generation
         (
             lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10),
