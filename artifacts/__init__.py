@@ -29,11 +29,13 @@ _LAZY = {
     "AdamW": ".optimizers",
     "Tolerances": ".verify",
     "Lora": ".lora",
+    "plan": ".planner",
 }
 
 __all__ = [
     "generate",
     "Lora",
+    "plan",
     "Tolerances",
     "CrossEntropy",
     "MSE",

@@ -60,7 +60,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/federated", help="where metrics.json, rounds.png and logs go")
     p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
     p.add_argument("--codec", default="none", choices=["none", "fp16", "int8"], help="update encoding")
-    p.add_argument("--partitioning", default="iid", choices=["iid", "dirichlet"], help="default iid")
+    p.add_argument(
+        "--partitioning",
+        default="iid",
+        choices=["iid", "dirichlet", "files"],
+        help="split DATA/train.npz (iid, dirichlet) or give node i the i-th file of DATA/clients/ (files); default iid",
+    )
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
     p.add_argument("--local-epochs", type=int, default=1, help="default 1")
     p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
@@ -106,6 +111,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         if not sep:
             raise RunConfigError(f"--set needs KEY=VALUE, got {item!r}.")
         config[key] = value  # typed by the schema
+    tiers = [t.strip() for t in str(config.get("tiers", "")).split(",") if t.strip()]
+    if tiers:  # the apps run elsewhere: every path absolute
+        config["tiers"] = ",".join(str(Path(t).resolve()) for t in tiers)
     return validate(config)
 
 

@@ -167,3 +167,27 @@ def test_personal_tensors_never_leave_and_persist_between_rounds(tiers):
     expected = personal.evaluate({k: v[order] for k, v in data.items()})
     assert metrics["eval-loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert metrics["global-eval-loss"] != pytest.approx(expected["loss"], rel=1e-3)
+
+
+@pytest.mark.flower
+def test_three_tiers_in_a_real_simulation(tiers, tmp_path):
+    """A real SuperLink and ClientApp processes: node 0 trains LoRA rank 4 + head, node 1 the head, node 2 rank 2."""
+    from federated.runner import simulate
+
+    _, root = tiers
+    data = tmp_path / "data"
+    (data / "clients").mkdir(parents=True)
+    for node in range(3):
+        (data / "clients" / f"node{node}.npz").write_bytes((root / f"node{node}.npz").read_bytes())
+    (data / "test.npz").write_bytes((root / "node0.npz").read_bytes())
+    config = {"num-server-rounds": 2, "artifacts": str(root / "r4"), "tiers": f"{root / 'head'},{root / 'r2'}",
+              "data": str(data), "output": str(tmp_path / "out"), "partitioning": "files", "lr": 0.05,
+              "batch-size": 16, "round-timeout": 120.0}  # fmt: skip
+    report = simulate(3, config, work=tmp_path / "w")
+    for row in report["rounds"][1:]:
+        assert row["excluded"] == {}
+        sizes = sorted(row["bytes_up_per_client"].values())
+        assert sizes == [4 * 27, 4 * (27 + 2 * (2 * 8 + 8 * 2)), 4 * (27 + 2 * (4 * 8 + 8 * 4))]  # head, r2, r4
+    final = dict(np.load(tmp_path / "out" / "global_weights.npz"))
+    assert final["query.lora_A"].shape == (4, 8)
+    assert np.isfinite(report["rounds"][-1]["central.loss"])
