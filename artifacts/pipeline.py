@@ -33,8 +33,10 @@ from ondevice.session import ORT_VERSION
 
 from ._activations import rewrite_activations
 from ._batchnorm import expose_batchnorm_updates
+from ._finite import FINITE_CHECK, add_finite_check
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
 from ._padding import mask_padding_gradients
+from ._relugrad import rewrite_relu_grad
 from .errors import (
     ArtifactError,
     InputSpecError,
@@ -216,7 +218,7 @@ def _build(
         work,
         describe=lambda node: "{!r} ({})".format(*source.describe(node)),
     )
-    padding = _mask_padding(work / "training_model.onnx", dict(source.padding), trainable)
+    padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), trainable)
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:
         convert_to_ort_format(work)
@@ -248,6 +250,7 @@ def _build(
         loss=LossSpec(loss.kind, loss.options()),
         optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
         padding=padding,
+        finite_check=FINITE_CHECK,
         adapters=o.adapters,
         labels=tuple(o.labels),
         tokenizer=tokenizer,
@@ -282,14 +285,17 @@ def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: 
     return replace(spec, file="tokenizer.json")
 
 
-def _mask_padding(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
+def _finish_training_graph(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
+    """Mask the padding rows' gradients, speed up ReLU's gradient and add the finite check;
+    returns the rows masked."""
     rows = {name: row for name, row in rows.items() if name in trainable}
-    if not rows:
-        return {}
     model = onnx.load(training_model)
-    done = mask_padding_gradients(model, rows)
+    done = mask_padding_gradients(model, rows) if rows else []
+    if done:
+        log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
+    rewrite_relu_grad(model)
+    add_finite_check(model)
     onnx.save(model, training_model)
-    log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
     return {name: rows[name] for name in done}
 
 

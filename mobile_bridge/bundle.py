@@ -142,6 +142,7 @@ def _describe(
         "outputs": [tensor(t) for t in manifest.outputs],
         "feed_order": list(manifest.feed_names),
         "num_classes": manifest.num_classes,
+        "finite_check": manifest.finite_check,
         "loss": asdict(manifest.loss),
         "weights": {
             "dtype": "float32",

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import struct
 import tempfile
 import time
@@ -217,7 +216,7 @@ def writer_lock(path: Path) -> Iterator[None]:
             ) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.write(f"pid {os.getpid()} on {os.uname().nodename} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         handle.flush()
         yield
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -37,7 +37,14 @@ def flatten_weights(manifest: Manifest, weights: np.ndarray | Mapping[str, np.nd
 
 
 class Meter:
-    """Example-weighted loss and classification accuracy over batches."""
+    """Example-weighted loss and classification accuracy over batches.
+
+    Accuracy is lazy: scores and labels are kept (not copied) and scored together in one
+    vectorized pass when they pass ``FLUSH_BYTES`` or when the result is asked for, instead of
+    an argmax per step.
+    """
+
+    FLUSH_BYTES = 8 * 2**20
 
     def __init__(self, manifest: Manifest) -> None:
         self.scores = manifest.loss_input if manifest.num_classes else None
@@ -47,15 +54,32 @@ class Meter:
         self.count = 0
         self.correct = 0
         self.labelled = 0
+        self._held: list[tuple[np.ndarray, np.ndarray]] = []
+        self._held_bytes = 0
 
-    def add(self, result: Any, batch: Mapping[str, np.ndarray]) -> None:
-        size = len(next(iter(batch.values())))
-        if math.isfinite(result.loss):
-            self.loss_sum += result.loss * size
+    def add(self, loss: float, size: int, outputs: Mapping[str, np.ndarray], labels: np.ndarray | None) -> None:
+        """One batch of ``size`` examples: its mean loss, the model's outputs and the labels."""
+        if math.isfinite(loss):
+            self.loss_sum += loss * size
             self.count += size
-        if self.scores is not None and self.labels is not None:
-            labels = batch[self.labels]
-            hits = result.outputs[self.scores].argmax(axis=-1) == labels
+        if self.scores is not None and labels is not None:
+            scores = outputs[self.scores]
+            self._held.append((scores, labels))
+            self._held_bytes += scores.nbytes
+            if self._held_bytes > self.FLUSH_BYTES:
+                self._score()
+
+    def _score(self) -> None:
+        if not self._held:
+            return
+        if len(self._held) == 1 or len({s.shape[1:] for s, _ in self._held}) > 1:
+            parts = [(s.argmax(axis=-1), labels) for s, labels in self._held]  # one batch, or ragged lengths
+        else:
+            parts = [(np.concatenate([s for s, _ in self._held]).argmax(axis=-1),
+                      np.concatenate([labels for _, labels in self._held]))]  # fmt: skip
+        self._held, self._held_bytes = [], 0
+        for predicted, labels in parts:
+            hits = predicted == labels
             if self.ignore is None:
                 self.correct += int(np.count_nonzero(hits))
                 self.labelled += labels.size
@@ -65,6 +89,7 @@ class Meter:
                 self.labelled += int(np.count_nonzero(keep))
 
     def result(self) -> dict[str, float]:
+        self._score()
         metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}
         if self.labelled:
             metrics["accuracy"] = self.correct / self.labelled

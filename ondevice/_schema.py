@@ -142,6 +142,8 @@ def validate_manifest(data: dict[str, Any]) -> None:
             _fail(f"padding[{name!r}]", "a trainable embedding weight", name)
         if _int(f"padding[{name!r}]", row) >= trainable[name][0]:
             _fail(f"padding[{name!r}]", f"a row below {trainable[name][0]}", row)
+    if data.get("finite_check") is not None:
+        _name("finite_check", data["finite_check"])
     _adapters(data.get("adapters", []), trainable, frozen)
     labels = _list("labels", data.get("labels", []))
     for i, label in enumerate(labels):

@@ -8,7 +8,6 @@ float32, when every value survives the cast (integers fit, floats stay finite). 
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -33,6 +32,8 @@ def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> d
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist.")
+    import zipfile  # here, not at the top: only reading data needs it (cold start)
+
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
@@ -158,7 +159,11 @@ def batches(
         raise DataError(f"batch size must be at least 1, got {batch_size}.")
     if batch_size > size:
         raise DataError(f"batch size {batch_size} is larger than the dataset ({size} examples).")
-    order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
-    for start in range(0, size, batch_size):
-        index = order[start : start + batch_size]
+    for index in batch_indices(size, batch_size, shuffle=shuffle, seed=seed, epoch=epoch):
         yield {name: array[index] for name, array in data.items()}
+
+
+def batch_indices(size: int, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> list[np.ndarray]:
+    """The example indices of each batch of :func:`batches` (the order depends on (seed, epoch) only)."""
+    order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
+    return [order[start : start + batch_size] for start in range(0, size, batch_size)]

@@ -138,8 +138,8 @@ class Manifest:
     loss needs (labels); ``loss_input`` is the model output the loss reads (None when the model
     returns its own loss) and ``loss_output`` the graphs' loss output. The training and eval
     graphs take ``inputs + targets`` in that order and return the loss followed by ``outputs``
-    (the training graph then the new values of ``buffers``). ``trainable`` is in the order of ONNX Runtime's
-    contiguous parameter buffer, with offsets into it.
+    (the training graph then the new values of ``buffers`` and ``finite_check``). ``trainable``
+    is in the order of ONNX Runtime's contiguous parameter buffer, with offsets into it.
     """
 
     name: str
@@ -159,6 +159,10 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     padding: Mapping[str, int] = field(default_factory=dict)
     """Embedding weights whose padding row (value) gets no gradient, as with PyTorch's ``padding_idx``."""
+    finite_check: str | None = None
+    """The training graph's last output: the L2 norm of the loss and every accumulated gradient,
+    finite exactly when the step may be applied (None in artifacts made before it; the runtime
+    then checks the gradients itself)."""
     adapters: tuple[Adapter, ...] = ()
     labels: tuple[str, ...] = ()
     """Class names, in the order of the classifier's outputs (empty: classes are numbers)."""
@@ -276,6 +280,7 @@ def _from_dict(data: Any) -> Manifest:
             versions=dict(data["versions"]),
             verification=None if verification is None else _verification(verification),
             padding={str(k): int(v) for k, v in data.get("padding", {}).items()},
+            finite_check=data.get("finite_check"),
             adapters=tuple(Adapter(**a) for a in data.get("adapters", [])),
             labels=tuple(data.get("labels", [])),
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from contextlib import nullcontext
@@ -13,9 +12,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._checkpoint import writer_lock
 from ._metrics import Meter, flatten_weights
-from .data import batches, check_data
+from .data import batch_indices, batches, check_data
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
@@ -23,8 +21,6 @@ from .schedules import Schedule
 from .session import ORT_VERSION, C, OrtTraining, ort_error_message
 
 __all__ = ["Trainer", "StepResult", "History"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -158,10 +154,12 @@ class Trainer:
         fetched = self._session.train_step(feeds)
         loss = float(fetched[0])
         outputs = dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)]))
-        updates = fetched[1 + len(self._train_names) :]
-        finite = math.isfinite(loss) and self._gradients_finite()
-        if finite:
-            for name, value in zip(self._buffers, updates):
+        if self.manifest.finite_check is not None:
+            finite = math.isfinite(fetched[-1])
+        else:
+            finite = math.isfinite(loss) and self._gradients_finite()
+        if finite and self._buffers:
+            for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
                 self._session.set_parameter(name, value)
         return StepResult(loss, outputs, finite)
 
@@ -176,8 +174,8 @@ class Trainer:
         return self._grad_views
 
     def _gradients_finite(self) -> bool:
-        # A sum is NaN/Inf when any element is (or when the gradient overflows float32, which is
-        # as good a reason to skip); it needs no temporary array, unlike np.isfinite.
+        # Artifacts without the in-graph check (manifest.finite_check): a sum is NaN/Inf when any
+        # element is (or when it overflows float32, as good a reason to skip), with no temporary.
         return all(math.isfinite(grad.sum()) for grad in self._gradients())
 
     # -- loops ---------------------------------------------------------------------------------
@@ -226,6 +224,8 @@ class Trainer:
         if seed is not None:
             self.seed = seed
         history = History()
+        from ._checkpoint import writer_lock
+
         lock = nullcontext() if checkpoint is None else writer_lock(Path(checkpoint))
         with lock, progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
             while self.epoch < epochs:
@@ -250,13 +250,16 @@ class Trainer:
         bar: Any,
     ) -> dict[str, float]:
         meter = Meter(self.manifest)
+        arrays = list(data.values())  # feeding order (check_data ordered them)
+        labels = list(data).index(meter.labels) if meter.labels in data else None
         pending, bad = 0, False
-        for batch in batches(data, batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
+        for index in batch_indices(len(arrays[0]), batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
             if pending == 0 and schedule is not None:
                 self.set_lr(schedule(self.step))
-            result = self._micro_step(list(batch.values()), micro=pending)
+            feeds = [array[index] for array in arrays]
+            result = self._micro_step(feeds, micro=pending)
             bad |= not result.applied
-            meter.add(result, batch)
+            meter.add(result.loss, len(index), result.outputs, None if labels is None else feeds[labels])
             pending += 1
             bar.update(1)
             if pending == accumulate:
@@ -274,7 +277,9 @@ class Trainer:
         """
         if bad:
             self.skipped_steps += 1
-            log.warning(
+            import logging  # here: importing it costs a cold start ~6 ms
+
+            logging.getLogger(__name__).warning(
                 "step %d skipped: loss or gradients not finite (%d skipped so far)", self.step, self.skipped_steps
             )
         else:
@@ -296,7 +301,8 @@ class Trainer:
         meter = Meter(self.manifest)
         for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
             fetched = self._session.eval_step(list(batch.values()))
-            meter.add(StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:]))), batch)
+            count = len(next(iter(batch.values())))
+            meter.add(float(fetched[0]), count, dict(zip(self._train_names, fetched[1:])), batch.get(meter.labels))
         return meter.result()
 
     # -- weights -------------------------------------------------------------------------------
@@ -357,6 +363,8 @@ class Trainer:
         The old file survives a failure and, if sound, is kept as ``PATH.previous``; a second
         writer of the same path is refused while this one holds it.
         """
+        from ._checkpoint import writer_lock
+
         with writer_lock(Path(path)):
             return self._save(Path(path))
 

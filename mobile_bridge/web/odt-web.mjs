@@ -113,12 +113,16 @@ export class OdtClient {
     return feeds;
   }
 
-  /** One optimizer step on a batch of `size` examples; returns the loss. */
+  /** One optimizer step on a batch of `size` examples, skipped when the loss or a gradient is not finite. */
   async trainStep(batch, size) {
-    const outputs = Object.values(await this.session.runTrainStep(this.feeds(batch, size)));
+    const results = await this.session.runTrainStep(this.feeds(batch, size));
+    const outputs = Object.values(results);
     const loss = Number(outputs[0].data[0]);
     const correct = this.countCorrect(outputs[1], batch, size);
-    if (!Number.isFinite(loss)) {
+    // The bundle's finite check: the L2 norm of the loss and every gradient, computed in the graph.
+    const check = this.description.finite_check;
+    const finite = check ? Number.isFinite(Number(results[check].data[0])) : Number.isFinite(loss);
+    if (!finite) {
       await this.session.lazyResetGrad();
       return { loss, correct, applied: false };
     }

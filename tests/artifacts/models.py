@@ -121,3 +121,17 @@ def not_a_module() -> str:
 
 def no_bias() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4, bias=False))
+
+
+class SqrtGate(nn.Module):
+    """A digits-shaped classifier scaled by sqrt(gate), gate = 0: the loss is finite (log 10),
+    the gate's gradient is not; only a check of the gradients catches the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(64, 10)
+        self.gate = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.fc(input) * torch.sqrt(self.gate)

@@ -97,6 +97,45 @@ def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tm
     assert result["badInput"].startswith("InputError: input must be a Float32Array")
 
 
+def test_browser_skips_a_step_whose_gradient_is_not_finite(digits_data, site, tmp_path):
+    import torch
+
+    from artifacts import generate
+    from tests.artifacts import models
+
+    root, url = site
+    generate(models.SqrtGate(), torch.randn(8, 64), tmp_path / "gate", verify=False)
+    make_bundle(tmp_path / "gate", root / "bundle")
+    result = _browser(url, {"steps": _steps(digits_data, 2)}, tmp_path)
+    assert result["ok"], result
+    np.testing.assert_allclose(result["losses"], [np.log(10)] * 2, rtol=1e-6)  # finite loss...
+    assert result["applied"] == [False, False]  # ...but the gate's gradient is infinite
+    np.testing.assert_array_equal(result["weights"], result["initial"])
+
+
+def test_browser_trains_a_cnn_with_the_rewritten_relu_gradient_like_python_ort(digits_data, site, tmp_path):
+    import torch
+    from torch import nn
+
+    from artifacts import generate
+
+    root, url = site
+    torch.manual_seed(0)  # digits as 8x8 images; ReLU's gradient is rewritten (Greater, Cast, Mul)
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64, 10),
+    )  # fmt: skip
+    manifest = generate(model, torch.randn(16, 64), tmp_path / "cnn")
+    assert manifest.verification.passed
+    make_bundle(tmp_path / "cnn", root / "bundle")
+    steps = _steps(digits_data, 4)
+    result = _browser(url, {"steps": steps}, tmp_path)
+    assert result["ok"], result
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+
+
 def test_weight_buffers_round_trip_exactly(digits_artifacts, site, tmp_path):
     root, url = site
     make_bundle(digits_artifacts, root / "bundle")

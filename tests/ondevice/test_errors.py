@@ -90,6 +90,8 @@ def _rehash(directory: Path, name: str, content: bytes) -> None:
             ManifestError,
             r"adapters\[0\] must be A \(rank x 64\)",
         ),
+        # a finite check that is not an output name
+        (lambda d: _edit_manifest(d, finite_check=1), ManifestError, "finite_check must be a non-empty string"),
         # class names that do not match, or repeat
         (lambda d: _edit_manifest(d, labels=["a", "a"]), ManifestError, "labels must be distinct class names"),
         # a tokenizer that is not one of the hashed files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from artifacts.optimizers import AdamW, ReferenceOptimizer
 from ondevice import ConfigError, Predictor, Schedule, Trainer, lr_at
 from ondevice.data import check_data
 from ondevice.manifest import Manifest
+from ondevice.session import OrtTraining
 
 
 def _subset(data, n):
@@ -191,6 +193,51 @@ def test_non_finite_step_is_skipped_and_counted(digits_no_dropout, digits_data):
     assert not result.applied and not math.isfinite(result.loss)
     assert trainer.skipped_steps == 1 and trainer.step == 0
     np.testing.assert_array_equal(trainer.get_flat_weights(), huge)
+
+
+def test_finite_check_is_the_norm_of_loss_and_accumulated_gradients(digits_no_dropout, digits_data):
+    manifest = Manifest.load(digits_no_dropout[0])
+    session = OrtTraining(digits_no_dropout[0])
+    assert manifest.finite_check is not None
+    train = digits_data["train"]
+    for micro in range(2):  # the second micro-step's check covers the accumulated gradients
+        rows = slice(micro * 16, (micro + 1) * 16)
+        fetched = session.train_step([train["input"][rows], train["labels"][rows]])
+        gradients = [session.get_gradient(p.name).astype(np.float64) for p in manifest.trainable]
+        expected = math.sqrt(float(fetched[0]) ** 2 + sum(float(np.square(g).sum()) for g in gradients))
+        assert float(fetched[-1]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("in_graph", [True, False], ids=["graph-check", "python-check"])
+def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph):
+    from artifacts import generate
+    from tests.artifacts import models
+
+    generate(models.SqrtGate(), torch.randn(8, 64), tmp_path / "gate", verify=False)
+    trainer = Trainer.load(tmp_path / "gate")
+    if not in_graph:  # artifacts made before the in-graph check: the runtime sums the gradients itself
+        trainer.manifest = dataclasses.replace(trainer.manifest, finite_check=None)
+    before = trainer.get_flat_weights()
+    history = trainer.fit(_subset(digits_data["train"], 32), epochs=1, batch_size=16, progress=False)
+    assert history.last()["loss"] == pytest.approx(math.log(10), rel=1e-6)  # the loss itself is fine
+    assert trainer.skipped_steps == 2 and trainer.step == 0
+    np.testing.assert_array_equal(trainer.get_flat_weights(), before)
+
+
+@pytest.mark.parametrize("flush_bytes", [1, 2**30], ids=["every-batch", "at-the-end"])
+@pytest.mark.parametrize("shapes", [[(16,), (16,), (7,)], [(4, 5), (4, 7)]], ids=["rows", "ragged-sequences"])
+def test_lazy_accuracy_counts_like_an_argmax_per_batch(digits_artifacts, monkeypatch, flush_bytes, shapes):
+    from ondevice._metrics import Meter
+
+    manifest = Manifest.load(digits_artifacts)
+    rng = np.random.default_rng(0)
+    pairs = [(rng.standard_normal((*shape, 10)).astype(np.float32), rng.integers(0, 10, shape)) for shape in shapes]
+    monkeypatch.setattr(Meter, "FLUSH_BYTES", flush_bytes)
+    meter = Meter(manifest)
+    for scores, labels in pairs:
+        meter.add(1.0, len(labels), {manifest.loss_input: scores}, labels)
+    hits = sum(int(np.count_nonzero(s.argmax(axis=-1) == y)) for s, y in pairs)
+    assert meter.result()["accuracy"] == hits / sum(y.size for _, y in pairs)
 
 
 def test_batchnorm_statistics_are_updated_by_training(tmp_path):

@@ -43,7 +43,8 @@ try {
     const ortBase = task.ortBase ?? "/ort/";
     const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
     ort.env.wasm.wasmPaths = ortBase;
-    ort.env.wasm.numThreads = 1;
+    // Threads need a cross-origin isolated page (COOP/COEP headers); ORT falls back to 1 without.
+    ort.env.wasm.numThreads = task.threads ?? 1;
     const odt = await import(task.module ?? "/odt-web.mjs");
     if (task.bridge) {
       // One device's round: register, load the bundle, pull the task, train, push the update.
@@ -72,6 +73,7 @@ try {
       const initial = Array.from(await client.getWeights());
       const losses = [];
       const stepTimes = [];
+      const appliedSteps = [];
       for (const step of task.steps ?? []) {
         const batch = {};
         for (const spec of client.specs) {
@@ -79,7 +81,8 @@ try {
           batch[spec.name] = spec.dtype === "int64" ? Array_.from(step[spec.name].map(BigInt)) : Array_.from(step[spec.name]);
         }
         const s0 = performance.now();
-        const { loss } = await client.trainStep(batch, step.size);
+        const { loss, applied } = await client.trainStep(batch, step.size);
+        appliedSteps.push(applied);
         stepTimes.push(performance.now() - s0);
         if (stepTimes.length === 1) task.sinceOpenMs = performance.now(); // ms since the page's navigation began
         losses.push(loss);
@@ -93,6 +96,7 @@ try {
         }
       }
       return { ok: true, loadMs: loaded, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
+               applied: appliedSteps, isolated: self.crossOriginIsolated, threads: ort.env.wasm.numThreads,
                initial, weights: Array.from(await client.getWeights()), badInput };
     } catch (error) {
       return { ok: false, error: `${error.name}: ${error.message}` };
