@@ -1,4 +1,5 @@
-"""Operators ORT 1.19 cannot differentiate are rewritten exactly, and the result is verified against PyTorch."""
+"""Graph rewrites: operators ORT 1.19 cannot differentiate, and gradients it computes slowly, are replaced
+exactly; each result is checked against PyTorch or ORT's own kernels."""
 
 from __future__ import annotations
 
@@ -55,3 +56,42 @@ def test_frozen_path_keeps_the_original_operator(tmp_path):
     generate(model, torch.randn(4, 8), tmp_path / "a", trainable=["2"])
     ops = {n.op_type for n in onnx.load(tmp_path / "a" / "eval_model.onnx").graph.node}
     assert "HardSwish" in ops
+
+
+def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monkeypatch):
+    import shutil
+
+    import numpy as np
+
+    from artifacts import pipeline
+    from artifacts._relugrad import rewrite_relu_grad
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
+    with torch.no_grad():
+        model[0].bias.zero_()  # zero input rows then give exact zeros at the first ReLU
+    monkeypatch.setattr(pipeline, "rewrite_relu_grad", lambda training: 0)  # keep ORT's own ReluGrad
+    generate(model, torch.randn(8, 2, 8, 8), tmp_path / "ort", verify=False)
+    shutil.copytree(tmp_path / "ort", tmp_path / "fast")
+    graph = onnx.load(tmp_path / "fast" / "training_model.onnx")
+    assert rewrite_relu_grad(graph) == 2
+    assert "ReluGrad" not in {n.op_type for n in graph.graph.node}
+    onnx.save(graph, tmp_path / "fast" / "training_model.onnx")
+
+    rng = np.random.default_rng(0)
+    sessions = [OrtTraining(tmp_path / name) for name in ("ort", "fast")]
+    names = [i.name for i in graph.graph.input if i.name.endswith(("weight", "bias"))]
+    for _ in range(3):  # gradients, then weights after AdamW steps, stay identical
+        batch = [rng.standard_normal((8, 2, 8, 8), dtype=np.float32), rng.integers(0, 3, 8)]
+        batch[0][:, :, :2] = 0.0  # exact zeros: the boundary of ReLU's gradient
+        for session in sessions:
+            session.train_step(batch)
+        for name in names:
+            np.testing.assert_array_equal(sessions[1].get_gradient(name), sessions[0].get_gradient(name), name)
+        for session in sessions:
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_array_equal(sessions[1].get_flat(), sessions[0].get_flat())
