@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -196,14 +197,16 @@ class GuardedStrategy(Strategy):
                 )
             else:
                 kept.append(message)
-        kept = self._bounded(server_round, kept, record)
+        # Aggregate in a fixed order (not arrival order) so that a run's float32 sums repeat exactly.
+        kept = sorted(self._bounded(server_round, kept, record), key=_reply_digest)
         if self.partial:
             arrays, metrics = self._aggregate_partial(kept)
         else:
             arrays, metrics = self.inner.aggregate_train(server_round, kept)
         if arrays is not None and self.manifest.buffers:
             _, previous = split_state(self.manifest, self._global)
-            averaged = average_buffers(list(record.buffers.values())) or previous
+            nodes = [m.metadata.src_node_id for m in kept]
+            averaged = average_buffers([record.buffers[n] for n in nodes if n in record.buffers]) or previous
             arrays = to_arrays({**from_arrays(arrays), **averaged})
         record.train_metrics = dict(metrics or {})
         return arrays, metrics
@@ -333,3 +336,13 @@ class GuardedStrategy(Strategy):
         (metrics,) = message.content.metric_records.values()
         count = metrics.get("num-examples")
         return isinstance(count, int) and 0 < count <= self.max_examples
+
+
+def _reply_digest(message: Message) -> bytes:
+    """A key that orders replies by their content, whatever order they arrived in."""
+    digest = hashlib.sha256()
+    for record in message.content.array_records.values():
+        for name, array in record.items():
+            digest.update(name.encode())
+            digest.update(array.data)
+    return digest.digest()
