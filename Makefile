@@ -42,16 +42,18 @@ chromium:
 	  fi; }
 
 test: $(STAMP) $(WEB_STAMP) chromium
-	$(VENV)/bin/ruff check artifacts ondevice samples benchmarks tests
+	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
+	$(PY) benchmarks/cnn.py
 	$(PY) benchmarks/federation.py
 	$(PY) benchmarks/browser.py
 	$(PY) benchmarks/faults.py
+	$(PY) benchmarks/finetune.py
 
 # The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
 wheel: $(STAMP) $(WEB_STAMP)

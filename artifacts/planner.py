@@ -19,9 +19,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +33,6 @@ from .lora import Lora
 
 __all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_options", "format_plan", "measure"]
 
-log = logging.getLogger(__name__)
 
 RUNTIME_BYTES = 80 * 2**20
 """Rough resident size of Python + numpy + ONNX Runtime before any model (only orders estimates)."""
@@ -245,12 +245,13 @@ def _plain(value: Any) -> Any:
     return asdict(value) if isinstance(value, Lora) else value
 
 
-class _quiet_logs:
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
     """Candidates are built unverified and thrown away: keep their warnings out of the table."""
-
-    def __enter__(self) -> None:
-        self.level = logging.getLogger("artifacts").level
-        logging.getLogger("artifacts").setLevel(logging.ERROR)
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("artifacts").setLevel(self.level)
+    logger = logging.getLogger("artifacts")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

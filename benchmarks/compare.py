@@ -97,7 +97,22 @@ def _train_flops(model: nn.Module, batch: dict[str, np.ndarray], trainable: set[
     return float(counter.get_total_flops())
 
 
-def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int) -> dict[str, Any]:
+WIDTH = 0.10
+"""Blocks repeat until the speed-up's 95 % interval spans at most this share of its median."""
+
+
+def ratio_interval(ratios: list[float], *, level: float = 0.95, draws: int = 4000) -> tuple[float, float]:
+    """A seeded bootstrap interval of the median of paired per-block ratios (PyTorch / SDK).
+
+    Each block of the SDK runs next to a block of PyTorch, so a ratio per pair cancels the
+    machine's slow drifts; the interval says how far the median of those ratios can be trusted.
+    """
+    samples = np.random.default_rng(0).choice(np.asarray(ratios), size=(draws, len(ratios)), replace=True)
+    low, high = np.quantile(np.median(samples, axis=1), [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int, max_blocks: int) -> dict[str, Any]:
     from ondevice import Trainer
 
     model = case.build()
@@ -141,10 +156,17 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int) ->
         return (time.perf_counter() - t) / n
 
     ort_block(3, 0), torch_block(3, 0)  # warm-up
-    ort_times, torch_times = [], []
-    for b in range(blocks):
-        ort_times.append(ort_block(steps, b * steps))
-        torch_times.append(torch_block(steps, b * steps))
+    ort_times: list[float] = []
+    torch_times: list[float] = []
+    while True:  # `blocks` pairs, then 3 more at a time while the interval is wide
+        for _ in range(blocks if not ort_times else 3):
+            offset = len(ort_times) * steps
+            ort_times.append(ort_block(steps, offset))
+            torch_times.append(torch_block(steps, offset))
+        ratios = [t / o for t, o in zip(torch_times, ort_times)]
+        low, high = ratio_interval(ratios)
+        if high - low <= WIDTH * statistics.median(ratios) or len(ort_times) >= max_blocks:
+            break
     ort_step, torch_step = statistics.median(ort_times), statistics.median(torch_times)
     flops = _train_flops(case.build(), batches[0], {t.name for t in manifest.trainable})
     return {
@@ -155,7 +177,10 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int) ->
         "torch_step_ms": 1e3 * torch_step,
         "ort_spread_ms": [1e3 * min(ort_times), 1e3 * max(ort_times)],
         "torch_spread_ms": [1e3 * min(torch_times), 1e3 * max(torch_times)],
-        "speedup": torch_step / ort_step,
+        "speedup": statistics.median(ratios),
+        "speedup_interval": [low, high],
+        "noisy": high - low > WIDTH * statistics.median(ratios),
+        "blocks": len(ort_times),
         "train_gflop_per_step": flops / 1e9,
         "ort_gflops": flops / ort_step / 1e9,
         "generation_s": generation_s,
@@ -255,12 +280,12 @@ def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
     try:
         chosen = [c for c in cases() if not quick or c.name in ("digits sample", "MLP 784-256-128-10")]
-        blocks, steps, repeat = (3, 5, 1) if quick else (9, 20, 3)
+        blocks, max_blocks, steps, repeat = (3, 3, 5, 1) if quick else (9, 18, 20, 3)
         peak = matmul_gflops(threads)
         rows = []
         for case in chosen:
             print(f"bench: {case.name}", file=sys.stderr, flush=True)
-            row = measure(case, work, threads=threads, blocks=blocks, steps=steps)
+            row = measure(case, work, threads=threads, blocks=blocks, steps=steps, max_blocks=max_blocks)
             process_figures(case, row, work, threads, repeat)
             row["matmul_share"] = row["ort_gflops"] / peak
             rows.append(row)
@@ -277,16 +302,20 @@ def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Threads: {result['threads']} on both sides; machine matmul rate {result['matmul_gflops']:.1f} GFLOP/s "
-        "(float32 1024x1024, torch).",
+        "(float32 1024x1024, torch). Speed-up: the median of per-block ratios (PyTorch / SDK, blocks "
+        f"interleaved), with its 95 % bootstrap interval; blocks repeat until the interval spans at most "
+        f'{WIDTH:.0%} of the median ("noisy" when it still did not).',
         "",
-        "| model | batch | SDK step | PyTorch step | speedup | SDK GFLOP/s (share of matmul rate) "
-        "| peak RSS SDK / PyTorch | import SDK / PyTorch | load + first step SDK / PyTorch | generation | artifacts |",
+        "| model | batch | SDK step | PyTorch step | speedup (95 % interval, blocks) "
+        "| SDK GFLOP/s (share of matmul rate) | peak RSS SDK / PyTorch | import SDK / PyTorch "
+        "| load + first step SDK / PyTorch | generation | artifacts |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['ort_step_ms']:.2f} ms | {r['torch_step_ms']:.2f} ms | "
-            f"{r['speedup']:.2f}x | {r['ort_gflops']:.1f} ({100 * r['matmul_share']:.0f} %) | "
+            f"{r['speedup']:.2f}x ({r['speedup_interval'][0]:.2f}-{r['speedup_interval'][1]:.2f}, {r['blocks']}"
+            f"{', noisy' if r['noisy'] else ''}) | {r['ort_gflops']:.1f} ({100 * r['matmul_share']:.0f} %) | "
             f"{r['rss_ort_mib']:.0f} / {r['rss_torch_mib']:.0f} MiB | "
             f"{r['import_ort_s']:.2f} / {r['import_torch_s']:.2f} s | "
             f"{1e3 * r['load_first_step_ort_s']:.0f} / {1e3 * r['load_first_step_torch_s']:.0f} ms | "

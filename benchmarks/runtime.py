@@ -21,18 +21,23 @@ sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 
-BATCH, STEPS, BLOCKS = 32, 200, 15
+BATCH, BLOCKS = 32, 31
 
 COLD_START = """
 import time, sys
 t0 = time.perf_counter()
 import numpy as np
+t1 = time.perf_counter()
 from ondevice import Trainer
+t2 = time.perf_counter()
 trainer = Trainer.load(sys.argv[1])
+t3 = time.perf_counter()
 batch = {"input": np.zeros((32, 64), np.float32), "labels": np.zeros(32, np.int64)}
 trainer.train_step(batch)
-print(time.perf_counter() - t0)
+t4 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 """
+COLD_PARTS = ("import numpy", "import ondevice (with ONNX Runtime)", "Trainer.load", "first step")
 
 RSS_ONDEVICE = """
 import sys, numpy as np
@@ -61,8 +66,12 @@ print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).sp
 
 
 def _run(code: str, *args: str) -> float:
+    return _run_all(code, *args)[0]
+
+
+def _run_all(code: str, *args: str) -> list[float]:
     result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
-    return float(result.stdout.strip().splitlines()[-1])
+    return [float(v) for v in result.stdout.strip().splitlines()[-1].split()]
 
 
 def overhead(artifacts: Path, train: dict) -> dict[str, float]:
@@ -74,8 +83,10 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
     from ondevice.session import OrtTraining
 
     trainer = Trainer.load(artifacts)
-    raw = OrtTraining(artifacts)
-    raw.set_learning_rate(trainer.lr)
+    # The raw loop drives the trainer's own ORT objects: one set of threads and one memory arena,
+    # so the difference is the trainer's Python alone (two sessions' spinning thread pools on
+    # two cores disturbed each other by more than the overhead being measured).
+    raw: OrtTraining = trainer._session
     size = len(train["labels"])
     steps = -(-size // BATCH)
     batch = {k: v[:BATCH] for k, v in train.items()}
@@ -108,14 +119,34 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
         times["raw"].append(raw_epoch())
         times["fit"].append(fit_epoch())
         times["step"].append(step_block())
-    ratio = {k: statistics.median(t / r for t, r in zip(times[k], times["raw"])) for k in ("fit", "step")}
+    ratios = {k: [t / r for t, r in zip(times[k], times["raw"])] for k in ("fit", "step")}
+    ratio = {k: statistics.median(v) for k, v in ratios.items()}
+    quartiles = {k: statistics.quantiles(v, n=4) for k, v in ratios.items()}
     return {
         "raw_ort_step_ms": 1e3 * statistics.median(times["raw"]),
         "fit_step_ms": 1e3 * statistics.median(times["fit"]),
         "train_step_ms": 1e3 * statistics.median(times["step"]),
         "fit_overhead_pct": 100 * (ratio["fit"] - 1),
+        "fit_overhead_iqr_pct": [100 * (q - 1) for q in (quartiles["fit"][0], quartiles["fit"][2])],
         "train_step_overhead_pct": 100 * (ratio["step"] - 1),
     }
+
+
+def fetch_reading(artifacts: Path, train: dict) -> dict[str, float]:
+    """Microseconds to turn one step's fetched outputs into numpy: iterating ORT's OrtValueVector
+    (how ORT's own Python API reads them) against indexing it (what ondevice.session does)."""
+    import timeit
+
+    from ondevice.session import C, OrtTraining
+
+    session = OrtTraining(artifacts)
+    fetches = C.OrtValueVector()
+    session.module.train_step([train["input"][:BATCH], train["labels"][:BATCH]], fetches)
+    ways = {
+        "iterating": lambda: [value.numpy() for value in fetches],
+        "by_index": lambda: [fetches[i].numpy() for i in range(len(fetches))],
+    }
+    return {f"fetch_{k}_us": 1e6 * min(timeit.repeat(f, number=2000, repeat=5)) / 2000 for k, f in ways.items()}
 
 
 def main() -> int:
@@ -134,9 +165,11 @@ def main() -> int:
     paths = prepare(work / "data")
     artifacts = work / "artifacts"
     generate(build(), {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)
-    figures = overhead(artifacts, load_npz(str(paths["train"])))
-    cold = [_run(COLD_START, str(artifacts)) for _ in range(7)]
-    figures["import_load_first_step_s"] = statistics.median(cold)
+    train = load_npz(str(paths["train"]))
+    figures = {**overhead(artifacts, train), **fetch_reading(artifacts, train)}
+    cold = [_run_all(COLD_START, str(artifacts)) for _ in range(7)]
+    figures["import_load_first_step_s"] = statistics.median(sum(parts) for parts in cold)
+    figures["cold_start_parts_ms"] = {k: 1e3 * statistics.median(p[i] for p in cold) for i, k in enumerate(COLD_PARTS)}
     rss_ondevice = [_run(RSS_ONDEVICE, str(artifacts), str(paths["train"])) for _ in range(3)]
     rss_torch = [_run(RSS_TORCH, "", str(paths["train"]), str(ROOT / "samples" / "digits")) for _ in range(3)]
     figures["peak_rss_ondevice_mib"] = statistics.median(rss_ondevice) / 2**20
@@ -149,13 +182,19 @@ def main() -> int:
         ("`Trainer.fit`, per step (NaN guard, metrics, seeded dropout)", f"{f['fit_step_ms']:.3f} ms"),
         (
             f"`Trainer.fit` overhead over the raw loop (median of {BLOCKS} interleaved epochs)",
-            f"{f['fit_overhead_pct']:.1f} %",
+            f"{f['fit_overhead_pct']:.1f} % (quartiles {f['fit_overhead_iqr_pct'][0]:.1f} to "
+            f"{f['fit_overhead_iqr_pct'][1]:.1f} %)",
         ),
         (
             "`Trainer.train_step(batch)`, which also validates every batch",
             f"{f['train_step_ms']:.3f} ms ({f['train_step_overhead_pct']:+.1f} %)",
         ),
+        (
+            "reading a step's outputs into numpy: iterating ORT's `OrtValueVector` / by index (best of 5)",
+            f"{f['fetch_iterating_us']:.1f} / {f['fetch_by_index_us']:.1f} us",
+        ),
         ("import + load + first step (median of 7 processes)", f"{f['import_load_first_step_s'] * 1e3:.0f} ms"),
+        *((f"- of which {k} (median)", f"{v:.1f} ms") for k, v in f["cold_start_parts_ms"].items()),
         ("peak RSS, training process, ondevice", f"{f['peak_rss_ondevice_mib']:.0f} MiB"),
         ("peak RSS, training process, PyTorch eager", f"{f['peak_rss_torch_mib']:.0f} MiB"),
     ]

@@ -16,7 +16,9 @@ def test_bench_quick_writes_well_formed_results(tmp_path, capsys):
         for key in ("ort_step_ms", "torch_step_ms", "speedup", "ort_gflops", "rss_ort_mib", "rss_torch_mib",
                     "import_ort_s", "load_first_step_ort_s", "generation_s", "artifact_bytes"):  # fmt: skip
             assert row[key] > 0, key
-        assert len(row["ort_losses"]) == len(row["torch_losses"]) == 15
+        assert len(row["ort_losses"]) == len(row["torch_losses"]) == 15 and row["blocks"] == 3
+        low, high = row["speedup_interval"]
+        assert low <= row["speedup"] <= high  # the bootstrap interval brackets the median ratio
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| ") == 2 + len(result["rows"]) - 1 and "| digits sample | 32 |" in table
     assert (tmp_path / "bench_steps.png").stat().st_size > 5_000

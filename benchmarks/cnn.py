@@ -1,0 +1,140 @@
+"""CNN benchmark: where the benchmark CNN's training step goes, and what the ReLU rewrite buys.
+
+ORT's profiler over the step (milliseconds per op type, with and without the ReluGrad rewrite),
+and the step time of the rewritten graph, of ORT's own ReluGrad and of the rewritten graph with
+thread spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
+Run: .venv/bin/python benchmarks/cnn.py [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from benchmarks._machine import machine  # noqa: E402
+
+BATCH, THREADS, STEPS, BLOCKS, PROFILED = 64, 2, 5, 11, 12
+
+
+def build(work: Path) -> dict[str, Path]:
+    """The benchmark CNN as artifacts with the rewrite (as generated) and with ORT's ReluGrad."""
+    from artifacts import generate, pipeline
+    from benchmarks.models import cases
+
+    case = next(c for c in cases() if c.name == "CNN")
+    paths = {"rewritten": work / "rewritten", "ORT's ReluGrad": work / "relugrad"}
+    generate(case.build(), case.inputs(BATCH), paths["rewritten"], verify=False)
+    with mock.patch.object(pipeline, "rewrite_relu_grad", lambda training: 0):
+        generate(case.build(), case.inputs(BATCH), paths["ORT's ReluGrad"], verify=False)
+    return paths
+
+
+def _objects(directory: Path, *, spinning: bool = True, profile: str | None = None):  # type: ignore[no-untyped-def]
+    from ondevice.session import _CPU, C, session_options
+
+    options = session_options(THREADS)
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile
+    state = C.load_checkpoint(str(directory / "checkpoint"))
+    module = C.Module(str(directory / "training_model.onnx"), state, str(directory / "eval_model.onnx"), _CPU, options)
+    optimizer = C.Optimizer(str(directory / "optimizer_model.onnx"), state, _CPU, session_options(THREADS))
+    return module, optimizer, state  # the state must outlive the module
+
+
+def _step(objects, batch) -> None:  # type: ignore[no-untyped-def]
+    from ondevice.session import C
+
+    module, optimizer, _ = objects
+    module.train_step(batch, C.OrtValueVector())
+    optimizer.optimizer_step()
+    module.lazy_reset_grad()
+
+
+def profile(directory: Path, batch: list[np.ndarray], work: Path) -> dict[str, float]:
+    """Milliseconds per step by op type, from ORT's profiler over PROFILED steps."""
+    objects = _objects(directory, profile=str(work / f"profile-{directory.name}"))
+    for _ in range(PROFILED):
+        _step(objects, batch)
+    del objects  # ORT writes the trace when the session goes
+    trace = max(work.glob(f"profile-{directory.name}*.json"), key=lambda p: p.stat().st_mtime)
+    per_op: collections.Counter[str] = collections.Counter()
+    for event in json.loads(trace.read_text()):
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"]["op_name"]] += event["dur"] / 1e3 / PROFILED
+    return dict(per_op.most_common())
+
+
+def step_times(paths: dict[str, Path], batch: list[np.ndarray]) -> dict[str, dict[str, float]]:
+    """Median step of each variant and its median ratio to the rewritten graph (interleaved blocks)."""
+    variants = {
+        "rewritten": _objects(paths["rewritten"]),
+        "ORT's ReluGrad": _objects(paths["ORT's ReluGrad"]),
+        "rewritten, spinning off": _objects(paths["rewritten"], spinning=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for objects in variants.values():
+        _step(objects, batch)  # warm-up
+    for _ in range(BLOCKS):
+        for name, objects in variants.items():
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                _step(objects, batch)
+            times[name].append(1e3 * (time.perf_counter() - start) / STEPS)
+    base = times["rewritten"]
+    return {
+        name: {"step_ms": statistics.median(t), "ratio": statistics.median(a / b for a, b in zip(t, base))}
+        for name, t in times.items()
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    out = Path(parser.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="odt-cnn-bench-"))
+    paths = build(work)
+    rng = np.random.default_rng(0)
+    batch = [rng.standard_normal((BATCH, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, BATCH)]
+    profiles = {name: profile(path, batch, work) for name, path in paths.items()}
+    steps = step_times(paths, batch)
+    (out / "cnn.json").write_text(json.dumps({"machine": machine(), "profiles": profiles, "steps": steps}, indent=2))
+    ops = sorted(set().union(*profiles.values()), key=lambda op: -max(p.get(op, 0.0) for p in profiles.values()))
+    names = list(profiles)
+    lines = [
+        f"ORT's profile of the benchmark CNN's training step (batch {BATCH}, {THREADS} threads, ms per step, "
+        f"mean of {PROFILED} steps):",
+        "",
+        "| op | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+        *(f"| {op} | " + " | ".join(f"{profiles[n].get(op, 0.0):.2f}" for n in names) + " |" for op in ops[:12]),
+        "| all kernels | " + " | ".join(f"{sum(profiles[n].values()):.2f}" for n in names) + " |",
+        "",
+        f"Step time ({BLOCKS} interleaved blocks of {STEPS} steps, medians; ratio to the rewritten graph):",
+        "",
+        "| variant | step | ratio |",
+        "|---|---:|---:|",
+        *(f"| {name} | {s['step_ms']:.2f} ms | {s['ratio']:.3f} |" for name, s in steps.items()),
+    ]
+    (out / "cnn.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
