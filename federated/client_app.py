@@ -55,11 +55,13 @@ PERSONAL = "odt.personal"
 """Key of the node's own state record that keeps its personal tensors between rounds."""
 
 
-def _task(msg: Message, context: Context):  # type: ignore[no-untyped-def]
+def _task(msg: Message, context: Context, *, for_evaluation: bool = False):  # type: ignore[no-untyped-def]
     settings = Settings.from_config(context.run_config)
     config: ConfigRecord = msg.content[CONFIG]
     artifacts = node_artifacts(settings, context.node_config)
-    trainer = node_trainer(artifacts, str(config["manifest-sha256"]), str(config.get("tier-sha256s", "")))
+    trainer = node_trainer(
+        artifacts, str(config["manifest-sha256"]), str(config.get("tier-sha256s", "")), for_evaluation=for_evaluation
+    )
     global_weights = from_arrays(msg.content[ARRAYS])
     if config.get("partial"):  # mixed tiers or personal tensors: take the global part this node trains
         weights, buffers = {**trainer.get_weights(), **fit_to(trainer.manifest, global_weights)}, {}
@@ -110,7 +112,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     if _relay(context) is not None:  # devices behind a relay do not evaluate: the server does, centrally
         return skip_evaluation(msg)
-    settings, _, trainer, global_weights, _, val = _task(msg, context)
+    settings, _, trainer, global_weights, _, val = _task(msg, context, for_evaluation=True)
     result = trainer.evaluate(val)
     metrics = {"num-examples": len(next(iter(val.values()))), "eval-loss": result["loss"]}
     if "accuracy" in result:

@@ -11,10 +11,12 @@ from ondevice.files import atomic_write_bytes
 __all__ = ["round_row", "write_report", "save_weights"]
 
 
-def round_row(server_round: int, central: dict[str, Any], seen: Any) -> dict[str, Any]:
-    """One report row: the central evaluation and what the guard saw in the round (None for round 0)."""
+def round_row(server_round: int, central: dict[str, Any], seen: Any, seconds: float) -> dict[str, Any]:
+    """One report row: the central evaluation and what the guard saw in the round (None for round 0),
+    with the round's wall time in seconds (sampling, client tasks, aggregation, central evaluation)."""
     row: dict[str, Any] = {"round": server_round, **{f"central.{k}": v for k, v in central.items()}}
     if seen is not None:
+        row["seconds"] = seconds
         row.update({f"clients_train.{k}": v for k, v in seen.train_metrics.items()})
         row.update({f"clients_eval.{k}": v for k, v in seen.eval_metrics.items()})
         row["bytes_down"] = seen.bytes_down

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -91,15 +92,19 @@ def main(grid: Grid, context: Context) -> None:
             strategy.offset, initial, rows = state.server_round, state.arrays, state.rows[: state.server_round + 1]
             print(f"odt: resuming after round {state.server_round} of {settings.num_server_rounds}", flush=True)
 
+    ended = [time.monotonic()]  # when the previous round ended
+
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate the global model, then record the round (report row, updates, run state)."""
         server_round += strategy.offset
         load(arrays)
         metrics = evaluator.evaluate(test)
+        now = time.monotonic()
+        seconds, ended[0] = now - ended[0], now
         accuracy = metrics.get("accuracy", float("nan"))
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
         if server_round == len(rows):
-            rows.append(round_row(server_round, metrics, strategy.rounds.get(server_round)))
+            rows.append(round_row(server_round, metrics, strategy.rounds.get(server_round), seconds))
             for node, (count, weights) in getattr(strategy.rounds.get(server_round), "accepted", {}).items():
                 save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)
             save_run_state(out, server_round=server_round, arrays=from_arrays(arrays), strategy=inner, rows=rows,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
@@ -11,10 +14,12 @@ from flwr.supercore.task_identity import TaskIdentity
 from federated.client_app import app as client_app
 from federated.codec import encode
 from federated.errors import ArtifactMismatchError
+from federated.partitions import partition
 from federated.protocol import from_arrays, hash_tag, to_arrays
 from federated.strategy import GuardedStrategy, make_strategy
-from federated.task import manifest_sha256
+from federated.task import Settings, manifest_sha256, node_data, node_trainer
 from ondevice import Manifest, Trainer
+from ondevice.errors import ArtifactIntegrityError
 
 
 @pytest.fixture(autouse=True)
@@ -175,3 +180,65 @@ def test_client_side_clipping_mod_clips_the_update(setup, digits_artifacts, data
 def test_client_side_dp_strategy_by_name():
     strategy = make_strategy("fedavg", min_nodes=2, dp_noise=0.1, dp_clip=0.5, dp_mode="client")
     assert type(strategy).__name__ == "DifferentialPrivacyClientSideFixedClipping"
+
+
+def _evaluation(weights: dict, sha: str) -> Message:
+    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 1})
+    return Message(
+        RecordDict({"arrays": to_arrays(weights), "config": config}), dst_node_id=5, message_type=MessageType.EVALUATE
+    )
+
+
+def test_evaluation_reuses_one_trainer_and_leaks_nothing_between_tasks(setup, digits_artifacts, data_dir, tmp_path):
+    """Evaluate tasks share one loaded trainer per process; each one's metrics are those of a fresh
+    trainer given the same weights, and a file replaced on disk is loaded (and hash-checked) again."""
+    _, sha, global_weights = setup
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(digits_artifacts, artifacts)
+    context = _context(artifacts, data_dir)
+    _, val = node_data(Settings.from_config(context.run_config), context.node_config, str(artifacts))
+    first = node_trainer(str(artifacts), sha, for_evaluation=True)
+    first.set_weights({k: np.zeros_like(v) for k, v in global_weights.items()})
+    again = node_trainer(str(artifacts), sha, for_evaluation=True)
+    assert again is first  # loaded once...
+    for k, v in again.get_weights().items():  # ...and handed out as loaded
+        np.testing.assert_array_equal(v, global_weights[k])
+    for shift in (0.0, 0.01, -0.02):
+        weights = _shifted(global_weights, shift)
+        metrics = client_app(_evaluation(weights, sha), context).content["metrics"]
+        fresh = Trainer.load(artifacts)
+        fresh.set_weights(weights)
+        assert metrics["eval-loss"] == pytest.approx(fresh.evaluate(val)["loss"], rel=1e-6)
+
+    checkpoint = artifacts / "checkpoint"
+    raw = bytearray(checkpoint.read_bytes())
+    raw[-1] ^= 0xFF
+    checkpoint.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactIntegrityError, match="checkpoint was altered"):
+        node_trainer(str(artifacts), sha, for_evaluation=True)
+
+
+def test_node_data_is_read_once_and_again_when_its_file_changes(digits_data, tmp_path):
+    directory = tmp_path / "data"
+    directory.mkdir()
+    train = directory / "train.npz"
+    np.savez(train, **digits_data["train"])
+    settings = Settings.from_config({"artifacts": "unused", "data": str(directory), "partitioning": "dirichlet"})
+    node = {"partition-id": 2, "num-partitions": 5}
+    first, _ = node_data(settings, node, "unused")
+    second, _ = node_data(settings, node, "unused")
+    for k in first:
+        np.testing.assert_array_equal(first[k], second[k])
+    changed = {k: v[::-1].copy() for k, v in digits_data["train"].items()}  # same size, other order
+    os.replace(_saved(tmp_path / "new.npz", changed), train)
+    third, _ = node_data(settings, node, "unused")
+    labels = np.asarray(changed["labels"])
+    parts = partition(labels, 5, scheme="dirichlet", alpha=settings.dirichlet_alpha, seed=settings.seed)
+    order = np.random.default_rng(settings.seed).permutation(len(parts[2]))
+    expected = changed["input"][parts[2]][order[max(1, len(order) // 5) :]]
+    np.testing.assert_array_equal(third["input"], expected)
+
+
+def _saved(path, arrays: dict):  # type: ignore[no-untyped-def]
+    np.savez(path, **arrays)
+    return path

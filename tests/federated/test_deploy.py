@@ -39,9 +39,13 @@ def _accuracies(report: dict) -> list[float]:
 
 def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative work directory, as `make demo` passes (flwr runs in the app folder)
+    start = time.monotonic()
     report = simulate(
         4, _config(digits_artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 3}), work=Path("w")
     )
+    wall = time.monotonic() - start
+    seconds = [row["seconds"] for row in report["rounds"][1:]]  # each round's wall time, from the server
+    assert all(s > 0 for s in seconds) and sum(seconds) < wall
     accuracy = _accuracies(report)
     assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.3
     assert all(row["bytes_up"] > 0 for row in report["rounds"][1:])
