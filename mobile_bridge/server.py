@@ -159,6 +159,31 @@ class BodyGuard:
                 await _json(send, 413, f"request body over {self.limit} bytes")
 
 
+ISOLATION_HEADERS = [
+    (b"cross-origin-opener-policy", b"same-origin"),
+    (b"cross-origin-embedder-policy", b"require-corp"),
+]
+
+
+class CrossOriginIsolated:
+    """ASGI middleware: the demo page and its files come with COOP/COEP headers, so the page is
+    cross-origin isolated (SharedArrayBuffer, which onnxruntime-web's WASM threads need)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/web"):
+            return await self.app(scope, receive, send)
+
+        async def isolated(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *ISOLATION_HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, isolated)
+
+
 async def _json(send: Any, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -229,6 +254,7 @@ def create_app(
     )
     app.state.store, app.state.size, app.state.bundle_sha256 = store, size, sha
     app.add_middleware(BodyGuard, limit=limit, authorized=authorized)
+    app.add_middleware(CrossOriginIsolated)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -5,6 +5,10 @@
 //   const weights = await client.getWeights();   // Float32Array in manifest order
 //   await client.setWeights(weights);
 //
+// Or the same client in a Web Worker, so that training never blocks the page:
+//
+//   const client = await WorkerClient.load("/bundle/", { ortUrl: "/ort/ort.training.wasm.min.mjs", wasmPaths: "/ort/" });
+//
 // Every check happens before ORT sees the data: ORT web reports bad dtypes or shapes as bare numbers.
 
 export class BundleError extends Error {
@@ -185,6 +189,91 @@ export class OdtClient {
   }
 }
 
+const ERRORS = { BundleError, InputError };
+
+/**
+ * OdtClient's methods, run by a Web Worker (odt-worker.mjs): the page's thread only posts
+ * messages, so it stays responsive while ORT trains. Batches and weights are posted once per call
+ * (a `fit` posts its data once, not per step); weights come back by transfer, without a copy.
+ */
+export class WorkerClient {
+  constructor(worker) {
+    this.worker = worker;
+    this.pending = new Map();
+    this.nextId = 0;
+    worker.onmessage = ({ data }) => {
+      const call = this.pending.get(data.id);
+      if (!call) return;
+      if (data.progress) return call.onProgress(data.progress);
+      this.pending.delete(data.id);
+      if (data.error) {
+        const error = new (ERRORS[data.error.name] ?? Error)(data.error.message);
+        error.name = data.error.name;
+        call.reject(error);
+      } else call.resolve(data.value);
+    };
+    worker.onerror = (event) => {
+      event.preventDefault();
+      const error = new BundleError(`the training worker failed: ${event.message ?? "it could not start"}`);
+      for (const call of this.pending.values()) call.reject(error);
+      this.pending.clear();
+    };
+  }
+
+  /**
+   * Start a worker and load a bundle in it (every hash checked, the signature with a key).
+   * `ortUrl`: onnxruntime-web's training module; `wasmPaths`: the folder of its .wasm files.
+   */
+  static async load(baseUrl, { ortUrl, wasmPaths, numThreads = 1, publicKeyPem = null, headers = {},
+                               workerUrl = new URL("./odt-worker.mjs", import.meta.url) } = {}) {
+    if (!ortUrl || !wasmPaths) throw new InputError("WorkerClient.load needs ortUrl and wasmPaths (onnxruntime-web's files)");
+    const absolute = (url) => new URL(url, location.href).href; // the worker resolves URLs against its own
+    const client = new WorkerClient(new Worker(workerUrl, { type: "module" }));
+    try {
+      const loaded = await client.call("load", [absolute(ortUrl), absolute(wasmPaths), numThreads, absolute(baseUrl),
+                                                { publicKeyPem, headers }]);
+      Object.assign(client, loaded, { specs: [...loaded.description.inputs, ...loaded.description.targets] });
+      return client;
+    } catch (error) {
+      client.terminate();
+      throw error;
+    }
+  }
+
+  call(op, args, onProgress = () => {}) {
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject, onProgress });
+      this.worker.postMessage({ id, op, args });
+    });
+  }
+
+  trainStep(batch, size) {
+    return this.call("trainStep", [batch, size]);
+  }
+
+  async fit(data, count, { epochs = 1, batchSize = 32, onProgress = () => {} } = {}) {
+    const { losses, lastEpoch } = await this.call("fit", [data, count, { epochs, batchSize }], onProgress);
+    this.lastEpoch = lastEpoch;
+    return losses;
+  }
+
+  getWeights() {
+    return this.call("getWeights", []);
+  }
+
+  setWeights(weights) {
+    return this.call("setWeights", [weights]);
+  }
+
+  /** Stop the worker (and ORT in it); pending calls fail. */
+  terminate() {
+    this.worker.terminate();
+    for (const call of this.pending.values()) call.reject(new BundleError("the training worker was stopped"));
+    this.pending.clear();
+  }
+}
+
 /**
  * Typed arrays for a bundle's feeds from plain arrays keyed by name (numbers, or numeric strings
  * for int64): `{ data, count }`, with `count` examples. Works for any input names and dtypes.
@@ -285,6 +374,11 @@ export class BridgeClient {
 
   loadBundle(ort, options = {}) {
     return OdtClient.load(ort, `${this.base}/v1/bundle/`, { ...options, headers: this.headers });
+  }
+
+  /** The bundle in a Web Worker (a WorkerClient; `options` as for WorkerClient.load). */
+  loadBundleInWorker(options) {
+    return WorkerClient.load(`${this.base}/v1/bundle/`, { ...options, headers: this.headers });
   }
 
   /** Poll until the server has a task for this device (HTTP 204 means: not yet); its weights arrive binary. */

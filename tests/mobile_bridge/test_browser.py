@@ -34,6 +34,7 @@ def site(tmp_path):
     root = tmp_path / "site"
     root.mkdir()
     shutil.copy(WEB / "odt-web.mjs", root / "odt-web.mjs")
+    shutil.copy(WEB / "odt-worker.mjs", root / "odt-worker.mjs")
     (root / "index.html").write_text("<!doctype html><title>odt test</title>")
     os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", root / "ort")
     handler = functools.partial(_QuietHandler, directory=str(root))
@@ -84,11 +85,14 @@ def _python(bundle: Path, steps: list[dict], weights: np.ndarray | None = None) 
     return losses, session.get_flat()
 
 
-def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tmp_path):
+@pytest.mark.parametrize("worker", [False, True], ids=["page", "web-worker"])
+def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tmp_path, worker):
+    """On the page's thread and in a Web Worker (WorkerClient): the same steps as Python ORT, and a
+    bad batch is refused with the client's own error type (across the worker's message boundary)."""
     root, url = site
     make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01, schedule="cosine", total_steps=6, warmup=2)
     steps = _steps(digits_data, 8)
-    result = _browser(url, {"steps": steps, "badInput": True}, tmp_path)
+    result = _browser(url, {"steps": steps, "badInput": True, "worker": worker}, tmp_path)
     assert result["ok"], result
     losses, weights = _python(root / "bundle", steps)
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
@@ -169,8 +173,9 @@ def test_browser_refuses_tampered_bundles(digits_artifacts, site, tmp_path, dama
     private, public = keygen(tmp_path / "key")
     make_bundle(digits_artifacts, root / "bundle", sign_key=private)
     damage(root / "bundle")
-    result = _browser(url, {"publicKeyPem": public.read_text(), "steps": []}, tmp_path)
-    assert not result["ok"] and message in result["error"], result
+    for worker in (False, True):
+        result = _browser(url, {"publicKeyPem": public.read_text(), "steps": [], "worker": worker}, tmp_path)
+        assert not result["ok"] and result["error"].startswith("BundleError: ") and message in result["error"], result
 
 
 def test_signed_bundle_loads_in_the_browser(digits_artifacts, site, tmp_path):

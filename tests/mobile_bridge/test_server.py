@@ -205,3 +205,13 @@ def test_duplicate_device_name(api):
     _device(api, "tablet")
     assert api.post("/v1/devices", json={"name": "tablet", "enrolment": ENROL}).status_code == 409
     assert api.post("/v1/devices", json={"name": "bad name!", "enrolment": ENROL}).status_code == 422
+
+
+def test_the_page_and_its_files_are_served_cross_origin_isolated(api):
+    """COOP/COEP on /web (SharedArrayBuffer, which WASM threads need); the API's JSON is unchanged."""
+    for path in ("/web/", "/web/odt-web.mjs", "/web/odt-worker.mjs"):
+        response = api.get(path)
+        assert response.status_code == 200, path
+        assert response.headers["cross-origin-opener-policy"] == "same-origin"
+        assert response.headers["cross-origin-embedder-policy"] == "require-corp"
+    assert "cross-origin-embedder-policy" not in api.get("/openapi.json").headers

@@ -67,13 +67,20 @@ try {
     }
     const t0 = performance.now();
     try {
-      const client = await odt.OdtClient.load(ort, "/bundle/", { publicKeyPem: task.publicKeyPem ?? null });
+      const options = { publicKeyPem: task.publicKeyPem ?? null };
+      const client = task.worker  // the same client in a Web Worker
+        ? await odt.WorkerClient.load("/bundle/", { ...options, ortUrl: `${ortBase}ort.training.wasm.min.mjs`,
+                                                    wasmPaths: ortBase, numThreads: task.threads ?? 1 })
+        : await odt.OdtClient.load(ort, "/bundle/", options);
       const loaded = performance.now() - t0;
       if (task.weights) await client.setWeights(Float32Array.from(task.weights));
       const initial = Array.from(await client.getWeights());
       const losses = [];
       const stepTimes = [];
       const appliedSteps = [];
+      // The page's responsiveness while it trains: the longest gap between ticks of a 4 ms timer.
+      const ticks = [performance.now()];
+      const timer = setInterval(() => ticks.push(performance.now()), 4);
       for (const step of task.steps ?? []) {
         const batch = {};
         for (const spec of client.specs) {
@@ -87,6 +94,10 @@ try {
         if (stepTimes.length === 1) task.sinceOpenMs = performance.now(); // ms since the page's navigation began
         losses.push(loss);
       }
+      await new Promise((resolve) => setTimeout(resolve, 10));
+      clearInterval(timer);
+      ticks.push(performance.now());
+      const longestStallMs = Math.max(...ticks.slice(1).map((t, i) => t - ticks[i]));
       let badInput = null;
       if (task.badInput) {
         try {
@@ -95,8 +106,8 @@ try {
           badInput = `${error.name}: ${error.message}`;
         }
       }
-      return { ok: true, loadMs: loaded, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
-               applied: appliedSteps, isolated: self.crossOriginIsolated, threads: ort.env.wasm.numThreads,
+      return { ok: true, loadMs: loaded, longestStallMs, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
+               applied: appliedSteps, isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
                initial, weights: Array.from(await client.getWeights()), badInput };
     } catch (error) {
       return { ok: false, error: `${error.name}: ${error.message}` };
