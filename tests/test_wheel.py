@@ -121,6 +121,7 @@ def test_all_extra_runs_the_digits_flow_from_an_empty_directory(wheel, tmp_path)
         assert "<html" in page.decode().lower()
         assert len(_get(f"http://127.0.0.1:{port}/web/ort/ort-training-wasm-simd-threaded.wasm")) > 1_000_000
         assert b"export" in _get(f"http://127.0.0.1:{port}/web/odt-web.mjs")
+        assert b"OdtClient" in _get(f"http://127.0.0.1:{port}/web/odt-worker.mjs")  # the page trains in it
     finally:
         server.terminate()
         server.wait(timeout=30)
