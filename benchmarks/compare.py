@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from artifacts import AdamW, generate
+from artifacts import AdamW, Lora, generate
 
 from ._machine import machine
 from .models import Case, cases
@@ -73,6 +73,9 @@ def _batches(case: Case, count: int) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(1)
     out = []
     for _ in range(count):
+        if case.random_batch is not None:
+            out.append({**case.random_batch(rng, case.batch), "labels": rng.integers(0, case.classes, case.batch)})
+            continue
         inputs = {k: v.numpy() for k, v in case.inputs(case.batch).items()}
         if case.vocab:
             inputs = {k: rng.integers(0, case.vocab, v.shape).astype(np.int64) for k, v in inputs.items()}
@@ -119,13 +122,14 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int, ma
     example = {k: v for k, v in case.inputs(case.batch).items()}
     directory = work / case.name.replace(" ", "_").replace("(", "").replace(")", "")
     start = time.perf_counter()
-    manifest = generate(model, example, directory, trainable=case.trainable, optimizer=AdamW(), force=True)
+    lora = Lora(**case.lora) if case.lora else None
+    manifest = generate(model, example, directory, trainable=case.trainable, optimizer=AdamW(), lora=lora, force=True)
     generation_s = time.perf_counter() - start
     batches = _batches(case, 8)
 
     trainer = Trainer.load(directory, threads=threads)
     torch.set_num_threads(threads)
-    twin = case.build().train()
+    twin = case.torch_model().train()
     trained = [p for n, p in twin.named_parameters() if n in {t.name for t in manifest.trainable}]
     for p in twin.parameters():
         p.requires_grad_(p in set(trained))
@@ -168,11 +172,13 @@ def measure(case: Case, work: Path, *, threads: int, blocks: int, steps: int, ma
         if high - low <= WIDTH * statistics.median(ratios) or len(ort_times) >= max_blocks:
             break
     ort_step, torch_step = statistics.median(ort_times), statistics.median(torch_times)
-    flops = _train_flops(case.build(), batches[0], {t.name for t in manifest.trainable})
+    flops = _train_flops(case.torch_model(), batches[0], {t.name for t in manifest.trainable})
     return {
         "model": case.name,
         "batch": case.batch,
         "trainable_parameters": manifest.trainable_size,
+        "trainable_names": [t.name for t in manifest.trainable],
+        "steps_per_block": steps,
         "ort_step_ms": 1e3 * ort_step,
         "torch_step_ms": 1e3 * torch_step,
         "ort_spread_ms": [1e3 * min(ort_times), 1e3 * max(ort_times)],
@@ -203,17 +209,20 @@ print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).sp
 """
 
 RSS_TORCH = """
-import sys, torch, numpy as np
+import json, sys, torch, numpy as np
 sys.path.insert(0, sys.argv[4])
 from benchmarks.models import cases
 from benchmarks.compare import HFAdamW
 torch.set_num_threads(int(sys.argv[3]))
 case = next(c for c in cases() if c.name == sys.argv[1])
-model = case.build().train()
+model = case.torch_model().train()
+trainable = set(json.load(open(sys.argv[5])))  # what the SDK trains: the same set needs grads and moments here
+for name, p in model.named_parameters():
+    p.requires_grad_(name in trainable)
 data = np.load(sys.argv[2])
 inputs = [torch.from_numpy(data[k]) for k in data.files if k != "labels"]
 labels = torch.from_numpy(data["labels"])
-opt = HFAdamW([p for p in model.parameters()])
+opt = HFAdamW([p for p in model.parameters() if p.requires_grad])
 for _ in range(20):
     torch.nn.functional.cross_entropy(model(*inputs), labels).backward()
     opt.step(); opt.zero_grad()
@@ -232,7 +241,7 @@ print(t1 - t0, time.perf_counter() - t1)
 """
 
 COLD_TORCH = """
-import time, sys
+import json, time, sys
 t0 = time.perf_counter()
 import torch, numpy as np
 t1 = time.perf_counter()
@@ -240,9 +249,12 @@ sys.path.insert(0, sys.argv[3])
 from benchmarks.models import cases
 from benchmarks.compare import HFAdamW
 case = next(c for c in cases() if c.name == sys.argv[1])
-model = case.build().train()
+model = case.torch_model().train()
+trainable = set(json.load(open(sys.argv[4])))
+for name, p in model.named_parameters():
+    p.requires_grad_(name in trainable)
 data = np.load(sys.argv[2])
-opt = HFAdamW(list(model.parameters()))
+opt = HFAdamW([p for p in model.parameters() if p.requires_grad])
 torch.nn.functional.cross_entropy(model(*[torch.from_numpy(data[k]) for k in data.files if k != "labels"]),
                                   torch.from_numpy(data["labels"])).backward()
 opt.step()
@@ -256,16 +268,16 @@ def _python(code: str, *args: str) -> list[float]:
 
 
 def process_figures(case: Case, row: dict[str, Any], work: Path, threads: int, repeat: int) -> None:
-    batch_file = work / "batch.npz"
+    batch_file, names_file = work / "batch.npz", work / "trainable.json"
     np.savez(batch_file, **_batches(case, 1)[0])
+    names_file.write_text(json.dumps(row["trainable_names"]))
     rss_ort = statistics.median(
         _python(RSS_ORT, row["directory"], str(batch_file), str(threads))[0] for _ in range(repeat)
     )
-    rss_torch = statistics.median(
-        _python(RSS_TORCH, case.name, str(batch_file), str(threads), str(ROOT))[0] for _ in range(repeat)
-    )
+    torch_args = (case.name, str(batch_file), str(threads), str(ROOT), str(names_file))
+    rss_torch = statistics.median(_python(RSS_TORCH, *torch_args)[0] for _ in range(repeat))
     cold_ort = [_python(COLD_ORT, row["directory"], str(batch_file)) for _ in range(repeat)]
-    cold_torch = [_python(COLD_TORCH, case.name, str(batch_file), str(ROOT)) for _ in range(repeat)]
+    cold_torch = [_python(COLD_TORCH, case.name, str(batch_file), str(ROOT), str(names_file)) for _ in range(repeat)]
     row.update(
         rss_ort_mib=rss_ort / 2**20,
         rss_torch_mib=rss_torch / 2**20,
@@ -285,9 +297,12 @@ def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
         rows = []
         for case in chosen:
             print(f"bench: {case.name}", file=sys.stderr, flush=True)
-            row = measure(case, work, threads=threads, blocks=blocks, steps=steps, max_blocks=max_blocks)
+            row = measure(
+                case, work, threads=threads, blocks=blocks, steps=min(steps, case.steps), max_blocks=max_blocks
+            )
             process_figures(case, row, work, threads, repeat)
-            row["matmul_share"] = row["ort_gflops"] / peak
+            row["matmul_gflops"] = matmul_gflops(threads)  # the rate now, next to this row's steps
+            row["matmul_share"] = row["ort_gflops"] / row["matmul_gflops"]
             rows.append(row)
         result = {"machine": machine(), "threads": threads, "matmul_gflops": peak, "quick": quick, "rows": rows}
         out.mkdir(parents=True, exist_ok=True)
@@ -300,9 +315,11 @@ def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    rates = [r.get("matmul_gflops", result["matmul_gflops"]) for r in result["rows"]]
     lines = [
         f"Threads: {result['threads']} on both sides; machine matmul rate {result['matmul_gflops']:.1f} GFLOP/s "
-        "(float32 1024x1024, torch). Speed-up: the median of per-block ratios (PyTorch / SDK, blocks "
+        f"(float32 1024x1024, torch) at the start, {min(rates):.1f} to {max(rates):.1f} measured after each row "
+        "(a row's share is of the rate after it). Speed-up: the median of per-block ratios (PyTorch / SDK, blocks "
         f"interleaved), with its 95 % bootstrap interval; blocks repeat until the interval spans at most "
         f'{WIDTH:.0%} of the median ("noisy" when it still did not).',
         "",

@@ -1,12 +1,17 @@
-"""The benchmark models of issue #6, each with its example batch and how much of it trains."""
+"""The benchmark models of issue #6 (and issue #13's pretrained MiniLM), each with its example
+batch and how much of it trains."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,19 @@ class Case:
     classes: int
     trainable: tuple[str, ...] = field(default=())
     vocab: int = 0
+    lora: dict[str, Any] | None = None  # generate(lora=Lora(**lora)); PyTorch gets the same adapters
+    steps: int = 20  # steps per timed block (fewer for the slow models)
+    random_batch: Callable[[np.random.Generator, int], dict[str, np.ndarray]] | None = None  # inputs, no labels
+
+    def torch_model(self) -> nn.Module:
+        """The model PyTorch trains: the SDK's starting point, with the same adapters under LoRA."""
+        model = self.build()
+        if self.lora is None:
+            return model
+        from artifacts import Lora
+        from artifacts.lora import add_adapters
+
+        return add_adapters(model, Lora(**self.lora), seed=0)[0]
 
 
 class Encoder(nn.Module):
@@ -58,12 +76,36 @@ def _pixels(*shape: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return lambda b: {"input": torch.randn(b, *shape, generator=torch.Generator().manual_seed(0))}
 
 
-def cases() -> list[Case]:
-    from pathlib import Path
+SEQ, MINILM_BATCH, MINILM_CLASSES = 64, 16, 33
+MINILM_LAST_TWO = ("encoder.encoder.layer.4", "encoder.encoder.layer.5", "head")
+MINILM_LORA = {"rank": 8, "alpha": 16.0, "targets": ("query", "value")}
 
+
+def _minilm() -> nn.Module:
+    """The pretrained all-MiniLM-L6-v2 with mean pooling and a new head (the intents sample's model)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_intents_model", ROOT / "samples" / "intents" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.IntentClassifier(MINILM_CLASSES)
+
+
+def _tokens(rng: np.random.Generator, batch: int) -> dict[str, np.ndarray]:
+    """Full-length sequences of ordinary word-piece ids with every position attended."""
+    return {"ids": rng.integers(1_000, 30_000, (batch, SEQ)), "mask": np.ones((batch, SEQ), np.int64)}
+
+
+def _minilm_inputs(batch: int) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in _tokens(np.random.default_rng(0), batch).items()}
+
+
+def cases() -> list[Case]:
     from artifacts.loading import load_factory
 
-    sample = Path(__file__).resolve().parents[1] / "samples" / "digits" / "model.py"
+    sample = ROOT / "samples" / "digits" / "model.py"
 
     mlp = _seeded(
         lambda: nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -78,4 +120,22 @@ def cases() -> list[Case]:
         Case("encoder (last layer + head)", small, _ids(1000, 128), 16, 2, ("encoder.layers.1", "head"), 1000),
         Case("BERT-shaped encoder", bert, _ids(30522, 128), 8, 2, vocab=30522),
         Case("digits sample", lambda: load_factory(f"{sample}:build"), _pixels(64), 32, 10),
+        *(
+            Case(
+                name,
+                _minilm,
+                _minilm_inputs,
+                MINILM_BATCH,
+                MINILM_CLASSES,
+                trainable,
+                lora=lora,
+                steps=5,
+                random_batch=_tokens,
+            )  # fmt: skip
+            for name, trainable, lora in (
+                ("MiniLM-L6 (full fine-tuning)", (), None),
+                ("MiniLM-L6 (last 2 layers + head)", MINILM_LAST_TWO, None),
+                ("MiniLM-L6 (LoRA r8 + head)", ("head",), MINILM_LORA),
+            )
+        ),
     ]
