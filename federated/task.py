@@ -19,9 +19,7 @@ from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError
 from .partitions import partition
 
-__all__ = [
-    "Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts", "file_signature",
-]  # fmt: skip
+__all__ = ["Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts"]
 
 
 def manifest_sha256(artifacts: str | Path) -> str:

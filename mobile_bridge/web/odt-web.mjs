@@ -244,7 +244,12 @@ export class WorkerClient {
     const id = this.nextId++;
     return new Promise((resolve, reject) => {
       this.pending.set(id, { resolve, reject, onProgress });
-      this.worker.postMessage({ id, op, args });
+      try {
+        this.worker.postMessage({ id, op, args });
+      } catch (error) { // e.g. arguments that cannot be cloned
+        this.pending.delete(id);
+        reject(new InputError(`cannot send ${op}'s arguments to the worker: ${error.message}`));
+      }
     });
   }
 
