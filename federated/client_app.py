@@ -126,3 +126,11 @@ def evaluate(msg: Message, context: Context) -> Message:
         if "accuracy" in shared:
             metrics["global-eval-accuracy"] = shared["accuracy"]
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """The node's partition id (-1 when it has none): the server orders nodes by it, so that a
+    seeded run samples the same clients whatever ids Flower gave the nodes."""
+    partition = int(context.node_config.get("partition-id", -1))
+    return Message(RecordDict({METRICS: MetricRecord({"partition-id": partition})}), reply_to=msg)

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from ondevice import Trainer
@@ -16,7 +16,7 @@ from ondevice.text import load_data
 from .buffers import split_state
 from .errors import FederatedError
 from .partial import fit_to, union_of
-from .protocol import from_arrays, to_arrays
+from .protocol import METRICS, from_arrays, to_arrays
 from .report import round_row, save_weights, write_report
 from .run_state import load_run_state, save_run_state
 from .strategy import GuardedStrategy, make_strategy
@@ -113,6 +113,9 @@ def main(grid: Grid, context: Context) -> None:
 
     remaining = settings.num_server_rounds - strategy.offset
     final = to_arrays(initial)
+    if remaining > 0 and settings.fraction_train < 1:  # sampled rounds: the same sample in every run
+        strategy.seed = settings.seed
+        strategy.node_order = node_partitions(grid, settings.min_nodes, settings.round_timeout)
     if remaining > 0:
         result = strategy.start(
             grid,
@@ -129,6 +132,20 @@ def main(grid: Grid, context: Context) -> None:
         load(final)
         evaluator.export(out / "global_model.onnx")
     print(f"federated report: {metrics} and {plot}", flush=True)
+
+
+def node_partitions(grid: Grid, min_nodes: int, timeout: float) -> dict[int, int]:
+    """Each node's partition id, asked once with a query message once ``min_nodes`` are connected:
+    Flower gives nodes new random ids each run, their partitions stay. Nodes without one answer -1."""
+    while len(nodes := list(grid.get_node_ids())) < min_nodes:
+        time.sleep(1)
+    queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
+    order = {}
+    for reply in grid.send_and_receive(queries, timeout=timeout):
+        metrics = None if reply.has_error() else reply.content.metric_records.get(METRICS)
+        if metrics is not None and "partition-id" in metrics:
+            order[reply.metadata.src_node_id] = int(metrics["partition-id"])
+    return order
 
 
 def _test_file(data: Path) -> Path:

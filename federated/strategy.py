@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -144,6 +146,8 @@ class GuardedStrategy(Strategy):
         self.rounds: dict[int, RoundLog] = {}
         self.offset = 0  # rounds already done by the run this one resumes: Flower counts from 1 again
         self._global: dict[str, np.ndarray] = {}
+        self.seed: int | None = None  # with it, each round's sample of nodes repeats from run to run...
+        self.node_order: dict[int, int] = {}  # ...ordered by these keys (node id -> partition id)
 
     def summary(self) -> None:
         self.inner.summary()
@@ -163,7 +167,10 @@ class GuardedStrategy(Strategy):
         self._global = from_arrays(arrays)
         weights, buffers = split_state(self.manifest, self._global)
         # The strategy sees the weights only; the running statistics ride along in every task.
-        messages = list(self.inner.configure_train(server_round, to_arrays(weights), self._stamp(config), grid))
+        with self._sampling(server_round, "train"):
+            messages = list(
+                self.inner.configure_train(server_round, to_arrays(weights), self._stamp(config), self._grid(grid))
+            )
         for message in messages if buffers else ():
             for key, record in list(message.content.array_records.items()):
                 message.content[key] = to_arrays({**from_arrays(record), **buffers})
@@ -310,7 +317,26 @@ class GuardedStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self.inner.configure_evaluate(server_round + self.offset, arrays, self._stamp(config), grid)
+        server_round += self.offset
+        with self._sampling(server_round, "evaluate"):
+            return list(self.inner.configure_evaluate(server_round, arrays, self._stamp(config), self._grid(grid)))
+
+    @contextmanager
+    def _sampling(self, server_round: int, phase: str) -> Iterator[None]:
+        """Flower samples nodes with the ``random`` module: seed it per round and phase (then
+        restore it), so that a seeded run samples the same nodes each time."""
+        if self.seed is None:
+            yield
+            return
+        state = random.getstate()
+        random.seed(f"odt-{self.seed}-{server_round}-{phase}")
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+    def _grid(self, grid: Grid) -> Grid:
+        return _OrderedGrid(grid, self.node_order) if self.seed is not None else grid
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.offset
@@ -336,6 +362,21 @@ class GuardedStrategy(Strategy):
         (metrics,) = message.content.metric_records.values()
         count = metrics.get("num-examples")
         return isinstance(count, int) and 0 < count <= self.max_examples
+
+
+class _OrderedGrid:
+    """A grid whose node ids come in a fixed order (by ``order``'s keys, then by id) instead of the
+    order Flower registered them in, so that a seeded sample of them repeats; all else is the grid's."""
+
+    def __init__(self, grid: Grid, order: Mapping[int, int]) -> None:
+        self._grid, self._order = grid, order
+
+    def get_node_ids(self) -> list[int]:
+        unknown = max(self._order.values(), default=0) + 1
+        return sorted(self._grid.get_node_ids(), key=lambda node: (self._order.get(node, unknown), node))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
 
 
 def _reply_digest(message: Message) -> bytes:

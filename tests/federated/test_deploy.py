@@ -37,6 +37,24 @@ def _accuracies(report: dict) -> list[float]:
     return [row["central.accuracy"] for row in report["rounds"]]
 
 
+def test_a_seeded_run_samples_the_same_clients_and_ends_with_the_same_weights(digits_artifacts, data_dir, tmp_path):
+    """Flower gives simulated nodes new random ids each run; the server orders them by partition id
+    and seeds each round's sample, so two runs with one seed sample alike and end alike (and
+    another seed samples other clients)."""
+    runs = {}
+    for name, seed in (("first", 3), ("again", 3), ("other", 4)):
+        config = _config(digits_artifacts, data_dir, tmp_path / name, **{"num-server-rounds": 3, "seed": seed})
+        report = simulate(6, {**config, "fraction-train": 0.5, "min-nodes": 3}, work=tmp_path / f"{name}-work")
+        runs[name] = (
+            [sorted(row["clients"]) for row in report["rounds"][1:]],  # the partitions sampled to evaluate
+            np.load(tmp_path / name / "global_weights.npz"),
+        )
+    (sampled, weights), (sampled_again, weights_again), (sampled_other, _) = runs.values()
+    assert all(len(s) == 3 for s in sampled) and sampled_again == sampled and sampled_other != sampled
+    for name in weights.files:
+        np.testing.assert_allclose(weights_again[name], weights[name], atol=1e-6, err_msg=name)
+
+
 def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative work directory, as `make demo` passes (flwr runs in the app folder)
     start = time.monotonic()
