@@ -50,6 +50,7 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/runtime.py
 	$(PY) benchmarks/cnn.py
+	$(PY) benchmarks/transformer.py
 	$(PY) benchmarks/federation.py
 	$(PY) benchmarks/browser.py
 	$(PY) benchmarks/faults.py
