@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -79,6 +80,27 @@ def profile(directory: Path, batch: list[np.ndarray], work: Path) -> dict[str, f
     return dict(per_op.most_common())
 
 
+def profile_table(profiles: dict[str, dict[str, float]], shown: int, *, shares: bool = False) -> list[str]:
+    """Markdown rows of ``profile`` results side by side: the ``shown`` costliest ops (ms per step,
+    and with ``shares`` each op's share of all kernels, which also orders them), then the total."""
+    totals = {name: sum(p.values()) for name, p in profiles.items()}
+
+    def weight(op: str, name: str) -> float:
+        return profiles[name].get(op, 0.0) / (totals[name] if shares else 1.0)
+
+    def cell(op: str, name: str) -> str:
+        ms = profiles[name].get(op, 0.0)
+        return f"{ms:.2f} ({100 * ms / totals[name]:.0f} %)" if shares else f"{ms:.2f}"
+
+    ops = sorted(set().union(*profiles.values()), key=lambda op: -max(weight(op, n) for n in profiles))
+    return [
+        "| op | " + " | ".join(profiles) + " |",
+        "|---|" + "---:|" * len(profiles),
+        *(f"| {op} | " + " | ".join(cell(op, name) for name in profiles) + " |" for op in ops[:shown]),
+        "| all kernels | " + " | ".join(f"{t:.2f}" for t in totals.values()) + " |",
+    ]
+
+
 def step_times(paths: dict[str, Path], batch: list[np.ndarray]) -> dict[str, dict[str, float]]:
     """Median step of each variant and its median ratio to the rewritten graph (interleaved blocks)."""
     variants = {
@@ -114,16 +136,12 @@ def main() -> int:
     profiles = {name: profile(path, batch, work) for name, path in paths.items()}
     steps = step_times(paths, batch)
     (out / "cnn.json").write_text(json.dumps({"machine": machine(), "profiles": profiles, "steps": steps}, indent=2))
-    ops = sorted(set().union(*profiles.values()), key=lambda op: -max(p.get(op, 0.0) for p in profiles.values()))
-    names = list(profiles)
+    shutil.rmtree(work, ignore_errors=True)
     lines = [
         f"ORT's profile of the benchmark CNN's training step (batch {BATCH}, {THREADS} threads, ms per step, "
         f"mean of {PROFILED} steps):",
         "",
-        "| op | " + " | ".join(names) + " |",
-        "|---|" + "---:|" * len(names),
-        *(f"| {op} | " + " | ".join(f"{profiles[n].get(op, 0.0):.2f}" for n in names) + " |" for op in ops[:12]),
-        "| all kernels | " + " | ".join(f"{sum(profiles[n].values()):.2f}" for n in names) + " |",
+        *profile_table(profiles, 12),
         "",
         f"Step time ({BLOCKS} interleaved blocks of {STEPS} steps, medians; ratio to the rewritten graph):",
         "",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from benchmarks._machine import machine  # noqa: E402
-from benchmarks.cnn import PROFILED, profile  # noqa: E402
+from benchmarks.cnn import PROFILED, profile, profile_table  # noqa: E402
 
 MODELS = ("encoder (all trainable)", "BERT-shaped encoder")
 SHOWN = 14
@@ -42,21 +43,11 @@ def main() -> int:
         ids = rng.integers(0, case.vocab, tuple(case.inputs(case.batch)["ids"].shape))
         profiles[case.name] = profile(directory, [ids, rng.integers(0, case.classes, case.batch)], work)
     (out / "transformer.json").write_text(json.dumps({"machine": machine(), "profiles": profiles}, indent=2))
-    totals = {name: sum(p.values()) for name, p in profiles.items()}
-
-    def cell(op: str, name: str) -> str:
-        ms = profiles[name].get(op, 0.0)
-        return f"{ms:.2f} ({100 * ms / totals[name]:.0f} %)"
-
-    ops = sorted(set().union(*profiles.values()), key=lambda op: -max(p.get(op, 0.0) / totals[n]
-                                                                      for n, p in profiles.items()))  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
     lines = [
         f"ORT's profile of the training step (2 threads; ms per step, mean of {PROFILED} steps; share of all kernels):",
         "",
-        "| op | " + " | ".join(profiles) + " |",
-        "|---|" + "---:|" * len(profiles),
-        *(f"| {op} | " + " | ".join(cell(op, name) for name in profiles) + " |" for op in ops[:SHOWN]),
-        "| all kernels | " + " | ".join(f"{t:.2f}" for t in totals.values()) + " |",
+        *profile_table(profiles, SHOWN, shares=True),
     ]
     (out / "transformer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

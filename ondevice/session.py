@@ -172,6 +172,6 @@ class OrtTraining:
 
 
 def _numpy(values: C.OrtValueVector) -> list[np.ndarray]:
-    # By index: iterating an OrtValueVector ends in a C++ IndexError; for the digits step's three
-    # outputs that cost 33.2 us against 3.9 us by index (benchmarks/runtime.py).
+    # By index: iterating an OrtValueVector ends in a C++ IndexError, which for the digits step's
+    # three outputs costs about ten times reading them by index (benchmarks/runtime.py).
     return [values[i].numpy() for i in range(len(values))]
