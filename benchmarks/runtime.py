@@ -21,7 +21,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 
-BATCH, BLOCKS = 32, 31
+BATCH, EPOCHS = 32, 3
+MIN_BLOCKS, MAX_BLOCKS = 31, 151
+WIDTH = 0.03
+"""Blocks are added until the overhead's 95 % interval spans at most 3 points."""
 
 COLD_START = """
 import time, sys
@@ -76,9 +79,15 @@ def _run_all(code: str, *args: str) -> list[float]:
 
 def overhead(artifacts: Path, train: dict) -> dict[str, float]:
     """Per-step time of Trainer.fit, and of Trainer.train_step, against a hand-written loop of
-    the bare ORT calls over the same shuffled batches; blocks interleaved, medians of ratios."""
+    the bare ORT calls over the same shuffled batches.
+
+    Blocks of EPOCHS epochs per side, interleaved, the order of the sides alternating from block
+    to block so that neither always runs first; the overhead is the median of per-block ratios,
+    and blocks are added until its 95 % bootstrap interval spans at most WIDTH (or MAX_BLOCKS).
+    """
     import numpy as np
 
+    from benchmarks.compare import ratio_interval
     from ondevice import Trainer
     from ondevice.session import OrtTraining
 
@@ -88,23 +97,24 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
     # two cores disturbed each other by more than the overhead being measured).
     raw: OrtTraining = trainer._session
     size = len(train["labels"])
-    steps = -(-size // BATCH)
+    steps = EPOCHS * -(-size // BATCH)
     batch = {k: v[:BATCH] for k, v in train.items()}
 
-    def raw_epoch() -> float:
+    def raw_block() -> float:
         start = time.perf_counter()
-        order = np.random.default_rng(0).permutation(size)
-        for first in range(0, size, BATCH):
-            index = order[first : first + BATCH]
-            raw.train_step([train["input"][index], train["labels"][index]])
-            raw.optimizer_step()
-            raw.reset_grad()
+        for epoch in range(EPOCHS):
+            order = np.random.default_rng(epoch).permutation(size)
+            for first in range(0, size, BATCH):
+                index = order[first : first + BATCH]
+                raw.train_step([train["input"][index], train["labels"][index]])
+                raw.optimizer_step()
+                raw.reset_grad()
         return (time.perf_counter() - start) / steps
 
-    def fit_epoch() -> float:
+    def fit_block() -> float:
         trainer.epoch = 0
         start = time.perf_counter()
-        trainer.fit(train, epochs=1, batch_size=BATCH, progress=False)
+        trainer.fit(train, epochs=EPOCHS, batch_size=BATCH, progress=False)
         return (time.perf_counter() - start) / steps
 
     def step_block() -> float:
@@ -113,21 +123,26 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
             trainer.train_step(batch)
         return (time.perf_counter() - start) / steps
 
-    raw_epoch(), fit_epoch(), step_block()  # warm-up
-    times: dict[str, list[float]] = {"raw": [], "fit": [], "step": []}
-    for _ in range(BLOCKS):
-        times["raw"].append(raw_epoch())
-        times["fit"].append(fit_epoch())
-        times["step"].append(step_block())
-    ratios = {k: [t / r for t, r in zip(times[k], times["raw"])] for k in ("fit", "step")}
+    sides = {"raw": raw_block, "fit": fit_block, "step": step_block}
+    for run in sides.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    while True:
+        order = list(sides) if len(times["raw"]) % 2 == 0 else list(reversed(sides))
+        for name in order:
+            times[name].append(sides[name]())
+        ratios = {k: [t / r for t, r in zip(times[k], times["raw"])] for k in ("fit", "step")}
+        low, high = ratio_interval(ratios["fit"])
+        if len(times["raw"]) >= MIN_BLOCKS and (high - low <= WIDTH or len(times["raw"]) >= MAX_BLOCKS):
+            break
     ratio = {k: statistics.median(v) for k, v in ratios.items()}
-    quartiles = {k: statistics.quantiles(v, n=4) for k, v in ratios.items()}
     return {
         "raw_ort_step_ms": 1e3 * statistics.median(times["raw"]),
         "fit_step_ms": 1e3 * statistics.median(times["fit"]),
         "train_step_ms": 1e3 * statistics.median(times["step"]),
         "fit_overhead_pct": 100 * (ratio["fit"] - 1),
-        "fit_overhead_iqr_pct": [100 * (q - 1) for q in (quartiles["fit"][0], quartiles["fit"][2])],
+        "fit_overhead_interval_pct": [100 * (low - 1), 100 * (high - 1)],
+        "overhead_blocks": len(times["raw"]),
         "train_step_overhead_pct": 100 * (ratio["step"] - 1),
     }
 
@@ -181,9 +196,10 @@ def main() -> int:
         ("hand-written loop of raw ORT calls, per step", f"{f['raw_ort_step_ms']:.3f} ms"),
         ("`Trainer.fit`, per step (NaN guard, metrics, seeded dropout)", f"{f['fit_step_ms']:.3f} ms"),
         (
-            f"`Trainer.fit` overhead over the raw loop (median of {BLOCKS} interleaved epochs)",
-            f"{f['fit_overhead_pct']:.1f} % (quartiles {f['fit_overhead_iqr_pct'][0]:.1f} to "
-            f"{f['fit_overhead_iqr_pct'][1]:.1f} %)",
+            f"`Trainer.fit` overhead over the raw loop (median of {f['overhead_blocks']} interleaved blocks of "
+            f"{EPOCHS} epochs; 95 % interval)",
+            f"{f['fit_overhead_pct']:.1f} % ({f['fit_overhead_interval_pct'][0]:.1f} to "
+            f"{f['fit_overhead_interval_pct'][1]:.1f} %)",
         ),
         (
             "`Trainer.train_step(batch)`, which also validates every batch",

@@ -57,13 +57,13 @@ class Meter:
         self._held: list[tuple[np.ndarray, np.ndarray]] = []
         self._held_bytes = 0
 
-    def add(self, loss: float, size: int, outputs: Mapping[str, np.ndarray], labels: np.ndarray | None) -> None:
-        """One batch of ``size`` examples: its mean loss, the model's outputs and the labels."""
+    def add(self, loss: float, size: int, scores: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
+        """One batch of ``size`` examples: its mean loss and, for accuracy, the class scores (the
+        output named ``self.scores``) and the labels."""
         if math.isfinite(loss):
             self.loss_sum += loss * size
             self.count += size
-        if self.scores is not None and labels is not None:
-            scores = outputs[self.scores]
+        if self.scores is not None and scores is not None and labels is not None:
             self._held.append((scores, labels))
             self._held_bytes += scores.nbytes
             if self._held_bytes > self.FLUSH_BYTES:

@@ -137,9 +137,9 @@ class Trainer:
     def train_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
         """Forward, backward and one optimizer step on ``batch``; skipped if not finite."""
         feeds = list(check_data(self.manifest, batch).values())
-        result = self._micro_step(feeds, micro=0)
-        self._finish(bad=not result.applied, micro_steps=1)
-        return result
+        loss, fetched, applied = self._micro_step(feeds, micro=0)
+        self._finish(bad=not applied, micro_steps=1)
+        return StepResult(loss, dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)])), applied)
 
     def eval_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
@@ -147,13 +147,14 @@ class Trainer:
         fetched = self._session.eval_step(feeds)
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
-    def _micro_step(self, feeds: list[np.ndarray], micro: int) -> StepResult:
+    def _micro_step(self, feeds: list[np.ndarray], micro: int) -> tuple[float, list[np.ndarray], bool]:
+        """Forward and backward: the loss, ORT's fetches (loss, outputs, buffers, finite flag) and
+        whether loss and gradients are finite. Lean on purpose: it is the loop's per-step Python."""
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         C.set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
         fetched = self._session.train_step(feeds)
         loss = float(fetched[0])
-        outputs = dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)]))
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
         else:
@@ -161,7 +162,11 @@ class Trainer:
         if finite and self._buffers:
             for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
                 self._session.set_parameter(name, value)
-        return StepResult(loss, outputs, finite)
+        return loss, fetched, finite
+
+    def _fetch_index(self, output: str | None) -> int | None:
+        """Where ``output`` sits in a step's fetches (the loss comes first), or None."""
+        return None if output not in self._train_names else 1 + self._train_names.index(output)
 
     def _gradients(self) -> list[np.ndarray]:
         # ORT 1.19 allocates each gradient buffer once and zeroes it in place on reset, so views
@@ -252,14 +257,18 @@ class Trainer:
         meter = Meter(self.manifest)
         arrays = list(data.values())  # feeding order (check_data ordered them)
         labels = list(data).index(meter.labels) if meter.labels in data else None
+        scores = self._fetch_index(meter.scores) if labels is not None else None
         pending, bad = 0, False
         for index in batch_indices(len(arrays[0]), batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
             if pending == 0 and schedule is not None:
                 self.set_lr(schedule(self.step))
             feeds = [array[index] for array in arrays]
-            result = self._micro_step(feeds, micro=pending)
-            bad |= not result.applied
-            meter.add(result.loss, len(index), result.outputs, None if labels is None else feeds[labels])
+            loss, fetched, applied = self._micro_step(feeds, micro=pending)
+            bad |= not applied
+            if scores is None:
+                meter.add(loss, len(index))
+            else:
+                meter.add(loss, len(index), fetched[scores], feeds[labels])  # type: ignore[index]
             pending += 1
             bar.update(1)
             if pending == accumulate:
@@ -299,10 +308,14 @@ class Trainer:
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
         meter = Meter(self.manifest)
+        scores = self._fetch_index(meter.scores) if meter.labels in checked else None
         for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
             fetched = self._session.eval_step(list(batch.values()))
             count = len(next(iter(batch.values())))
-            meter.add(float(fetched[0]), count, dict(zip(self._train_names, fetched[1:])), batch.get(meter.labels))
+            if scores is None:
+                meter.add(float(fetched[0]), count)
+            else:
+                meter.add(float(fetched[0]), count, fetched[scores], batch[meter.labels])  # type: ignore[index]
         return meter.result()
 
     # -- weights -------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def test_lazy_accuracy_counts_like_an_argmax_per_batch(digits_artifacts, monkeyp
     monkeypatch.setattr(Meter, "FLUSH_BYTES", flush_bytes)
     meter = Meter(manifest)
     for scores, labels in pairs:
-        meter.add(1.0, len(labels), {manifest.loss_input: scores}, labels)
+        meter.add(1.0, len(labels), scores, labels)
     hits = sum(int(np.count_nonzero(s.argmax(axis=-1) == y)) for s, y in pairs)
     assert meter.result()["accuracy"] == hits / sum(y.size for _, y in pairs)
 
