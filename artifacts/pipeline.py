@@ -37,6 +37,7 @@ from ._finite import FINITE_CHECK, add_finite_check
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
 from ._padding import mask_padding_gradients
 from ._relugrad import rewrite_relu_grad
+from ._relupool import pool_before_relu
 from .errors import (
     ArtifactError,
     InputSpecError,
@@ -183,6 +184,7 @@ def _build(
     complete_gradient_outputs(onnx_model)
     average_pool_to_conv(onnx_model)
     gather_to_slice(onnx_model)
+    pool_before_relu(onnx_model)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     trainable = select_trainable(
         source.params, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only

@@ -1,8 +1,9 @@
-"""CNN benchmark: where the benchmark CNN's training step goes, and what the ReLU rewrite buys.
+"""CNN benchmark: where the benchmark CNN's training step goes, and what the ReLU rewrites buy.
 
-ORT's profiler over the step (milliseconds per op type, with and without the ReluGrad rewrite),
-and the step time of the rewritten graph, of ORT's own ReluGrad and of the rewritten graph with
-thread spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
+ORT's profiler over the step (milliseconds per op type) of the graph as generated (max pooling
+moved before ReLU, ReLU's gradient rewritten), without the pooling swap, and without either
+rewrite (ORT's own ReluGrad); the step time of each, and of the generated graph with thread
+spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
 Run: .venv/bin/python benchmarks/cnn.py [--out benchmarks/results]
 """
 
@@ -26,19 +27,24 @@ sys.path[:0] = [str(ROOT)]
 
 from benchmarks._machine import machine  # noqa: E402
 
-BATCH, THREADS, STEPS, BLOCKS, PROFILED = 64, 2, 5, 11, 12
+BATCH, THREADS, STEPS, BLOCKS, PROFILED = 64, 2, 5, 21, 12
+
+
+GENERATED, NO_SWAP, NO_REWRITES = "generated", "ReLU before pooling", "no rewrites (ORT's ReluGrad)"
 
 
 def build(work: Path) -> dict[str, Path]:
-    """The benchmark CNN as artifacts with the rewrite (as generated) and with ORT's ReluGrad."""
+    """The benchmark CNN as generated, without the pooling swap, and without either ReLU rewrite."""
     from artifacts import generate, pipeline
     from benchmarks.models import cases
 
     case = next(c for c in cases() if c.name == "CNN")
-    paths = {"rewritten": work / "rewritten", "ORT's ReluGrad": work / "relugrad"}
-    generate(case.build(), case.inputs(BATCH), paths["rewritten"], verify=False)
-    with mock.patch.object(pipeline, "rewrite_relu_grad", lambda training: 0):
-        generate(case.build(), case.inputs(BATCH), paths["ORT's ReluGrad"], verify=False)
+    paths = {GENERATED: work / "generated", NO_SWAP: work / "no-swap", NO_REWRITES: work / "no-rewrites"}
+    generate(case.build(), case.inputs(BATCH), paths[GENERATED], verify=False)
+    with mock.patch.object(pipeline, "pool_before_relu", lambda graph: 0):
+        generate(case.build(), case.inputs(BATCH), paths[NO_SWAP], verify=False)
+        with mock.patch.object(pipeline, "rewrite_relu_grad", lambda training: 0):
+            generate(case.build(), case.inputs(BATCH), paths[NO_REWRITES], verify=False)
     return paths
 
 
@@ -102,22 +108,20 @@ def profile_table(profiles: dict[str, dict[str, float]], shown: int, *, shares: 
 
 
 def step_times(paths: dict[str, Path], batch: list[np.ndarray]) -> dict[str, dict[str, float]]:
-    """Median step of each variant and its median ratio to the rewritten graph (interleaved blocks)."""
-    variants = {
-        "rewritten": _objects(paths["rewritten"]),
-        "ORT's ReluGrad": _objects(paths["ORT's ReluGrad"]),
-        "rewritten, spinning off": _objects(paths["rewritten"], spinning=False),
-    }
+    """Median step of each variant and its median ratio to the generated graph (interleaved blocks,
+    the order reversed every other block)."""
+    variants = {name: _objects(path) for name, path in paths.items()}
+    variants[f"{GENERATED}, spinning off"] = _objects(paths[GENERATED], spinning=False)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for objects in variants.values():
         _step(objects, batch)  # warm-up
-    for _ in range(BLOCKS):
-        for name, objects in variants.items():
+    for block in range(BLOCKS):
+        for name in list(variants) if block % 2 == 0 else reversed(list(variants)):
             start = time.perf_counter()
             for _ in range(STEPS):
-                _step(objects, batch)
+                _step(variants[name], batch)
             times[name].append(1e3 * (time.perf_counter() - start) / STEPS)
-    base = times["rewritten"]
+    base = times[GENERATED]
     return {
         name: {"step_ms": statistics.median(t), "ratio": statistics.median(a / b for a, b in zip(t, base))}
         for name, t in times.items()
@@ -143,7 +147,7 @@ def main() -> int:
         "",
         *profile_table(profiles, 12),
         "",
-        f"Step time ({BLOCKS} interleaved blocks of {STEPS} steps, medians; ratio to the rewritten graph):",
+        f"Step time ({BLOCKS} interleaved blocks of {STEPS} steps, medians; ratio to the generated graph):",
         "",
         "| variant | step | ratio |",
         "|---|---:|---:|",

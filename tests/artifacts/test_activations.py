@@ -95,3 +95,61 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
             session.optimizer_step()
             session.reset_grad()
     np.testing.assert_array_equal(sessions[1].get_flat(), sessions[0].get_flat())
+
+
+def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
+    import numpy as np
+
+    from artifacts import pipeline
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
+    generate(model, torch.randn(8, 2, 8, 8), tmp_path / "swapped")
+    monkeypatch.setattr(pipeline, "pool_before_relu", lambda graph: 0)
+    generate(model, torch.randn(8, 2, 8, 8), tmp_path / "plain", verify=False)
+    nodes = onnx.load(tmp_path / "swapped" / "training_model.onnx").graph.node
+    pooled = next(n.output[0] for n in nodes if n.op_type == "MaxPool")
+    assert any(n.op_type == "Relu" and n.input[0] == pooled for n in nodes)
+
+    rng = np.random.default_rng(0)
+    sessions = [OrtTraining(tmp_path / name) for name in ("plain", "swapped")]
+    names = [n for n, _ in model.named_parameters()]
+    for _ in range(3):  # gradients, then weights after AdamW steps, stay identical
+        batch = [rng.standard_normal((8, 2, 8, 8), dtype=np.float32), rng.integers(0, 3, 8)]
+        batch[0][:4, :, :5] = 1.0  # constant rows: windows of tied maxima, positive and negative
+        for session in sessions:
+            session.train_step(batch)
+        for name in names:
+            np.testing.assert_array_equal(sessions[1].get_gradient(name), sessions[0].get_gradient(name), name)
+        for session in sessions:
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_array_equal(sessions[1].get_flat(), sessions[0].get_flat())
+    np.testing.assert_array_equal(sessions[1].eval_step(batch)[1], sessions[0].eval_step(batch)[1])
+
+
+def test_relu_with_another_consumer_keeps_its_place():
+    from onnx import TensorProto, helper
+
+    from artifacts._relupool import pool_before_relu
+
+    def graph(outputs: list[str]) -> onnx.ModelProto:
+        nodes = [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+            helper.make_node("Identity", ["p"], ["y"]),
+        ]
+        value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+        return helper.make_model(helper.make_graph(nodes, "g", [value("x")], [value(o) for o in outputs]))
+
+    assert pool_before_relu(shared := graph(["y", "r"])) == 0  # the ReLU's output is also a graph output
+    assert [n.op_type for n in shared.graph.node] == ["Relu", "MaxPool", "Identity"]
+    assert pool_before_relu(alone := graph(["y"])) == 1
+    assert [(n.op_type, list(n.input), list(n.output)) for n in alone.graph.node] == [
+        ("MaxPool", ["x"], ["p.odt_before_relu"]),
+        ("Relu", ["p.odt_before_relu"], ["p"]),
+        ("Identity", ["p"], ["y"]),
+    ]
