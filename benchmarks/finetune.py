@@ -214,7 +214,7 @@ def federated(
 
     out = work / f"run-{len(list(work.glob('run-*')))}"
     config = {"num-server-rounds": rounds, "artifacts": str(directory), "data": str(data_dir), "output": str(out),
-              "local-epochs": 2, "lr": lr, "partitioning": "files", "round-timeout": 1200.0,
+              "local-epochs": 2, "local-steps": 0, "lr": lr, "partitioning": "files", "round-timeout": 1200.0,
               "personal": personal}  # fmt: skip
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
     start = time.perf_counter()

@@ -68,6 +68,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
     p.add_argument("--local-epochs", type=int, default=1, help="default 1")
+    p.add_argument(
+        "--local-steps", type=int, default=20, help="clients train more epochs until this many steps (default 20)"
+    )
     p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
     p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
@@ -101,6 +104,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "partitioning": args.partitioning,
         "dirichlet-alpha": args.alpha,
         "local-epochs": args.local_epochs,
+        "local-steps": args.local_steps,
         "min-nodes": args.min_nodes,
         "fraction-train": args.fraction,
         "round-timeout": args.round_timeout,

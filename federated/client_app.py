@@ -21,7 +21,7 @@ from .codec import encode
 from .errors import FederatedError
 from .partial import fit_to, personal_names
 from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, to_arrays, train_reply
-from .task import Settings, node_artifacts, node_data, node_trainer
+from .task import Settings, local_epochs, node_artifacts, node_data, node_trainer
 
 __all__ = ["app", "RELAY_GROUP"]
 
@@ -87,7 +87,11 @@ def train(msg: Message, context: Context) -> Message:
     size = len(data["labels"]) if "labels" in data else len(next(iter(data.values())))
     round_seed = settings.seed * 100_003 + int(config.get("server-round", 0))
     history = trainer.fit(
-        data, epochs=settings.local_epochs, batch_size=min(settings.batch_size, size), seed=round_seed, progress=False
+        data,
+        epochs=local_epochs(settings.local_epochs, settings.local_steps, size, settings.batch_size),
+        batch_size=min(settings.batch_size, size),
+        seed=round_seed,
+        progress=False,
     )
     state = {**trainer.get_weights(), **trainer.get_buffers()}  # running statistics travel too
     personal = personal_names(trainer.manifest, settings.personal)

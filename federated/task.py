@@ -19,7 +19,17 @@ from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError
 from .partitions import partition
 
-__all__ = ["Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts"]
+__all__ = [
+    "Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts", "local_epochs",
+]  # fmt: skip
+
+
+def local_epochs(epochs: int, steps: int, examples: int, batch_size: int) -> int:
+    """Epochs a client trains in a round: ``epochs``, or more until it has taken at least ``steps``
+    optimizer steps (a client with 12 examples takes one step per epoch; one epoch of it barely
+    moves the model, and averaging such updates converges slowly: ``benchmarks/federation.py``)."""
+    per_epoch = -(-examples // min(batch_size, examples))
+    return max(epochs, -(-steps // per_epoch))
 
 
 def manifest_sha256(artifacts: str | Path) -> str:

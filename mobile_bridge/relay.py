@@ -68,7 +68,12 @@ def relay_train(msg: Message, context: Context) -> Message:
         "artifacts_sha256": str(config["manifest-sha256"]),
         "round": int(config.get("server-round", 0)),
         "weights_b64": base64.b64encode(flat.tobytes()).decode(),
-        "config": {"local-epochs": settings.local_epochs, "batch-size": settings.batch_size, "lr": settings.lr},
+        "config": {
+            "local-epochs": settings.local_epochs,
+            "local-steps": settings.local_steps,
+            "batch-size": settings.batch_size,
+            "lr": settings.lr,
+        },
         "timeout_s": timeout,
     }
     _, created = _call(f"{url}/internal/devices/{device}/tasks", secret, task)

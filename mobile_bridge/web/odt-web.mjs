@@ -353,6 +353,17 @@ function parseNpy(bytes, name) {
   return Typed === BigInt64Array ? Array.from(array, (v) => v.toString()) : Array.from(array);
 }
 
+/**
+ * Epochs a device trains for a task's `config`: `local-epochs`, or more until it has taken at least
+ * `local-steps` optimizer steps (the rule of Python's federated.task.local_epochs).
+ */
+export function localEpochs(config, count) {
+  const epochs = Number(config["local-epochs"] ?? 1);
+  const batchSize = Math.min(Number(config["batch-size"] ?? 32), count);
+  const steps = Number(config["local-steps"] ?? 0);
+  return Math.max(epochs, Math.ceil(steps / Math.ceil(count / batchSize)));
+}
+
 /** A device's side of the bridge protocol (see mobile_bridge/README.md). */
 export class BridgeClient {
   constructor(baseUrl, deviceId, token) {

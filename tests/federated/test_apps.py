@@ -17,7 +17,7 @@ from federated.errors import ArtifactMismatchError
 from federated.partitions import partition
 from federated.protocol import from_arrays, hash_tag, to_arrays
 from federated.strategy import GuardedStrategy, make_strategy
-from federated.task import Settings, manifest_sha256, node_data, node_trainer
+from federated.task import Settings, local_epochs, manifest_sha256, node_data, node_trainer
 from ondevice import Manifest, Trainer
 from ondevice.errors import ArtifactIntegrityError
 
@@ -122,6 +122,32 @@ def test_client_round_on_real_artifacts(setup, digits_artifacts, data_dir, codec
     trained = from_arrays(arrays)
     moved = max(float(np.abs(trained[k] - global_weights[k]).max()) for k in trained)
     assert moved > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("local_steps", [0, 40])
+def test_client_trains_local_epochs_or_more_until_the_local_steps(setup, digits_artifacts, data_dir, local_steps):
+    _, sha, global_weights = setup
+    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 3, "proximal-mu": 0.0})
+    task = Message(
+        RecordDict({"arrays": to_arrays(global_weights), "config": config}),
+        dst_node_id=5,
+        message_type=MessageType.TRAIN,
+    )
+    context = _context(digits_artifacts, data_dir)
+    context.run_config["local-steps"] = local_steps
+    reply = client_app(task, context)
+    settings = Settings.from_config(dict(context.run_config))
+    data, _ = node_data(settings, context.node_config, str(digits_artifacts))
+    size = len(data["labels"])  # 251 examples: 16 steps per epoch of 16
+    epochs = {0: 1, 40: 3}[local_steps]
+    assert local_epochs(settings.local_epochs, local_steps, size, settings.batch_size) == epochs
+    reference = Trainer.load(digits_artifacts)  # the same training by hand, for that many epochs
+    reference.set_weights(global_weights)
+    reference.set_lr(settings.lr)
+    reference.fit(data, epochs=epochs, batch_size=settings.batch_size, seed=settings.seed * 100_003 + 3, progress=False)
+    trained = from_arrays(reply.content["arrays"])
+    for name, value in reference.get_weights().items():
+        np.testing.assert_array_equal(trained[name], value, err_msg=name)
 
 
 def test_client_refuses_foreign_artifacts(setup, digits_artifacts, digits_sgd, data_dir):

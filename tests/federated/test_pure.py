@@ -9,10 +9,29 @@ from federated.codec import decode, encode, payload_bytes
 from federated.errors import CodecError, PartitionError
 from federated.partitions import dirichlet, iid, partition
 from federated.protocol import hash_tag
+from federated.task import local_epochs
 from federated.validation import update_problem
 from ondevice.manifest import Manifest
 
 LABELS = np.repeat(np.arange(10), 50)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "steps", "examples", "batch", "expected"),
+    [
+        (1, 20, 12, 32, 20),  # one step per epoch: 20 epochs
+        (1, 20, 251, 16, 2),  # 16 steps per epoch: 2 epochs reach 20
+        (1, 20, 320, 32, 2),  # exactly 10 per epoch
+        (1, 20, 321, 32, 2),  # 11 per epoch (a short last batch counts)
+        (3, 20, 1000, 32, 3),  # local-epochs already gives 96 steps
+        (2, 0, 5, 32, 2),  # local-steps 0: local-epochs alone
+    ],
+)
+def test_local_epochs_reach_the_minimum_steps(epochs, steps, examples, batch, expected):
+    got = local_epochs(epochs, steps, examples, batch)
+    assert got == expected
+    per_epoch = -(-examples // min(batch, examples))
+    assert got * per_epoch >= steps and (got == epochs or (got - 1) * per_epoch < steps)  # the fewest that do
 
 
 def test_iid_covers_everything_once_and_is_reproducible():

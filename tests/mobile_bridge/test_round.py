@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from federated.processes import ProcessGroup, flower_env, free_port, started_by
-from federated.task import Settings, node_data
+from federated.task import Settings, local_epochs, node_data
 from mobile_bridge import make_bundle
 
 pytestmark = [pytest.mark.browser, pytest.mark.flower]
@@ -78,6 +78,10 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
         run.kill()
     device = json.loads(browser.stdout)
     assert device["ok"] and device["round"] == 1, browser.stderr[-2000:]
+    count, batch = len(device_data["labels"]), settings.batch_size
+    epochs = local_epochs(settings.local_epochs, settings.local_steps, count, batch)
+    assert epochs > 1  # the default local-steps asks for more than one epoch of this device's data
+    assert len(device["losses"]) == epochs * -(-count // batch)  # the browser followed the Python clients' rule
 
     updates = [np.load(p) for p in sorted((out / "updates").glob("round1-*.npz"))]
     report = json.loads((out / "metrics.json").read_text())

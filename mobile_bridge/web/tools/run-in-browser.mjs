@@ -54,7 +54,7 @@ try {
       const job = await device.nextTask({ timeoutMs: b.timeoutMs ?? 120000 });
       await client.setWeights(job.weights);
       const data = { input: Float32Array.from(b.input), labels: BigInt64Array.from(b.labels.map(BigInt)) };
-      const epochs = Number(job.config["local-epochs"] ?? 1);
+      const epochs = odt.localEpochs(job.config, b.labels.length);
       const losses = await client.fit(data, b.labels.length, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });
       const weights = await client.getWeights();
       const epoch = client.lastEpoch;
