@@ -30,7 +30,7 @@ from benchmarks._machine import machine  # noqa: E402
 BATCH, THREADS, STEPS, BLOCKS, PROFILED = 64, 2, 5, 21, 12
 
 
-GENERATED, NO_SWAP, NO_REWRITES = "generated", "ReLU before pooling", "no rewrites (ORT's ReluGrad)"
+GENERATED, NO_SWAP, NO_REWRITES = "generated", "without the pooling swap", "no rewrites (ORT's ReluGrad)"
 
 
 def build(work: Path) -> dict[str, Path]:

@@ -265,10 +265,8 @@ class Trainer:
             feeds = [array[index] for array in arrays]
             loss, fetched, applied = self._micro_step(feeds, micro=pending)
             bad |= not applied
-            if scores is None:
-                meter.add(loss, len(index))
-            else:
-                meter.add(loss, len(index), fetched[scores], feeds[labels])  # type: ignore[index]
+            held = None if scores is None else fetched[scores]
+            meter.add(loss, len(index), held, None if labels is None else feeds[labels])
             pending += 1
             bar.update(1)
             if pending == accumulate:
@@ -312,10 +310,8 @@ class Trainer:
         for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
             fetched = self._session.eval_step(list(batch.values()))
             count = len(next(iter(batch.values())))
-            if scores is None:
-                meter.add(float(fetched[0]), count)
-            else:
-                meter.add(float(fetched[0]), count, fetched[scores], batch[meter.labels])  # type: ignore[index]
+            held = None if scores is None else fetched[scores]
+            meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
         return meter.result()
 
     # -- weights -------------------------------------------------------------------------------
