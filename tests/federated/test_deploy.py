@@ -144,9 +144,11 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
     """Ctrl-C, `timeout`/CI cancellation (SIGTERM) and a closed terminal (SIGHUP) all clean up."""
     out = tmp_path / "out"
     command = [
-        str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "5",
+        str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "100",
         "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out),
     ]  # fmt: skip
+    # 100 rounds: Flower streams the server's log in bursts, so "round 1" can arrive late; the run
+    # must still be going when the signal lands (with 5 rounds it once had finished: exit 0).
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     assert process.stdout is not None
     for line in process.stdout:

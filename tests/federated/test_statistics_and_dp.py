@@ -139,7 +139,7 @@ def test_batchnorm_federated_run_matches_recomputed_statistics(digits_data, data
     model = bn_mlp()
     generate(model, {"input": torch.randn(16, 64)}, artifacts)
     config = {"artifacts": str(artifacts), "data": str(data_dir), "output": str(tmp_path / "out"),
-              "num-server-rounds": 5, "local-epochs": 1, "lr": 0.01}  # fmt: skip
+              "num-server-rounds": 5, "local-epochs": 1, "local-steps": 0, "lr": 0.01}  # fmt: skip
     report = simulate(4, config, work=tmp_path / "w")
     central = report["rounds"][-1]["central.accuracy"]
 
