@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,13 +150,26 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
     ]  # fmt: skip
     # 100 rounds: Flower streams the server's log in bursts, so "round 1" can arrive late; the run
     # must still be going when the signal lands (with 5 rounds it once had finished: exit 0).
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # Started the way a terminal starts it: default signal handling and no blocked signals (a
+    # child inherits both from this pytest process, which holds ORT's and torch's threads).
+    terminal = (
+        "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    launch = [sys.executable, "-c", terminal, *command]
+    process = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("round 1:"):
             break
     process.send_signal(sig)
-    assert process.wait(timeout=60) == 128 + sig
+    try:
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        process.kill()
+        raise AssertionError(f"no exit 60 s after {sig!r}: " + " ".join(re.findall(r"Sig\w+:\s+\w+", status))) from None
+    assert code == 128 + sig
     time.sleep(0.5)
     assert _alive_with_home(out / "logs" / "flwr-home") == []
     assert os.path.exists(out / "logs" / "superlink.log")
