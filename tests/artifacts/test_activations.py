@@ -3,6 +3,7 @@ exactly; each result is checked against PyTorch or ORT's own kernels."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -17,6 +18,24 @@ def _dense(activation: nn.Module) -> nn.Module:
 
 def _conv(*layers: nn.Module, features: int = 4 * 6 * 6) -> nn.Module:
     return nn.Sequential(nn.Conv2d(2, 4, 3), *layers, nn.Flatten(), nn.Linear(features, 3))
+
+
+def _train_alike(reference, candidate, names: list[str], zeroed: tuple, value: float) -> list:  # type: ignore[no-untyped-def]
+    """Three AdamW steps of two sessions on the same batches (``batch[0][zeroed] = value``): their
+    gradients after each backward and their weights at the end must be identical; returns the last batch."""
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = [rng.standard_normal((8, 2, 8, 8), dtype=np.float32), rng.integers(0, 3, 8)]
+        batch[0][zeroed] = value
+        for session in (reference, candidate):
+            session.train_step(batch)
+        for name in names:
+            np.testing.assert_array_equal(candidate.get_gradient(name), reference.get_gradient(name), name)
+        for session in (reference, candidate):
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_array_equal(candidate.get_flat(), reference.get_flat())
+    return batch
 
 
 CASES = [
@@ -61,8 +80,6 @@ def test_frozen_path_keeps_the_original_operator(tmp_path):
 def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monkeypatch):
     import shutil
 
-    import numpy as np
-
     from artifacts import pipeline
     from artifacts._relugrad import rewrite_relu_grad
     from ondevice.session import OrtTraining
@@ -81,25 +98,12 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
     assert "ReluGrad" not in {n.op_type for n in graph.graph.node}
     onnx.save(graph, tmp_path / "fast" / "training_model.onnx")
 
-    rng = np.random.default_rng(0)
-    sessions = [OrtTraining(tmp_path / name) for name in ("ort", "fast")]
     names = [i.name for i in graph.graph.input if i.name.endswith(("weight", "bias"))]
-    for _ in range(3):  # gradients, then weights after AdamW steps, stay identical
-        batch = [rng.standard_normal((8, 2, 8, 8), dtype=np.float32), rng.integers(0, 3, 8)]
-        batch[0][:, :, :2] = 0.0  # exact zeros: the boundary of ReLU's gradient
-        for session in sessions:
-            session.train_step(batch)
-        for name in names:
-            np.testing.assert_array_equal(sessions[1].get_gradient(name), sessions[0].get_gradient(name), name)
-        for session in sessions:
-            session.optimizer_step()
-            session.reset_grad()
-    np.testing.assert_array_equal(sessions[1].get_flat(), sessions[0].get_flat())
+    # exact zeros: the boundary of ReLU's gradient
+    _train_alike(OrtTraining(tmp_path / "ort"), OrtTraining(tmp_path / "fast"), names, np.s_[:, :, :2], 0.0)
 
 
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
-    import numpy as np
-
     from artifacts import pipeline
     from ondevice.session import OrtTraining
 
@@ -114,21 +118,11 @@ def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_p
     pooled = next(n.output[0] for n in nodes if n.op_type == "MaxPool")
     assert any(n.op_type == "Relu" and n.input[0] == pooled for n in nodes)
 
-    rng = np.random.default_rng(0)
-    sessions = [OrtTraining(tmp_path / name) for name in ("plain", "swapped")]
+    plain, swapped = OrtTraining(tmp_path / "plain"), OrtTraining(tmp_path / "swapped")
     names = [n for n, _ in model.named_parameters()]
-    for _ in range(3):  # gradients, then weights after AdamW steps, stay identical
-        batch = [rng.standard_normal((8, 2, 8, 8), dtype=np.float32), rng.integers(0, 3, 8)]
-        batch[0][:4, :, :5] = 1.0  # constant rows: windows of tied maxima, positive and negative
-        for session in sessions:
-            session.train_step(batch)
-        for name in names:
-            np.testing.assert_array_equal(sessions[1].get_gradient(name), sessions[0].get_gradient(name), name)
-        for session in sessions:
-            session.optimizer_step()
-            session.reset_grad()
-    np.testing.assert_array_equal(sessions[1].get_flat(), sessions[0].get_flat())
-    np.testing.assert_array_equal(sessions[1].eval_step(batch)[1], sessions[0].eval_step(batch)[1])
+    # constant rows: windows of tied maxima, positive and negative
+    batch = _train_alike(plain, swapped, names, np.s_[:4, :, :5], 1.0)
+    np.testing.assert_array_equal(swapped.eval_step(batch)[1], plain.eval_step(batch)[1])
 
 
 def test_relu_with_another_consumer_keeps_its_place():
