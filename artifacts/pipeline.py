@@ -36,6 +36,7 @@ from ._batchnorm import expose_batchnorm_updates
 from ._finite import FINITE_CHECK, add_finite_check
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
 from ._padding import mask_padding_gradients
+from ._gathergrad import rewrite_gather_grad
 from ._relugrad import rewrite_relu_grad
 from ._relupool import pool_before_relu
 from .errors import (
@@ -288,14 +289,15 @@ def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: 
 
 
 def _finish_training_graph(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
-    """Mask the padding rows' gradients, speed up ReLU's gradient and add the finite check;
-    returns the rows masked."""
+    """Mask the padding rows' gradients, speed up the gradients of ReLU and of lookup tables and
+    add the finite check; returns the rows masked."""
     rows = {name: row for name, row in rows.items() if name in trainable}
     model = onnx.load(training_model)
     done = mask_padding_gradients(model, rows) if rows else []
     if done:
         log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
     rewrite_relu_grad(model)
+    rewrite_gather_grad(model)
     add_finite_check(model)
     onnx.save(model, training_model)
     return {name: rows[name] for name in done}
