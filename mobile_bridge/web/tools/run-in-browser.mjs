@@ -45,6 +45,24 @@ try {
     ort.env.wasm.wasmPaths = ortBase;
     // Threads need a cross-origin isolated page (COOP/COEP headers); ORT falls back to 1 without.
     ort.env.wasm.numThreads = task.threads ?? 1;
+    if (task.kernel) {
+      // One operator's speed alone: an inference session over a one-node model, each run timed.
+      const k = task.kernel;
+      const session = await ort.InferenceSession.create(k.url, { executionProviders: ["wasm"] });
+      const feeds = {};
+      for (const [name, dims] of Object.entries(k.inputs)) {
+        const data = new Float32Array(dims.reduce((a, b) => a * b, 1)).map((_, i) => ((i * 7919) % 1000) / 1000 - 0.5);
+        feeds[name] = new ort.Tensor("float32", data, dims);
+      }
+      const times = [];
+      for (let i = 0; i < k.runs; i++) {
+        const t = performance.now();
+        await session.run(feeds);
+        times.push(performance.now() - t);
+      }
+      await session.release();
+      return { ok: true, times, isolated: self.crossOriginIsolated, threads: ort.env.wasm.numThreads };
+    }
     const odt = await import(task.module ?? "/odt-web.mjs");
     if (task.bridge) {
       // One device's round: register, load the bundle, pull the task, train, push the update.
