@@ -34,9 +34,9 @@ from ondevice.session import ORT_VERSION
 from ._activations import rewrite_activations
 from ._batchnorm import expose_batchnorm_updates
 from ._finite import FINITE_CHECK, add_finite_check
+from ._gathergrad import rewrite_gather_grad
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
 from ._padding import mask_padding_gradients
-from ._gathergrad import rewrite_gather_grad
 from ._relugrad import rewrite_relu_grad
 from ._relupool import pool_before_relu
 from .errors import (
