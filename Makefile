@@ -52,6 +52,7 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) benchmarks/cnn.py
 	$(PY) benchmarks/transformer.py
 	$(PY) benchmarks/federation.py
+	$(PY) benchmarks/fl_sweep.py
 	$(PY) benchmarks/browser.py
 	$(PY) benchmarks/faults.py
 	$(PY) benchmarks/finetune.py

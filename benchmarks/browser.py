@@ -172,7 +172,7 @@ def measure_kernels(work: Path) -> list[dict]:
         for name, (m, k, n) in KERNELS:
             (site / "matmul.onnx").write_bytes(_matmul_model(m, k, n))
             rng = np.random.default_rng(0)
-            feeds = {name: rng.standard_normal(dims, dtype=np.float32) for name, dims in (("a", (m, k)), ("b", (k, n)))}
+            feeds = {key: rng.standard_normal(dims, dtype=np.float32) for key, dims in (("a", (m, k)), ("b", (k, n)))}
             kernel = {"url": "/matmul.onnx", "inputs": {"a": [m, k], "b": [k, n]}, "runs": KERNEL_RUNS}
             for threads in sorted({t for _, t in VARIANTS}):
                 options = ort.SessionOptions()
