@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import validate
+from .config import BY_NAME, validate
 from .errors import RunConfigError
 
 __all__ = ["register", "add_run_options", "run_config", "echo_rounds"]
@@ -68,8 +68,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
     p.add_argument("--local-epochs", type=int, default=1, help="default 1")
+    steps = BY_NAME["local-steps"].default
     p.add_argument(
-        "--local-steps", type=int, default=20, help="clients train more epochs until this many steps (default 20)"
+        "--local-steps", type=int, default=steps, help=f"train more epochs until that many steps (default {steps})"
     )
     p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
     p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")

@@ -90,7 +90,7 @@ STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedmedian", "fedtrimme
 KEYS: tuple[Key, ...] = (
     Key("num-server-rounds", int, 5, "federated rounds", low=1),
     Key("local-epochs", int, 1, "epochs each client trains per round (at least)", low=1),
-    Key("local-steps", int, 20, "clients with little data train more epochs until they take this many steps", low=0),
+    Key("local-steps", int, 40, "clients with little data train more epochs until they take this many steps", low=0),
     Key("batch-size", int, 32, "client batch size", low=1),
     Key("lr", float, 0.01, "client learning rate", low=0, low_open=True),
     Key("strategy", str, "fedavg", "Flower strategy", choices=STRATEGIES),
