@@ -42,7 +42,9 @@ SETUPS = (("10 clients, 20 rounds", 10, 10, 20), ("100 clients, 10 per round, 30
 def fedavg(
     artifacts: Path, data: Path, setting: dict, clients: int, per_round: int, rounds: int, seed: int
 ) -> list[float]:
-    """Central test accuracy after each round of in-process FedAvg."""
+    """Central test accuracy after each round of in-process FedAvg (Flower's weighted mean)."""
+    from flwr.server.strategy.aggregate import aggregate
+
     from federated.task import Settings, local_epochs, node_data
     from ondevice import Trainer
     from ondevice.data import load_npz
@@ -72,8 +74,8 @@ def fedavg(
             trainer.fit(train, epochs=epochs, batch_size=min(settings.batch_size, size),
                         seed=settings.seed * 100_003 + server_round, progress=False)  # fmt: skip
             updates.append((size, trainer.get_weights()))
-        total = sum(size for size, _ in updates)
-        weights = {name: sum(size * w[name] for size, w in updates) / total for name in weights}
+        names = list(weights)
+        weights = dict(zip(names, aggregate([([w[n] for n in names], size) for size, w in updates])))
         central.set_weights(weights)
         accuracy.append(central.evaluate(test)["accuracy"])
     return accuracy
