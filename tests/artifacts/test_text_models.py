@@ -226,3 +226,48 @@ def test_lookup_gradient_sums_repeated_ids_like_pytorch_on_two_threads(tmp_path)
         expected = model.embedding.weight.grad.numpy()
         np.testing.assert_allclose(session.get_gradient("embedding.weight"), expected, rtol=1e-5, atol=1e-8)
         session.reset_grad()
+
+
+def _lookup_graph(dims: list[int], dtype: int = onnx.TensorProto.FLOAT, opset: int = 17) -> onnx.ModelProto:
+    """``GatherGrad(Shape(table), ids, dY)`` as ORT's training graphs have it."""
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("Shape", ["table"], ["table_shape"]),
+        helper.make_node("GatherGrad", ["table_shape", "ids", "dY"], ["table_grad"], domain="com.microsoft", axis=0),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("table", dtype, dims),
+        helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 5]),
+        helper.make_tensor_value_info("dY", dtype, ["batch", 5, *dims[1:]]),
+    ]
+    graph = helper.make_graph(nodes, "lookup", inputs, [helper.make_tensor_value_info("table_grad", dtype, dims)])
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _ancestors(model: onnx.ModelProto, name: str) -> set[str]:
+    producer = {o: n for n in model.graph.node for o in n.output}
+    seen, todo = set(), [name]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += producer[name].input if name in producer else []
+    return seen
+
+
+def test_lookup_rewrite_makes_its_zeros_at_run_time_and_skips_what_it_cannot_do():
+    from artifacts._gathergrad import rewrite_gather_grad
+
+    model = _lookup_graph([40, 8])
+    assert rewrite_gather_grad(model) == 1
+    assert "GatherGrad" not in {n.op_type for n in model.graph.node}
+    zeros = next(n for n in model.graph.node if n.op_type == "ConstantOfShape")
+    # from constants alone, ORT would fold the zeros into a table-sized initializer
+    assert "dY" in _ancestors(model, zeros.input[0])
+
+    three_d, double = _lookup_graph([40, 8, 2]), _lookup_graph([40, 8], onnx.TensorProto.DOUBLE)
+    for kept in (three_d, double, _lookup_graph([40, 8], opset=15)):  # ScatterElements' reduction needs opset 16
+        assert rewrite_gather_grad(kept) == 0
+        assert "GatherGrad" in {n.op_type for n in kept.graph.node}
