@@ -15,8 +15,11 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from ._padding import constant, lookup_table
+
 __all__ = ["rewrite_gather_grad"]
 
+INT64 = TensorProto.INT64
 REDUCTION_OPSET = 16
 """ScatterElements' ``reduction`` attribute needs this opset of the default domain."""
 
@@ -33,26 +36,25 @@ def rewrite_gather_grad(training: onnx.ModelProto) -> int:
     nodes: list[onnx.NodeProto] = []
     done = 0
     for node in training.graph.node:
-        shape = producer.get(node.input[0]) if node.op_type == "GatherGrad" else None
-        table = tables.get(shape.input[0]) if shape is not None and shape.op_type == "Shape" else None
+        name = lookup_table(node, producer)
+        table = tables.get(name) if name else None
         dims = [d.dim_value for d in table.shape.dim] if table is not None else []
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if table is None or table.elem_type != TensorProto.FLOAT or len(dims) != 2 or 0 in dims or axis != 0:
+        if table is None or table.elem_type != TensorProto.FLOAT or len(dims) != 2 or 0 in dims:
             nodes.append(node)
             continue
         _, ids, grad = node.input
         base = f"{node.output[0]}/odt_scatter"
         scatter = [f"{base}/zeros", f"{base}/index", f"{base}/dY"]  # data, indices, updates
         nodes += [
-            _constant(f"{base}/rows", [2], [-1, 1]),
-            _constant(f"{base}/flat", [2], [-1, dims[1]]),
-            helper.make_node("Cast", [ids], [f"{base}/ids"], to=TensorProto.INT64),
+            constant(f"{base}/rows", INT64, [2], [-1, 1]),
+            constant(f"{base}/flat", INT64, [2], [-1, dims[1]]),
+            helper.make_node("Cast", [ids], [f"{base}/ids"], to=INT64),
             helper.make_node("Reshape", [f"{base}/ids", f"{base}/rows"], [f"{base}/column"]),
             helper.make_node("Reshape", [grad, f"{base}/flat"], [f"{base}/dY"]),
             helper.make_node("Shape", [f"{base}/dY"], [f"{base}/dY_shape"]),
             helper.make_node("Expand", [f"{base}/column", f"{base}/dY_shape"], [f"{base}/index"]),
-            _constant(f"{base}/width_only", [2], [0, 1]),
-            _constant(f"{base}/height", [2], [dims[0], 0]),
+            constant(f"{base}/width_only", INT64, [2], [0, 1]),
+            constant(f"{base}/height", INT64, [2], [dims[0], 0]),
             helper.make_node("Mul", [f"{base}/dY_shape", f"{base}/width_only"], [f"{base}/width"]),
             helper.make_node("Add", [f"{base}/width", f"{base}/height"], [f"{base}/table"]),  # (rows, width)
             helper.make_node("ConstantOfShape", [f"{base}/table"], [f"{base}/zeros"], value=zero),
@@ -63,7 +65,3 @@ def rewrite_gather_grad(training: onnx.ModelProto) -> int:
         del training.graph.node[:]
         training.graph.node.extend(nodes)
     return done
-
-
-def _constant(name: str, dims: list[int], values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, dims, values))

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 from torch import nn
 
-__all__ = ["padding_rows", "mask_padding_gradients"]
+__all__ = ["padding_rows", "mask_padding_gradients", "lookup_table", "constant"]
 
 
 def padding_rows(model: nn.Module) -> dict[str, int]:
@@ -35,20 +35,18 @@ def mask_padding_gradients(training: onnx.ModelProto, rows: dict[str, int]) -> l
     done: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for node in training.graph.node:
-        shape = producer.get(node.input[0]) if node.op_type == "GatherGrad" else None
-        weight = shape.input[0] if shape is not None and shape.op_type == "Shape" else None
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if weight not in rows or axis != 0:
+        weight = lookup_table(node, producer)
+        if weight not in rows:
             nodes.append(node)
             continue
         base = f"{node.output[0]}/odt_padding{len(done)}"
         nodes += [
             helper.make_node("Cast", [node.input[1]], [f"{base}/ids"], to=onnx.TensorProto.INT64),
-            _constant(f"{base}/row", onnx.TensorProto.INT64, [], [rows[weight]]),
+            constant(f"{base}/row", onnx.TensorProto.INT64, [], [rows[weight]]),
             helper.make_node("Equal", [f"{base}/ids", f"{base}/row"], [f"{base}/is_pad"]),
             helper.make_node("Not", [f"{base}/is_pad"], [f"{base}/keep"]),
             helper.make_node("Cast", [f"{base}/keep"], [f"{base}/keep_f"], to=onnx.TensorProto.FLOAT),
-            _constant(f"{base}/last", onnx.TensorProto.INT64, [1], [-1]),
+            constant(f"{base}/last", onnx.TensorProto.INT64, [1], [-1]),
             helper.make_node("Unsqueeze", [f"{base}/keep_f", f"{base}/last"], [f"{base}/mask"]),
             helper.make_node("Mul", [node.input[2], f"{base}/mask"], [f"{base}/dY"]),
         ]
@@ -60,5 +58,13 @@ def mask_padding_gradients(training: onnx.ModelProto, rows: dict[str, int]) -> l
     return done
 
 
-def _constant(name: str, dtype: int, dims: list[int], values: list[int]) -> onnx.NodeProto:
+def lookup_table(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto]) -> str | None:
+    """The table whose gradient ``node`` is, when it is a lookup's ``GatherGrad(Shape(table), ids,
+    dY)`` along axis 0 in ORT's training graph (``producer``: output name -> node); else None."""
+    shape = producer.get(node.input[0]) if node.op_type == "GatherGrad" else None
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    return shape.input[0] if shape is not None and shape.op_type == "Shape" and axis == 0 else None
+
+
+def constant(name: str, dtype: int, dims: list[int], values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, dims, values))

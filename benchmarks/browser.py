@@ -73,13 +73,10 @@ def measure(name, model, work: Path) -> dict:
 
     artifacts, site = work / name.replace(" ", "_"), work / "site"
     generate(model, {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)
-    shutil.rmtree(site, ignore_errors=True)
-    site.mkdir()
+    _site(site)
     make_bundle(artifacts, site / "bundle")
     for module in ("odt-web.mjs", "odt-worker.mjs"):
         shutil.copy(WEB / module, site / module)
-    (site / "index.html").write_text("<!doctype html><title>bench</title>")
-    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", site / "ort")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, 64)).astype(np.float32)
     y = rng.integers(0, 10, BATCH)
@@ -124,6 +121,15 @@ def measure(name, model, work: Path) -> dict:
     }
 
 
+def _site(site: Path) -> Path:
+    """An empty page at ``site`` with onnxruntime-web's files at /ort/."""
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir()
+    (site / "index.html").write_text("<!doctype html><title>bench</title>")
+    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", site / "ort")
+    return site
+
+
 def _serve(site: Path) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -160,11 +166,7 @@ def measure_kernels(work: Path) -> list[dict]:
     """Median run time of one MatMul in the browser and in Python ORT, per shape and thread count."""
     import onnxruntime as ort
 
-    site = work / "kernel-site"
-    shutil.rmtree(site, ignore_errors=True)
-    site.mkdir()
-    (site / "index.html").write_text("<!doctype html><title>kernel</title>")
-    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", site / "ort")
+    site = _site(work / "kernel-site")
     rows = []
     server = _serve(site)
     try:
