@@ -102,11 +102,9 @@ def local_fit_ms(artifacts: Path, data: Path, config: dict) -> float:
 
 def sdk_task_ms(artifacts: Path, data: Path, config: dict) -> dict[str, float]:
     """Milliseconds of a client task's SDK work in the 100-client setting (medians of 20): a fresh
-    trainer (each train task: new optimizer moments), loaded in the task (a new process's first)
-    or preloaded after the previous one; the evaluation trainer and the node's data, loaded cold
-    (a new process's first task) and from the process's caches (every later task)."""
+    trainer (each train task: new optimizer moments), the evaluation trainer and the node's data,
+    loaded cold (a new process's first task) and from the process's caches (every later task)."""
     from federated import task
-    from ondevice import Manifest
 
     settings = task.Settings.from_config({**config, "artifacts": str(artifacts), "data": str(data)})
     sha = task.manifest_sha256(artifacts)
@@ -122,16 +120,8 @@ def sdk_task_ms(artifacts: Path, data: Path, config: dict) -> dict[str, float]:
             times.append(1e3 * (time.perf_counter() - start))
         return statistics.median(times)
 
-    def preloaded() -> None:  # the previous train task's preload, finished while the node waited
-        task.preload_trainer(str(artifacts), manifest)
-        time.sleep(0.2)
-
-    manifest = Manifest.load(artifacts)
     return {
-        "train trainer, loaded in the task": median_ms(lambda: task.node_trainer(str(artifacts), sha)),
-        "train trainer, preloaded after the previous task": median_ms(
-            lambda: task.node_trainer(str(artifacts), sha), preloaded
-        ),
+        "train trainer (fresh each task)": median_ms(lambda: task.node_trainer(str(artifacts), sha)),
         "evaluation trainer, cold": median_ms(
             lambda: task.node_trainer(str(artifacts), sha, for_evaluation=True), task._evaluation_trainer.cache_clear
         ),

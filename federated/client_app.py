@@ -21,7 +21,7 @@ from .codec import encode
 from .errors import FederatedError
 from .partial import fit_to, personal_names
 from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, to_arrays, train_reply
-from .task import Settings, local_epochs, node_artifacts, node_data, node_trainer, preload_trainer
+from .task import Settings, local_epochs, node_artifacts, node_data, node_trainer
 
 __all__ = ["app", "RELAY_GROUP"]
 
@@ -98,7 +98,6 @@ def train(msg: Message, context: Context) -> Message:
     if personal:  # they never leave the node: kept in its own state for the next round
         context.state[PERSONAL] = to_arrays({name: state.pop(name) for name in personal})
     payload = encode(state, global_weights, str(config.get("codec", "none")))
-    preload_trainer(node_artifacts(settings, context.node_config), trainer.manifest)  # the next train task's
     last = history.last()
     return train_reply(
         msg,

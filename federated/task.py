@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -14,7 +12,7 @@ import numpy as np
 from ondevice import Trainer
 from ondevice.data import load_npz
 from ondevice.files import sha256_file
-from ondevice.manifest import MANIFEST_NAME, Manifest
+from ondevice.manifest import MANIFEST_NAME
 from ondevice.text import load_data
 
 from .config import Settings
@@ -22,8 +20,7 @@ from .errors import ArtifactMismatchError, FederatedError
 from .partitions import partition
 
 __all__ = [
-    "Settings", "node_trainer", "preload_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts",
-    "local_epochs",
+    "Settings", "node_trainer", "node_data", "client_files", "manifest_sha256", "node_artifacts", "local_epochs",
 ]  # fmt: skip
 
 
@@ -55,10 +52,8 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
     they are not the server's (or, in a mixed-tier run, not one of the comma-separated ``tiers``).
 
     Training gets a fresh trainer per task (a round starts from fresh optimizer moments, and ORT
-    cannot reset them): the one :func:`preload_trainer` loaded after the previous train task, if
-    the files are unchanged since, else one loaded now. Evaluation, which never touches the
-    optimizer, reuses one per process and artifact directory while its files are unchanged on
-    disk, reset to its loaded state.
+    cannot reset them); evaluation, which never touches the optimizer, reuses one per process
+    and artifact directory while its files are unchanged on disk, reset to its loaded state.
     """
     if for_evaluation:
         trainer, initial = _evaluation_trainer(artifacts, file_signature(artifacts))
@@ -66,49 +61,13 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
         if initial[1]:
             trainer.set_buffers(initial[1])
     else:
-        trainer = _fresh_trainer(artifacts)
+        trainer = Trainer.load(artifacts)
     if trainer.manifest_sha256 != expected_sha256 and trainer.manifest_sha256 not in tiers.split(","):
         raise ArtifactMismatchError(
             f"this node's artifacts ({artifacts}, manifest sha256 {trainer.manifest_sha256[:12]}...) differ from "
             f"the server's ({expected_sha256[:12]}...). Copy the server's artifact directory to the node."
         )
     return trainer
-
-
-# The next train task's trainer per artifact directory, loaded on one background thread while the
-# node waits for its next task: (the files' signature when the load started, the load).
-_preloads: dict[str, tuple[tuple, Future[Trainer]]] = {}
-_preloads_lock = threading.Lock()
-_preloader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odt-preload")
-
-
-def preload_trainer(artifacts: str, manifest: Manifest) -> None:
-    """Start loading a fresh trainer over ``artifacts`` for this process's next train task.
-
-    Loading (three ORT sessions) is most of a train task's own work besides training; done
-    here, after a task, it overlaps the wait for the next one. Skipped when the artifacts were
-    planned for a memory budget (``manifest.plan``): the preloaded trainer's weights and
-    sessions would sit beside the running one's.
-    """
-    if manifest.plan is not None:
-        return
-    signature = file_signature(artifacts)
-    with _preloads_lock:
-        _preloads.pop(artifacts, None)
-        _preloads[artifacts] = (signature, _preloader.submit(Trainer.load, artifacts))
-        while len(_preloads) > 4:  # mixed tiers hold one per tier; more directories than that are rare
-            _preloads.pop(next(iter(_preloads)))
-
-
-def _fresh_trainer(artifacts: str) -> Trainer:
-    with _preloads_lock:
-        signature, preload = _preloads.pop(artifacts, ((), None))
-    if preload is not None and signature == file_signature(artifacts):
-        try:
-            return preload.result()
-        except Exception:  # noqa: BLE001 - loaded again below, where the error reaches the task
-            pass
-    return Trainer.load(artifacts)
 
 
 @functools.lru_cache(maxsize=4)

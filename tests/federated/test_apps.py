@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 
@@ -12,14 +11,13 @@ from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricR
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from federated import task as node_task
 from federated.client_app import app as client_app
 from federated.codec import encode
 from federated.errors import ArtifactMismatchError
 from federated.partitions import partition
 from federated.protocol import from_arrays, hash_tag, to_arrays
 from federated.strategy import GuardedStrategy, make_strategy
-from federated.task import Settings, local_epochs, manifest_sha256, node_data, node_trainer, preload_trainer
+from federated.task import Settings, local_epochs, manifest_sha256, node_data, node_trainer
 from ondevice import Manifest, Trainer
 from ondevice.errors import ArtifactIntegrityError
 
@@ -244,39 +242,6 @@ def test_evaluation_reuses_one_trainer_and_leaks_nothing_between_tasks(setup, di
     checkpoint.write_bytes(bytes(raw))
     with pytest.raises(ArtifactIntegrityError, match="checkpoint was altered"):
         node_trainer(str(artifacts), sha, for_evaluation=True)
-
-
-def test_train_tasks_take_a_fresh_trainer_preloaded_after_the_previous_one(
-    setup, digits_artifacts, digits_sgd, data_dir, tmp_path
-):
-    """After a train task the node loads the next task's trainer in the background: the next
-    task trains on it from fresh optimizer moments (its update equals the first task's, bit for
-    bit), and a directory whose files changed since is loaded again, not taken stale."""
-    manifest, sha, global_weights = setup
-    artifacts = tmp_path / "artifacts"
-    shutil.copytree(digits_artifacts, artifacts)
-    config = ConfigRecord({"manifest-sha256": sha, "codec": "none", "server-round": 2, "proximal-mu": 0.0})
-    content = RecordDict({"arrays": to_arrays(global_weights), "config": config})
-    task = Message(content, dst_node_id=5, message_type=MessageType.TRAIN)
-    context = _context(artifacts, data_dir)
-    first = from_arrays(client_app(task, context).content["arrays"])
-    preloaded = node_task._preloads[str(artifacts)][1].result()
-    second = from_arrays(client_app(task, context).content["arrays"])
-    assert preloaded.step > 0  # the second task trained on the preloaded trainer...
-    for name, value in first.items():  # ...from fresh moments: the same update
-        np.testing.assert_array_equal(second[name], value, err_msg=name)
-
-    preload_trainer(str(artifacts), manifest)
-    node_task._preloads[str(artifacts)][1].result()
-    for path in artifacts.iterdir():  # another model's files replace these after the preload
-        path.unlink()
-    for path in digits_sgd.iterdir():
-        shutil.copy(path, artifacts / path.name)
-    assert node_trainer(str(artifacts), manifest_sha256(digits_sgd)).manifest_sha256 == manifest_sha256(digits_sgd)
-
-    planned = dataclasses.replace(manifest, plan={"lean_memory": False})  # a memory budget: no second trainer
-    preload_trainer(str(tmp_path / "planned"), planned)
-    assert str(tmp_path / "planned") not in node_task._preloads
 
 
 def test_node_data_is_read_once_and_again_when_its_file_changes(digits_data, tmp_path):
