@@ -54,27 +54,29 @@ def _run_config_table(args: argparse.Namespace) -> int:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """The run-config options every federated command shares (validated by federated.config)."""
-    p.add_argument("--rounds", type=int, default=5, help="server rounds (default 5)")
-    p.add_argument("--artifacts", default="out/digits/artifacts", help="artifact directory (default: the demo's)")
-    p.add_argument("--data", default="out/digits/data", help="directory with train.npz and test.npz")
-    p.add_argument("--out", default="out/federated", help="where metrics.json, rounds.png and logs go")
-    p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
-    p.add_argument("--codec", default="none", choices=["none", "fp16", "int8"], help="update encoding")
-    p.add_argument(
+
+    def option(flag: str, key: str, help: str, **extra: Any) -> None:  # the run-config key's type and default
+        k = BY_NAME[key]
+        p.add_argument(flag, type=k.kind, default=k.default, help=f"{help} (default {k.default})", **extra)
+
+    option("--rounds", "num-server-rounds", "server rounds")
+    option("--artifacts", "artifacts", "artifact directory")
+    option("--data", "data", "directory with train.npz and test.npz")
+    option("--out", "output", "where metrics.json, rounds.png and logs go")
+    option("--strategy", "strategy", "fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
+    option("--codec", "codec", "update encoding", choices=BY_NAME["codec"].choices)
+    option(
         "--partitioning",
-        default="iid",
-        choices=["iid", "dirichlet", "files"],
-        help="split DATA/train.npz (iid, dirichlet) or give node i the i-th file of DATA/clients/ (files); default iid",
+        "partitioning",
+        "split DATA/train.npz (iid, dirichlet) or give node i the i-th file of DATA/clients/ (files)",
+        choices=BY_NAME["partitioning"].choices,
     )
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (default 0.5)")
-    p.add_argument("--local-epochs", type=int, default=1, help="default 1")
-    steps = BY_NAME["local-steps"].default
-    p.add_argument(
-        "--local-steps", type=int, default=steps, help=f"train more epochs until that many steps (default {steps})"
-    )
-    p.add_argument("--min-nodes", type=int, default=2, help="nodes a round needs (default 2)")
-    p.add_argument("--fraction", type=float, default=1.0, help="share of nodes sampled per round (default 1)")
-    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds to wait for replies (default 120)")
+    option("--alpha", "dirichlet-alpha", "Dirichlet alpha")
+    option("--local-epochs", "local-epochs", "epochs each client trains per round, at least")
+    option("--local-steps", "local-steps", "train more epochs until that many steps")
+    option("--min-nodes", "min-nodes", "nodes a round needs")
+    option("--fraction", "fraction-train", "share of nodes sampled per round")
+    option("--round-timeout", "round-timeout", "seconds to wait for replies")
     p.add_argument(
         "--resume",
         metavar="DIR",
