@@ -52,8 +52,9 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
     they are not the server's (or, in a mixed-tier run, not one of the comma-separated ``tiers``).
 
     Training gets a fresh trainer per task (a round starts from fresh optimizer moments, and ORT
-    cannot reset them); evaluation, which never touches the optimizer, reuses one per process
-    and artifact directory while its files are unchanged on disk, reset to its loaded state.
+    cannot reset them), loaded without the eval graph it never runs; evaluation, which never
+    touches the optimizer, reuses one per process and artifact directory while its files are
+    unchanged on disk, reset to its loaded state.
     """
     if for_evaluation:
         trainer, initial = _evaluation_trainer(artifacts, file_signature(artifacts))
@@ -61,7 +62,7 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
         if initial[1]:
             trainer.set_buffers(initial[1])
     else:
-        trainer = Trainer.load(artifacts)
+        trainer = Trainer.load(artifacts, evaluation=False)
     if trainer.manifest_sha256 != expected_sha256 and trainer.manifest_sha256 not in tiers.split(","):
         raise ArtifactMismatchError(
             f"this node's artifacts ({artifacts}, manifest sha256 {trainer.manifest_sha256[:12]}...) differ from "

@@ -95,16 +95,18 @@ class OrtTraining:
         checkpoint: str | os.PathLike[str] | None = None,
         threads: int | None = None,
         with_optimizer: bool = True,
+        with_eval: bool = True,
         lean_memory: bool = False,
     ) -> None:
         directory = Path(directory)
         self.lean_memory = lean_memory
+        self.with_eval = with_eval
         options = session_options(threads, lean_memory)
         self.state = C.load_checkpoint(os.fspath(checkpoint or directory / "checkpoint"))
         self.module = C.Module(
             os.fspath(directory / "training_model.onnx"),
             self.state,
-            os.fspath(directory / "eval_model.onnx"),
+            os.fspath(directory / "eval_model.onnx") if with_eval else None,  # its session is ~30 % of a load
             _CPU,
             options,
         )

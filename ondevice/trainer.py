@@ -78,13 +78,19 @@ class Trainer:
         checkpoint: str | os.PathLike[str] | None = None,
         threads: int | None = None,
         lean_memory: bool | None = None,
+        evaluation: bool = True,
     ) -> Trainer:
         """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming.
 
         ``lean_memory`` trades some speed for a lower peak (ORT's memory arena off; see
         :func:`ondevice.session.session_options` for what it measured); by default it follows
         the memory planner's choice recorded in the manifest (off without a plan).
+        ``evaluation=False`` skips the eval graph's session, about a quarter of a load on the
+        digits model, for training-only work (a federated train task); such a trainer refuses
+        :meth:`evaluate`, :meth:`eval_step` and ``fit(val_data=...)``.
         """
+        if not isinstance(evaluation, bool):
+            raise ConfigError(f"evaluation must be True or False, got {evaluation!r}.")
         directory = Path(directory)
         manifest = Manifest.load(directory)
         made_with = str(manifest.versions.get("onnxruntime", ""))
@@ -98,12 +104,14 @@ class Trainer:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
         try:
             if checkpoint is None:
-                session = OrtTraining(directory, threads=threads, lean_memory=lean_memory)
+                session = OrtTraining(directory, threads=threads, lean_memory=lean_memory, with_eval=evaluation)
             else:
                 from ._checkpoint import unpacked
 
                 with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
-                    session = OrtTraining(directory, checkpoint=raw, threads=threads, lean_memory=lean_memory)
+                    session = OrtTraining(
+                        directory, checkpoint=raw, threads=threads, lean_memory=lean_memory, with_eval=evaluation
+                    )
         except OndeviceError:
             raise
         except Exception as exc:
@@ -143,6 +151,7 @@ class Trainer:
 
     def eval_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
+        self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
         fetched = self._session.eval_step(feeds)
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
@@ -212,6 +221,8 @@ class Trainer:
         for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", accumulate)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        if val_data is not None:
+            self._check_evaluation("fit(val_data=...)")
         train = check_data(self.manifest, data)
         val = None if val_data is None else check_data(self.manifest, val_data)
         size = len(next(iter(train.values())))
@@ -303,6 +314,7 @@ class Trainer:
 
     def evaluate(self, data: Mapping[str, np.ndarray], *, batch_size: int = 256) -> dict[str, float]:
         """Mean loss over ``data`` (and accuracy for classification) with the eval graph."""
+        self._check_evaluation("evaluate")
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
         meter = Meter(self.manifest)
@@ -313,6 +325,13 @@ class Trainer:
             held = None if scores is None else fetched[scores]
             meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
         return meter.result()
+
+    def _check_evaluation(self, what: str) -> None:
+        if not self._session.with_eval:
+            raise ConfigError(
+                f"{what} needs the eval graph, but this trainer was loaded with evaluation=False. "
+                f"Load it with Trainer.load({os.fspath(self.directory)!r}) to evaluate."
+            )
 
     # -- weights -------------------------------------------------------------------------------
     def get_flat_weights(self) -> np.ndarray:

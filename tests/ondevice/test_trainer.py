@@ -115,6 +115,34 @@ def test_resume_is_exact_even_with_dropout(digits_artifacts, digits_data, tmp_pa
     np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
 
 
+def test_a_training_only_trainer_trains_alike_and_refuses_evaluation(digits_artifacts, digits_data, tmp_path):
+    """evaluation=False leaves the eval graph out: training (dropout included) is bit-identical,
+    and every way to evaluate is refused with a ConfigError before it changes anything."""
+    data, val = _subset(digits_data["train"], 128), _subset(digits_data["val"], 64)
+    full, lean = Trainer.load(digits_artifacts), Trainer.load(digits_artifacts, evaluation=False)
+    full_history = full.fit(data, epochs=2, batch_size=32, seed=3, progress=False)
+    lean_history = lean.fit(data, epochs=2, batch_size=32, seed=3, progress=False)
+    np.testing.assert_array_equal(lean.get_flat_weights(), full.get_flat_weights())
+    assert lean_history.epochs == full_history.epochs
+    trained = lean.get_flat_weights()
+    for attempt in (
+        lambda: lean.evaluate(val),
+        lambda: lean.eval_step(_subset(val, 8)),
+        lambda: lean.fit(data, epochs=3, batch_size=32, val_data=val, progress=False),
+    ):
+        with pytest.raises(ConfigError, match="evaluation=False"):
+            attempt()
+    np.testing.assert_array_equal(lean.get_flat_weights(), trained)
+    assert lean.epoch == 2
+    with pytest.raises(ConfigError, match="True or False"):
+        Trainer.load(digits_artifacts, evaluation="no")
+    full.save(tmp_path / "c.ckpt")  # a checkpoint resumes into a training-only trainer too
+    resumed = Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt", evaluation=False)
+    np.testing.assert_array_equal(resumed.get_flat_weights(), trained)
+    with pytest.raises(ConfigError, match="evaluation=False"):
+        resumed.evaluate(val)
+
+
 def test_resume_without_seed_or_schedule_continues_the_same_run(digits_artifacts, digits_data, tmp_path):
     """The checkpoint carries the seed and the schedule: a resumed fit needs neither again."""
     data = _subset(digits_data["train"], 256)
