@@ -103,8 +103,9 @@ def local_fit_ms(artifacts: Path, data: Path, config: dict) -> float:
 def sdk_task_ms(artifacts: Path, data: Path, config: dict) -> dict[str, float]:
     """Milliseconds of a client task's SDK work in the 100-client setting (medians of 20): a fresh
     trainer (each train task: new optimizer moments; without the eval graph, and with it as every
-    task loaded it before, in alternating runs), the evaluation trainer and the node's data, loaded
-    cold (a new process's first task) and from the process's caches (every later task)."""
+    task loaded it before, in alternating runs; loaded and freed, as a task does), the evaluation
+    trainer and the node's data, loaded cold (a new process's first task) and from the process's
+    caches (every later task)."""
     from federated import task
 
     settings = task.Settings.from_config({**config, "artifacts": str(artifacts), "data": str(data)})
@@ -230,7 +231,8 @@ def main() -> int:
         f"sampling, in which Ray's actors start and import the ClientApp; the first round then takes "
         f"{big['first_round_s']:.1f} s). Without sampling (10 clients), the actors start in the first round instead.",
         "",
-        "A client task's SDK work (ms, median of 20, in one process):",
+        "A client task's SDK work (ms, median of 20, in one process; a train task's trainer is loaded and freed, "
+        "as in a task, and the two train rows ran alternately):",
         "",
         "| work | ms |",
         "|---|---:|",
