@@ -106,7 +106,7 @@ class OrtTraining:
         self.module = C.Module(
             os.fspath(directory / "training_model.onnx"),
             self.state,
-            os.fspath(directory / "eval_model.onnx") if with_eval else None,  # its session is ~30 % of a load
+            os.fspath(directory / "eval_model.onnx") if with_eval else None,  # see Trainer.load(evaluation=)
             _CPU,
             options,
         )
