@@ -83,8 +83,7 @@ def generate(
     >>> manifest.verification.passed  # doctest: +SKIP
     True
     """
-    out_dir = Path(out_dir).absolute()
-    check_output(out_dir, force)
+    out_dir = check_output(out_dir, force)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
     plan_record = None

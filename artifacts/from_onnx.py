@@ -75,9 +75,9 @@ def generate_from_onnx(
     --------
     >>> generate_from_onnx("model.onnx", "out/from-onnx", trainable=["classifier.*"])  # doctest: +SKIP
     """
-    path, out_dir = Path(path), Path(out_dir).absolute()
+    path = Path(path)
     original = _load(path)
-    check_output(out_dir, force)
+    out_dir = check_output(out_dir, force)
     example = dict(example_inputs) if example_inputs is not None else onnx_example(original, seed)
     names = [i.name for i in _inputs(original)]
     if sorted(example) != sorted(names):

@@ -6,7 +6,6 @@ import copy
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import onnx
 import torch
 
-from ondevice.files import fsync_dir, public_mode, sha256_file
+from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
@@ -102,7 +101,7 @@ def build_artifacts(
     prove: Prover | None,
 ) -> Manifest:
     """Build, prove and publish: the directory appears complete or not at all."""
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    work = staging_dir(out_dir)
     try:
         manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
         if prove is not None:
@@ -116,16 +115,19 @@ def build_artifacts(
                     report,
                 )
         manifest.save(work)
-        _publish(work, out_dir)
+        publish_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
 
 
-def check_output(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise OutputExistsError(f"{out_dir} already exists. Pass --force (force=True) to replace it.")
+def check_output(out_dir: str | os.PathLike[str], force: bool) -> Path:
+    """The absolute output directory, once it is known that writing it destroys nothing odt did not make."""
+    refusal = output_refusal(out_dir, force=force, marker=MANIFEST_NAME)
+    if refusal is not None:
+        raise OutputExistsError(refusal + ".")
+    out_dir = Path(out_dir).absolute()
     parent = out_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,7 @@ def check_output(out_dir: Path, force: bool) -> None:
         raise ArtifactError(f"cannot create {parent}: {exc.strerror}. Choose a writable --out.") from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ArtifactError(f"{parent} is not writable. Choose a writable --out.")
+    return out_dir
 
 
 def resolve_axes(
@@ -329,16 +332,3 @@ def _own_version() -> str:
         return metadata.version("ondevice-training")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _publish(work: Path, out_dir: Path) -> None:
-    """Move the finished directory into place; an existing one (--force) is replaced whole."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.rename(out_dir, old)
-    os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
-    os.rename(work, out_dir)
-    fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -10,7 +10,7 @@ from typing import Any
 from .config import BY_NAME, validate
 from .errors import RunConfigError
 
-__all__ = ["register", "add_run_options", "run_config", "echo_rounds"]
+__all__ = ["register", "add_run_options", "run_config", "check_nodes", "echo_rounds"]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -133,11 +133,23 @@ def _check_paths(config: dict[str, Any]) -> None:
         Manifest.load(config["artifacts"])
     except OdtError as exc:
         raise RunConfigError(f"run config 'artifacts': {exc}") from exc
+    from .partial import personal_names, tier_problem
+
+    base = Manifest.load(config["artifacts"], check_files=False)
     for tier in (t.strip() for t in str(config.get("tiers", "")).split(",") if t.strip()):
         try:
-            Manifest.load(tier)
+            problem = tier_problem(base, Manifest.load(tier))
         except OdtError as exc:
             raise RunConfigError(f"run config 'tiers': {exc}") from exc
+        if problem:
+            raise RunConfigError(f"run config 'tiers': {tier} is not a tier of {config['artifacts']}: {problem}.")
+    personal = str(config.get("personal", ""))
+    for glob in (g.strip() for g in personal.split(",") if g.strip()):
+        if not personal_names(base, glob):
+            names = ", ".join(p.name for p in base.trainable[:6]) + (", ..." if len(base.trainable) > 6 else "")
+            raise RunConfigError(
+                f"run config 'personal': {glob!r} matches no trainable tensor of {config['artifacts']} ({names})."
+            )
     data = Path(config["data"])
     train = data / "clients" if config.get("partitioning") == "files" else data / "train.npz"
     missing = [p.name for p in (train,) if not p.exists()]
@@ -150,10 +162,33 @@ def _check_paths(config: dict[str, Any]) -> None:
         )
 
 
+def check_nodes(nodes: int, config: dict[str, Any], flag: str) -> None:
+    """Refuse a node count the run can never satisfy (it would wait forever for min-nodes)."""
+    if nodes < 1:
+        raise RunConfigError(f"{flag} must be at least 1, got {nodes}.")
+    need = int(config.get("min-nodes", BY_NAME["min-nodes"].default))
+    if nodes < need:
+        raise RunConfigError(
+            f"every round needs min-nodes={need} nodes but {flag} is {nodes}: the run would wait forever. "
+            f"Pass --min-nodes {nodes} or {flag} {need}."
+        )
+    if config.get("partitioning") == "files":
+        from .task import data_files
+
+        found = len(data_files(config["data"]))
+        if found != nodes:
+            raise RunConfigError(
+                f"partitioning 'files' gives node i the i-th file of {Path(config['data']) / 'clients'}: found "
+                f"{found} files for {flag} {nodes}. Use {flag} {found}, or add or remove files."
+            )
+
+
 def _run(args: argparse.Namespace) -> int:
     from .runner import deploy, simulate
 
     config = run_config(args)  # a clear error in a second beats one from every node after Flower started
+    check_nodes(args.clients if args.mode == "simulate" else args.nodes, config,
+                "--clients" if args.mode == "simulate" else "--nodes")  # fmt: skip
     work = Path(config["output"]) / "logs"
     if args.mode == "simulate":
         report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else echo_rounds)

@@ -125,6 +125,7 @@ KEYS: tuple[Key, ...] = (
     Key("personal", str, "", "comma-separated globs of tensors that stay on each client (e.g. head.*)"),
     Key("tiers", str, "", "comma-separated artifact dirs of other tiers (same base, other trainable sets)"),
     Key("resume", bool, False, "continue the run in OUTPUT after its last completed round (OUTPUT/run-state.npz)"),
+    Key("run-id", str, "", "set by odt fl: the report and any failure are written under this id"),
 )
 BY_NAME = {k.name: k for k in KEYS}
 
@@ -154,6 +155,11 @@ def validate(config: Mapping[str, Any]) -> dict[str, Any]:
             hint = f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(BY_NAME)}."
             raise RunConfigError(f"unknown run config key {name!r}.{hint}")
         checked[name] = key.check(value)
+    noise, clip = (checked.get(k, BY_NAME[k].default) for k in ("dp-noise", "dp-clip"))
+    if (noise > 0) != (clip > 0):
+        raise RunConfigError(
+            f"differential privacy needs both dp-noise > 0 and dp-clip > 0, got dp-noise={noise} and dp-clip={clip}."
+        )
     return checked
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from ondevice.errors import OdtError, UsageError
 
-__all__ = ["FederatedError", "PartitionError", "CodecError", "ArtifactMismatchError", "DeployError", "RunConfigError"]
+__all__ = [
+    "FederatedError",
+    "PartitionError",
+    "CodecError",
+    "ArtifactMismatchError",
+    "DeployError",
+    "RunConfigError",
+    "RoundFailedError",
+    "RunFailedError",
+]
 
 
 class FederatedError(OdtError):
@@ -29,3 +38,11 @@ class DeployError(FederatedError, RuntimeError):
 
 class RunConfigError(FederatedError, UsageError, ValueError):
     """A run-config key that does not exist, or a value of the wrong type or out of range."""
+
+
+class RoundFailedError(FederatedError, RuntimeError):
+    """A round got no usable update: no replies, fewer than min-nodes, or every client failed."""
+
+
+class RunFailedError(FederatedError, RuntimeError):
+    """A federated run ended without its report: the ServerApp failed (the cause is quoted)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from ondevice.manifest import Manifest
 
-__all__ = ["leading", "fit_to", "union_of", "aggregate_partial", "personal_names", "slice_problem"]
+__all__ = ["leading", "fit_to", "union_of", "aggregate_partial", "personal_names", "slice_problem", "tier_problem"]
 
 
 def leading(shape: Sequence[int]) -> tuple[slice, ...]:
@@ -94,3 +94,22 @@ def personal_names(manifest: Manifest, patterns: str) -> list[str]:
         for p in manifest.trainable
         if any(fnmatchcase(p.name, g) or p.name.startswith(g.rstrip(".*") + ".") for g in globs)
     ]
+
+
+def tier_problem(base: Manifest, tier: Manifest) -> str | None:
+    """Why ``tier`` cannot join ``base``'s rounds (another base model), or None.
+
+    Tiers share the model: the same inputs, and tensors of one name nested in shape (a tier may
+    train a leading slice, e.g. a smaller LoRA rank), with at least one tensor in common.
+    """
+    if [(t.name, t.dtype) for t in tier.inputs] != [(t.name, t.dtype) for t in base.inputs]:
+        return f"its inputs {[t.name for t in tier.inputs]} differ from the base's {[t.name for t in base.inputs]}"
+    shapes = {p.name: p.shape for p in (*base.trainable, *base.frozen)}
+    common = [p for p in (*tier.trainable, *tier.frozen) if p.name in shapes]
+    if not common:
+        return "it shares no tensor with the base model"
+    for p in common:
+        small, large = sorted((p.shape, shapes[p.name]), key=lambda s: int(np.prod(s)))
+        if len(small) != len(large) or any(a > b for a, b in zip(small, large)):
+            return f"tensor {p.name!r} is {p.shape} there and {shapes[p.name]} in the base, neither inside the other"
+    return None

@@ -92,6 +92,7 @@ class ProcessGroup:
         self.port: int | None = None  # the SuperLink's, once started
         self._logs: list[IO[bytes]] = []
         self._previous: dict[int, object] = {}  # signal handlers replaced while the group runs
+        self._reaper: subprocess.Popen[bytes] | None = None
 
     def start(
         self, name: str, command: Sequence[str], *, extra_env: dict[str, str] | None = None
@@ -145,11 +146,21 @@ class ProcessGroup:
             time.sleep(0.05)
         for handle in self._logs:
             handle.close()
+        if self._reaper is not None:  # nothing left to reap: it sees its pipe close and exits
+            self._reaper.stdin.close()  # type: ignore[union-attr]
+            self._reaper.wait(timeout=30)
 
     def __enter__(self) -> ProcessGroup:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, _raise_terminated)
+        home = self.env.get("FLWR_HOME", "")
+        if home:  # kill -9 of this process runs no handler: a watcher outside it stops the run's processes
+            env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-m", "federated.processes", "--reap", home],
+                stdin=subprocess.PIPE, env=env, start_new_session=True,
+            )  # fmt: skip
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -182,3 +193,21 @@ def started_by(flwr_home: str) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def _reap(flwr_home: str) -> None:
+    """Wait until the process that started a run ends (its pipe closes, however it ended), then kill
+    every process left with the run's FLWR_HOME: SuperLink, SuperNodes, `flwr run` and their apps."""
+    sys.stdin.buffer.read()
+    deadline = time.monotonic() + 30
+    while (stray := started_by(flwr_home)) and time.monotonic() < deadline:
+        for pid in stray:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
+    _reap(sys.argv[2])

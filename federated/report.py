@@ -8,7 +8,10 @@ from typing import Any
 
 from ondevice.files import atomic_write_bytes
 
-__all__ = ["round_row", "write_report", "save_weights"]
+__all__ = ["round_row", "write_report", "save_weights", "record_failure", "read_outcome", "FAILURE", "REPORT"]
+
+REPORT = "metrics.json"
+FAILURE = "run-failed.json"
 
 
 def round_row(server_round: int, central: dict[str, Any], seen: Any, seconds: float) -> dict[str, Any]:
@@ -47,11 +50,40 @@ def save_weights(path: Path, weights: dict[str, Any], **extra: Any) -> Path:
 
 def write_report(rows: list[dict[str, Any]], out: Path, settings: dict[str, Any]) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    metrics = out / "metrics.json"
+    metrics = out / REPORT
     atomic_write_bytes(metrics, json.dumps({"settings": settings, "rounds": rows}, indent=2).encode())
     plot = out / "rounds.png"
     _plot(rows, plot)
     return metrics, plot
+
+
+def record_failure(out: Path, run_id: str, exc: BaseException) -> None:
+    """Write why the run failed (OUTPUT/run-failed.json, under the run's id) for the runner to quote."""
+    from ondevice.errors import OdtError
+
+    reason = str(exc) if isinstance(exc, OdtError) else f"{type(exc).__name__}: {exc}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / FAILURE, json.dumps({"run-id": run_id, "error": reason}).encode())
+    except OSError:
+        pass  # the log still has it
+
+
+def read_outcome(out: Path, run_id: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(report, None) when this run wrote its report, (None, reason) when it recorded a failure,
+    (None, None) when it left neither: a report or failure of another run is never taken for this one."""
+    for name in (FAILURE, REPORT):
+        try:
+            data = json.loads((out / name).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if name == FAILURE and data.get("run-id") == run_id:
+            return None, str(data.get("error"))
+        if name == REPORT and data.get("settings", {}).get("run_id") == run_id:
+            return data, None
+    return None, None
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:

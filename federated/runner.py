@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import secrets
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import DeployError
+from .errors import DeployError, RunFailedError
 from .processes import ProcessGroup, flower_env, free_port, wait_healthy
+from .report import REPORT, read_outcome
 from .tls import make_node_keys, make_tls
 
 __all__ = ["simulate", "deploy", "supernode_command", "register_node", "APP_DIR"]
@@ -62,7 +63,7 @@ def _superlink(group: ProcessGroup, port: int, *, simulation: bool, tls: dict[st
 
 def _flwr_run(
     group: ProcessGroup, config: Mapping[str, Any], federation: str | None, on_line: Callable[[str], None]
-) -> None:
+) -> int:
     command = ["flwr", "run", str(APP_DIR), "odt", "--stream", "--run-config", _run_config(config)]
     command += ["--federation-config", federation] if federation else []
     process = subprocess.Popen(
@@ -75,15 +76,28 @@ def _flwr_run(
         for line in process.stdout:
             transcript.write(line)
             on_line(line.rstrip("\n"))
-    if process.wait() != 0:
-        raise DeployError(f"`flwr run` failed (exit {process.returncode}); see {group.log_path('flwr-run')}.")
+    return process.wait()
 
 
-def _report(config: Mapping[str, Any], group: ProcessGroup) -> dict[str, Any]:
-    path = Path(config["output"]) / "metrics.json"
-    if not path.is_file():
-        raise DeployError(f"the run ended without a report ({path}); see the logs in {group.log_dir}.")
-    return json.loads(path.read_text())
+def _with_run_id(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with a fresh run id: only a report written under it counts as this run's."""
+    return {**config, "run-id": secrets.token_hex(8)}
+
+
+def _report(config: Mapping[str, Any], group: ProcessGroup, code: int) -> dict[str, Any]:
+    """This run's report, or a RunFailedError with the ServerApp's own reason."""
+    out = Path(config["output"])
+    report, failure = read_outcome(out, config["run-id"])
+    if failure is not None:
+        raise RunFailedError(f"the federated run failed: {failure} (Flower's log: {group.log_path('flwr-run')})")
+    if code != 0:
+        raise RunFailedError(f"`flwr run` failed (exit {code}); see {group.log_path('flwr-run')}.")
+    if report is None:
+        raise RunFailedError(
+            f"the run ended without writing its report to {out / REPORT}; see {group.log_path('flwr-run')} "
+            f"and the other logs in {group.log_dir}."
+        )
+    return report
 
 
 def simulate(
@@ -98,8 +112,9 @@ def simulate(
         on_line(f"odt: starting Flower's SuperLink (simulation runtime) on 127.0.0.1:{port}")
         _superlink(group, port, simulation=True, tls=None, auth=False)
         on_line(f"odt: SuperLink up; running the app with {clients} virtual clients (round 0 is the initial model)")
-        _flwr_run(group, config, f"num-supernodes={clients}", on_line)
-        return _report(config, group)
+        config = _with_run_id(config)
+        code = _flwr_run(group, config, f"num-supernodes={clients}", on_line)
+        return _report(config, group, code)
 
 
 def deploy(
@@ -137,8 +152,9 @@ def deploy(
         if after_start:
             after_start(group)
         on_line("odt: running the app (round 0 is the initial model)")
-        _flwr_run(group, config, None, on_line)
-        return _report(config, group)
+        config = _with_run_id(config)
+        code = _flwr_run(group, config, None, on_line)
+        return _report(config, group, code)
 
 
 def supernode_command(

@@ -17,7 +17,7 @@ from .buffers import split_state
 from .errors import FederatedError
 from .partial import fit_to, union_of
 from .protocol import METRICS, from_arrays, to_arrays
-from .report import round_row, save_weights, write_report
+from .report import record_failure, round_row, save_weights, write_report
 from .run_state import load_run_state, save_run_state
 from .strategy import GuardedStrategy, make_strategy
 from .task import Settings
@@ -31,6 +31,14 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = Settings.from_config(context.run_config)
+    try:
+        _run(grid, settings)
+    except Exception as exc:  # the runner quotes it instead of an old report or Flower's log
+        record_failure(Path(settings.output), settings.run_id, exc)
+        raise
+
+
+def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
     artifacts = Path(settings.artifacts).resolve()
     evaluator = Trainer.load(artifacts)
     test = load_data(_test_file(Path(settings.data)), artifacts)
@@ -67,6 +75,7 @@ def main(grid: Grid, context: Context) -> None:
         norm_action=settings.norm_action,
         tiers={sha: t.manifest for sha, t in tiers.items()},
         partial=bool(settings.personal),
+        min_nodes=settings.min_nodes,
     )
 
     def load(arrays: ArrayRecord) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
@@ -32,7 +33,7 @@ from ondevice.manifest import Manifest
 from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
 from .config import STRATEGIES
-from .errors import FederatedError
+from .errors import FederatedError, RoundFailedError
 from .partial import aggregate_partial, leading, slice_problem
 from .protocol import from_arrays, hash_tag, to_arrays
 from .validation import norm_bounds, update_norm, update_problem
@@ -126,6 +127,7 @@ class GuardedStrategy(Strategy):
         norm_action: str = "reject",
         tiers: dict[str, Manifest] | None = None,
         partial: bool = False,
+        min_nodes: int = 1,
     ) -> None:
         """``tiers`` (manifest sha256 -> manifest) are the other artifact sets whose nodes may join;
         with them or with ``partial`` (personal tensors), replies hold only what a node shares and
@@ -139,6 +141,7 @@ class GuardedStrategy(Strategy):
             )
         self.norm_bound, self.max_update_norm, self.norm_action = norm_bound, max_update_norm, norm_action
         self.keep_updates = keep_updates
+        self.min_nodes = min_nodes
         self.manifest = manifest
         self.sha256 = manifest_sha256
         self.codec = codec
@@ -189,6 +192,7 @@ class GuardedStrategy(Strategy):
         server_round += self.offset
         record = self.rounds.setdefault(server_round, RoundLog())
         kept = []
+        replies = list(replies)
         for message in replies:
             if message.has_error():
                 record.excluded[message.metadata.src_node_id] = f"client error: {message.error.reason}"
@@ -206,6 +210,9 @@ class GuardedStrategy(Strategy):
                 kept.append(message)
         # Aggregate in a fixed order (not arrival order) so that a run's float32 sums repeat exactly.
         kept = sorted(self._bounded(server_round, kept, record), key=_reply_digest)
+        problem = round_problem(len(replies), len(kept), self.min_nodes, record.excluded)
+        if problem:
+            raise RoundFailedError(f"round {server_round}: {problem}")
         if self.partial:
             arrays, metrics = self._aggregate_partial(kept)
         else:
@@ -362,6 +369,34 @@ class GuardedStrategy(Strategy):
         (metrics,) = message.content.metric_records.values()
         count = metrics.get("num-examples")
         return isinstance(count, int) and 0 < count <= self.max_examples
+
+
+def round_problem(replies: int, kept: int, min_nodes: int, excluded: Mapping[int, str]) -> str | None:
+    """Why a round cannot go on (None when it can): it needs ``min_nodes`` replies and one usable update."""
+    first = next(iter(excluded.items()), None)
+    cause = f" The first: node {first[0]}: {_first_line(first[1])}" if first else ""
+    if replies == 0:
+        return "no client replied within round-timeout. Raise round-timeout or check that the nodes are running."
+    if replies < min_nodes:
+        return f"only {replies} of the {min_nodes} nodes it needs (min-nodes) replied within round-timeout.{cause}"
+    if kept == 0:
+        return f"every one of the {replies} clients failed or was excluded, so nothing was trained.{cause}"
+    return None
+
+
+def _first_line(reason: str, limit: int = 300) -> str:
+    """The client's own error out of Flower's reason (which may hold a Ray or Python traceback)."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    told = [line.split("occurred. Message: ", 1)[1] for line in lines if "occurred. Message: " in line]
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b: ", line)]
+    if told:
+        line = told[0]
+    elif raised:  # "ondevice.errors.DataError: ..." -> "DataError: ..."
+        name, text = raised[-1].split(": ", 1)
+        line = f"{name.rsplit('.', 1)[-1]}: {text}"
+    else:
+        line = lines[0] if lines else reason
+    return line[:limit] + ("..." if len(line) > limit else "")
 
 
 class _OrderedGrid:

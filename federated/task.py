@@ -77,9 +77,14 @@ def _evaluation_trainer(artifacts: str, signature: tuple) -> tuple[Trainer, tupl
     return trainer, (trainer.get_weights(), trainer.get_buffers())
 
 
+def data_files(data: str | Path) -> list[Path]:
+    """The per-client data files of partitioning ``files`` in ``DATA/clients/``, in name order."""
+    return sorted(p for p in (Path(data) / "clients").glob("*") if p.suffix in (".npz", ".jsonl"))
+
+
 def client_files(settings: Settings, nodes: int) -> list[Path]:
     """The per-client data files of partitioning ``files``: one per node, in name order."""
-    files = sorted(p for p in (Path(settings.data) / "clients").glob("*") if p.suffix in (".npz", ".jsonl"))
+    files = data_files(settings.data)
     if len(files) != nodes:
         raise FederatedError(
             f"partitioning 'files' needs one file per node in {Path(settings.data) / 'clients'}: "

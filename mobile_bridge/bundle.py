@@ -14,13 +14,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice.files import fsync_dir, public_mode, sha256_file
+from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
 
 from .errors import BundleError, SignatureError
@@ -56,6 +55,9 @@ def make_bundle(
     --------
     >>> make_bundle("out/digits/artifacts", "out/digits/bundle", sign_key="keys/odt")  # doctest: +SKIP
     """
+    refusal = output_refusal(out, force=force, marker=BUNDLE_JSON, extra=(MANIFEST_NAME, SIGNATURE))
+    if refusal is not None:
+        raise BundleError(refusal + ".")
     source, target = Path(artifacts), Path(out).absolute()
     manifest = Manifest.load(source)
     if schedule != "constant" and total_steps is None:
@@ -73,13 +75,11 @@ def make_bundle(
         )
     except ConfigError as exc:
         raise BundleError(f"bundle learning rate: {exc}") from exc
-    if target.exists() and not force:
-        raise BundleError(f"{target} already exists; pass --force to replace it.")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BundleError(f"cannot create {target.parent}: {exc.strerror}. Choose a writable --out.") from None
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    work = staging_dir(target)
     try:
         rate = {
             "kind": curve.kind,
@@ -106,11 +106,7 @@ def make_bundle(
         (work / BUNDLE_JSON).write_bytes(text)
         if sign_key is not None:
             (work / SIGNATURE).write_bytes(sign(text, sign_key))
-        if target.exists():
-            shutil.rmtree(target)
-        os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
-        os.rename(work, target)
-        fsync_dir(target.parent)
+        publish_dir(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

@@ -8,7 +8,8 @@ without complaint. A checkpoint file here is a small header followed by ORT's by
 The header holds the sha256 and size of ORT's bytes and the sha256 of the manifest of the
 artifacts it belongs to (plus epoch/step for messages). Loading checks all of it before ORT
 sees a byte. Saving writes a temporary file beside the target, fsyncs and renames; the
-checkpoint it replaces, if sound, becomes ``NAME.previous``. Temporary files of killed saves
+checkpoint it replaces, if sound, is kept as ``NAME.previous`` (a hard link renamed into place), so
+``NAME`` always names a whole checkpoint, even under kill -9. Temporary files of killed saves
 are removed by the next save, and an advisory lock (``.NAME.lock``, holding the writer's pid
 and host) keeps a second writer out.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from .errors import CheckpointCorruptError, CheckpointError
-from .files import fsync_dir, public_mode
+from .files import fsync_dir, pid_alive, public_mode
 from .session import C, OrtTraining, ort_error_message
 
 __all__ = ["save_state", "unpacked", "read_header", "previous_of", "writer_lock", "export_inference"]
@@ -106,12 +107,22 @@ def save_state(state: C.CheckpointState, path: Path, header: dict[str, Any]) -> 
 
 
 def _keep_as_previous(path: Path, manifest_sha: str) -> None:
-    """The checkpoint being replaced becomes NAME.previous if it is sound (a corrupt one is dropped)."""
+    """The checkpoint about to be replaced is also kept as NAME.previous if it is sound.
+
+    A hard link (a copy where links are not possible) renamed over NAME.previous: ``path`` itself
+    never moves, so a reader always finds a whole checkpoint under its name.
+    """
     try:
         read_header(path, manifest_sha, verify=True)
     except CheckpointError:
         return
-    os.replace(path, previous_of(path))
+    keep = _temp_beside(path, ".previous")
+    keep.unlink(missing_ok=True)
+    try:
+        os.link(path, keep)
+    except OSError:
+        shutil.copyfile(path, keep)
+    os.replace(keep, previous_of(path))
 
 
 def _remove_stale_temps(path: Path) -> None:
@@ -121,18 +132,8 @@ def _remove_stale_temps(path: Path) -> None:
             pid = int(stale.name[len(path.name) + 2 :].split(".")[0])
         except ValueError:
             continue
-        if pid != os.getpid() or not _alive(pid):
+        if pid != os.getpid() or not pid_alive(pid):
             stale.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = True) -> dict[str, Any]:
@@ -144,37 +145,40 @@ def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = T
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist.")
     with open(path, "rb") as handle:
-        head = handle.read(len(MAGIC) + _LENGTH.size)
-        if len(head) < len(MAGIC) + _LENGTH.size or head[: len(MAGIC)] != MAGIC:
-            raise CheckpointCorruptError(f"checkpoint {path} is not an odt checkpoint (no header){_hint(path)}")
-        (length,) = _LENGTH.unpack(head[len(MAGIC) :])
-        try:
-            header = json.loads(handle.read(min(length, 1 << 16)))
-            size, digest = int(header["size"]), str(header["sha256"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise CheckpointCorruptError(f"checkpoint {path} has a damaged header{_hint(path)}") from None
-        if manifest_sha is not None and header.get("manifest_sha256") != manifest_sha:
-            found = str(header.get("manifest_sha256"))[:12]
-            raise CheckpointError(
-                f"checkpoint {path} was saved from other artifacts (manifest sha256 {found}..., these are "
-                f"{manifest_sha[:12]}...). Use the artifact directory it was trained from."
-            )
-        header["payload_offset"] = len(MAGIC) + _LENGTH.size + length
-        _check_size(path, header)
-        if verify and _sha256(handle, size) != digest:
+        header = _header(handle, path, manifest_sha)
+        if verify and _sha256(handle, int(header["size"])) != header["sha256"]:
             raise CheckpointCorruptError(f"checkpoint {path} was altered (sha256 differs){_hint(path)}")
     return header
 
 
-def _check_size(path: Path, header: dict[str, Any]) -> None:
-    if path.stat().st_size != header["payload_offset"] + int(header["size"]):
+def _header(handle: IO[bytes], path: Path, manifest_sha: str | None) -> dict[str, Any]:
+    """Read and check the header from an open checkpoint; the handle is left at the payload."""
+    head = handle.read(len(MAGIC) + _LENGTH.size)
+    if len(head) < len(MAGIC) + _LENGTH.size or head[: len(MAGIC)] != MAGIC:
+        raise CheckpointCorruptError(f"checkpoint {path} is not an odt checkpoint (no header){_hint(path)}")
+    (length,) = _LENGTH.unpack(head[len(MAGIC) :])
+    try:
+        header = json.loads(handle.read(min(length, 1 << 16)))
+        int(header["size"]), str(header["sha256"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise CheckpointCorruptError(f"checkpoint {path} has a damaged header{_hint(path)}") from None
+    if manifest_sha is not None and header.get("manifest_sha256") != manifest_sha:
+        found = str(header.get("manifest_sha256"))[:12]
+        raise CheckpointError(
+            f"checkpoint {path} was saved from other artifacts (manifest sha256 {found}..., these are "
+            f"{manifest_sha[:12]}...). Use the artifact directory it was trained from."
+        )
+    header["payload_offset"] = len(MAGIC) + _LENGTH.size + length
+    if os.fstat(handle.fileno()).st_size != header["payload_offset"] + int(header["size"]):
         raise CheckpointCorruptError(f"checkpoint {path} is truncated or padded{_hint(path)}")
+    handle.seek(header["payload_offset"])
+    return header
 
 
 def _hint(path: Path) -> str:
     previous = previous_of(path)
     if previous.is_file():
-        return f"; the checkpoint before it is kept as {previous} (`odt train --resume` falls back to it)."
+        return f"; the checkpoint before it is kept as {previous} (odt falls back to it when reading)."
     return "; retrain, or restore it from a copy."
 
 
@@ -184,12 +188,14 @@ def unpacked(path: Path, manifest_sha: str) -> Iterator[tuple[Path, dict[str, An
 
     The payload is hashed while it is copied (one read); the sha256 is checked before ORT opens it.
     """
-    header = read_header(path, manifest_sha, verify=False)  # also checks the size
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
     with tempfile.TemporaryDirectory(prefix="odt-ckpt-") as tmp:
         raw = Path(tmp) / "checkpoint"
         digest = hashlib.sha256()
+        # One handle for header and payload: a save renaming a new file over ``path`` cannot mix the two.
         with open(path, "rb") as source, open(raw, "wb") as out:
-            source.seek(header["payload_offset"])
+            header = _header(source, path, manifest_sha)  # also checks the size
             for chunk in iter(lambda: source.read(1 << 20), b""):
                 digest.update(chunk)
                 out.write(chunk)

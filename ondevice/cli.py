@@ -9,7 +9,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import CheckpointError, OdtError, UsageError
 
@@ -164,13 +164,14 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_train)
 
 
+_CKPT_DEFAULT = "(default: ./DIRECTORY-NAME.ckpt/ where `odt train` saves, else the initial weights, with a warning)"
+
+
 def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("evaluate", help="loss (and accuracy) of artifacts or a checkpoint on .npz data")
     p.add_argument("directory", help="artifact directory")
     p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, or .jsonl of texts")
-    p.add_argument(
-        "--checkpoint", metavar="CKPT_DIR", help="evaluate CKPT_DIR/latest.ckpt (default: the initial weights)"
-    )
+    p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"evaluate CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.add_argument("--batch-size", type=int, default=256, help="default 256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(run=_run_evaluate)
@@ -180,9 +181,7 @@ def register_export(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("export", help="write the (trained) model as an inference ONNX file")
     p.add_argument("directory", help="artifact directory")
     p.add_argument("--out", required=True, help="path of the .onnx file to write")
-    p.add_argument(
-        "--checkpoint", metavar="CKPT_DIR", help="export CKPT_DIR/latest.ckpt (default: the initial weights)"
-    )
+    p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"export CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.set_defaults(run=_run_export)
 
 
@@ -196,7 +195,9 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer)"
     )
-    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="with an artifact directory: CKPT_DIR/latest.ckpt")
+    p.add_argument(
+        "--checkpoint", metavar="CKPT_DIR", help=f"with an artifact directory: CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}"
+    )
     p.add_argument("--artifacts", help="with an .onnx file: the artifact directory it came from (its manifest)")
     p.add_argument("--out", help="also write every output to this .npz (default: print only)")
     p.add_argument("--json", action="store_true", help="print every output as JSON")
@@ -212,17 +213,17 @@ def _run_predict(args: argparse.Namespace) -> int:
     from .manifest import Manifest
     from .predict import Predictor
     from .text import TextEncoder, load_data
-    from .trainer import Trainer
 
     if args.model.endswith(".onnx") and not args.artifacts:
         raise ConfigError("an .onnx model needs --artifacts DIR (the artifacts it was exported from).")
     directory = args.artifacts if args.model.endswith(".onnx") else args.model
+    note = ""
     data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
     with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
         if args.model.endswith(".onnx"):
             manifest, model = Manifest.load(args.artifacts), args.model
         else:
-            trainer = Trainer.load(args.model, checkpoint=_checkpoint_file(args.checkpoint))
+            trainer, note = _load_trained(args.model, args.checkpoint)
             manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
         outputs = Predictor(model, manifest).predict(data)
     if args.out:
@@ -233,6 +234,7 @@ def _run_predict(args: argparse.Namespace) -> int:
         buffer = io.BytesIO()
         np.savez(buffer, **outputs)
         atomic_write_bytes(args.out, buffer.getvalue())
+    _note(note)
     if args.json:
         print(json.dumps({name: value.tolist() for name, value in outputs.items()}))
         return 0
@@ -266,7 +268,9 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
     trainer = (
-        _resume(args.directory, Path(_checkpoint_file(args.checkpoint)), args.threads, args.lean_memory)
+        _load_checkpoint(
+            args.directory, Path(_checkpoint_file(args.checkpoint)), threads=args.threads, lean_memory=args.lean_memory
+        )
         if args.resume
         else Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
     )
@@ -274,7 +278,7 @@ def _run_train(args: argparse.Namespace) -> int:
     val = load_data(args.val, args.directory) if args.val else None
     named = bool(args.checkpoint)
     if not named:  # never throw the trained weights away
-        args.checkpoint = f"{Path(args.directory).resolve().name}.ckpt"
+        args.checkpoint = _default_checkpoint_dir(args.directory)
     size = len(next(iter(train.values()))) if train else 0
     steps = args.epochs * math.ceil(math.ceil(size / max(args.batch_size, 1)) / max(args.accumulate, 1))
     schedule = None  # resuming: the checkpoint's schedule continues
@@ -304,40 +308,73 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(directory: str, checkpoint: Path, threads: int | None, lean: bool | None = None):  # type: ignore[no-untyped-def]
-    """Resume from the checkpoint, or from the one before it when it is missing or corrupt (said so)."""
+def _load_checkpoint(directory: str, checkpoint: Path, **options: Any):  # type: ignore[no-untyped-def]
+    """Load the checkpoint, or the one before it when it is missing or corrupt (said so on stderr)."""
     from ._checkpoint import previous_of
     from .errors import CheckpointCorruptError
     from .trainer import Trainer
 
     try:
-        return Trainer.load(directory, checkpoint=checkpoint, threads=threads, lean_memory=lean)
+        return Trainer.load(directory, checkpoint=checkpoint, **options)
     except CheckpointCorruptError as exc:
         previous = previous_of(checkpoint)
         if not previous.is_file():
             raise
-        print(f"warning: {exc} Resuming from {previous}.", file=sys.stderr)
+        print(f"warning: {exc} Using {previous}.", file=sys.stderr)
     except CheckpointError:
         previous = previous_of(checkpoint)
         if checkpoint.exists() or not previous.is_file():
             raise
-        print(f"warning: {checkpoint} is missing (a save was interrupted); resuming from {previous}.", file=sys.stderr)
-    return Trainer.load(directory, checkpoint=previous, threads=threads, lean_memory=lean)
+        print(f"warning: {checkpoint} is missing (a save was interrupted); using {previous}.", file=sys.stderr)
+    return Trainer.load(directory, checkpoint=previous, **options)
+
+
+def _load_trained(directory: str, checkpoint_dir: str | None):  # type: ignore[no-untyped-def]
+    """(trainer, note): the weights a user means: --checkpoint's, else the checkpoint `odt train DIRECTORY`
+    saves by default (./NAME.ckpt/) when it belongs to these artifacts, else the initial weights. The note
+    says which, for stderr once the command has succeeded (an error stays the only line)."""
+    from ._checkpoint import previous_of, read_header
+    from .files import sha256_file
+    from .manifest import MANIFEST_NAME
+    from .trainer import Trainer
+
+    if checkpoint_dir is not None:
+        return _load_checkpoint(directory, Path(_checkpoint_file(checkpoint_dir))), ""
+    default = Path(_checkpoint_file(_default_checkpoint_dir(directory)))
+    found = next((p for p in (default, previous_of(default)) if p.is_file()), None)
+    untrained = "these are the untrained initial weights. Pass --checkpoint CKPT_DIR for trained ones."
+    if found is None:
+        return Trainer.load(directory), f"warning: no --checkpoint given and none at {default}: {untrained}"
+    try:
+        read_header(found, sha256_file(Path(directory) / MANIFEST_NAME), verify=False)
+    except (CheckpointError, OSError) as exc:
+        return Trainer.load(directory), f"warning: not using {found}: {exc} So {untrained}"
+    note = f"note: the weights of {default.parent}/, where `odt train {directory}` saves (--checkpoint chooses)."
+    return _load_checkpoint(directory, default), note
+
+
+def _default_checkpoint_dir(directory: str) -> str:
+    """Where `odt train DIRECTORY` saves without --checkpoint."""
+    return f"{Path(directory).resolve().name}.ckpt"
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from .text import load_data
-    from .trainer import Trainer
 
-    trainer = Trainer.load(args.directory, checkpoint=_checkpoint_file(args.checkpoint))
+    trainer, note = _load_trained(args.directory, args.checkpoint)
     metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size)
     print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    _note(note)
     return 0
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .trainer import Trainer
-
-    trainer = Trainer.load(args.directory, checkpoint=_checkpoint_file(args.checkpoint))
+    trainer, note = _load_trained(args.directory, args.checkpoint)
     print(f"inference model: {trainer.export(args.out)}")
+    _note(note)
     return 0
+
+
+def _note(note: str) -> None:
+    if note:
+        print(note, file=sys.stderr)

@@ -1,12 +1,24 @@
-"""Small file helpers: sha256 and atomic writes (temp file + fsync + rename), for every package."""
+"""Small file helpers: sha256, atomic writes (temp file + fsync + rename) and output directories the
+SDK may replace, for every package."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 
-__all__ = ["sha256_file", "atomic_write_bytes", "public_mode", "fsync_dir"]
+__all__ = [
+    "sha256_file",
+    "atomic_write_bytes",
+    "public_mode",
+    "fsync_dir",
+    "output_refusal",
+    "staging_dir",
+    "publish_dir",
+    "pid_alive",
+]
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -59,3 +71,87 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def output_refusal(out: str | os.PathLike[str], *, force: bool, marker: str, extra: tuple[str, ...] = ()) -> str | None:
+    """Why the SDK must not write the directory ``out``, or None when it may.
+
+    ``out`` may be new, or (with ``force``) an empty directory or one the SDK wrote: it holds
+    ``marker`` (a manifest.json or bundle.json) and nothing but the files that marker lists,
+    ``marker`` itself and ``extra``. An empty path, the working directory and its parents are
+    always refused: an unset shell variable must not replace the directory a user stands in.
+    """
+    if not os.fspath(out).strip():
+        return "--out is empty (an unset shell variable?); name the directory to write"
+    target = Path(out).absolute()
+    here = Path.cwd().resolve()
+    real = target.resolve()
+    if real == here or real in here.parents:
+        return f"--out {os.fspath(out)!r} is the working directory or one of its parents; name a new directory"
+    if not target.exists() and not target.is_symlink():
+        return None
+    if not force:
+        return f"{target} already exists; pass --force to replace it (only a directory odt wrote is replaced)"
+    if target.is_symlink() or not target.is_dir():
+        return f"{target} is not a directory odt wrote; --force replaces only those. Choose another --out"
+    names = {entry.name for entry in target.iterdir()}
+    if not names:
+        return None
+    if marker not in names:
+        return (
+            f"{target} holds files odt did not write (no {marker}); --force replaces only a directory odt made. "
+            "Choose another --out, or move those files away yourself"
+        )
+    foreign = sorted(names - _written_by_sdk(target / marker) - {marker, *extra})
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (
+            f"{target} holds files odt did not write ({shown}); --force would delete them. "
+            "Move them away or choose another --out"
+        )
+    return None
+
+
+def _written_by_sdk(marker: Path) -> set[str]:
+    """The files a manifest.json or bundle.json lists (empty when it is not one of ours)."""
+    try:
+        data = json.loads(marker.read_bytes()[: 1 << 24])
+    except (OSError, ValueError):
+        return set()
+    files = data.get("files") if isinstance(data, dict) else None
+    return {str(name) for name in files} if isinstance(files, dict) else set()
+
+
+def staging_dir(target: Path) -> Path:
+    """A new hidden directory beside ``target`` to build it in; those of killed runs are removed first."""
+    import tempfile
+
+    for stale in target.parent.glob(f".{target.name}.*.partial"):
+        pid = stale.name[len(target.name) + 2 :].split(".")[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
+
+
+def publish_dir(work: Path, target: Path) -> None:
+    """Move the finished ``work`` directory to ``target``; an existing one (checked by the caller) is replaced whole."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.{os.getpid()}.old.partial")
+        os.rename(target, old)
+    os.chmod(work, public_mode(directory=True))  # mkdtemp made it 0700
+    os.rename(work, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

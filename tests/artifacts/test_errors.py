@@ -144,3 +144,58 @@ def test_failed_generation_leaves_nothing(tmp_path):
     with pytest.raises(InputSpecError):
         generate(model, torch.randn(2, 5), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+# --force replaces only what odt wrote: each row is a target a careless command line could name.
+FORCE_REFUSED = [
+    ("", "--out is empty"),  # an unset shell variable: `--out "$OUT"`
+    (".", "working directory"),
+    ("..", "working directory or one of its parents"),
+    ("user", "holds files odt did not write (no manifest.json)"),  # someone's own directory
+    ("made+extra", "holds files odt did not write (notes.txt)"),  # odt's artifacts with a user's file added
+    ("a-file", "is not a directory odt wrote"),
+]
+
+
+@pytest.mark.parametrize("target, message", FORCE_REFUSED, ids=[r[1][:24] for r in FORCE_REFUSED])
+def test_force_never_replaces_what_odt_did_not_write(tmp_path, monkeypatch, capsys, target, message):
+    from ondevice.cli import main
+
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "mine.txt").write_text("a user's file")
+    (tmp_path / "work" / "theirs.txt").write_text("another")
+    (work / "user").mkdir()
+    (work / "user" / "thesis.tex").write_text("years of work")
+    (work / "a-file").write_text("data")
+    (work / "m.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(3, 2)\n")
+    monkeypatch.chdir(work)
+    generate(torch.nn.Linear(3, 2), torch.randn(2, 3), work / "made+extra", verify=False)
+    (work / "made+extra" / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = ["generate", "--model", "m.py:build", "--input", "input:2x3:float32", "--loss", "mse", "--no-verify",
+            "--out", target]  # fmt: skip
+    assert main([*argv, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing deleted or changed
+
+
+def test_force_replaces_odts_own_output_and_cleans_killed_runs(tmp_path, monkeypatch):
+    """An empty directory or one odt wrote is replaced; a killed run's hidden .partial directory (its
+    pid no longer alive) is removed by the next run, a live run's is left alone."""
+    import os
+    import subprocess
+
+    (tmp_path / "empty").mkdir()
+    generate(torch.nn.Linear(3, 2), torch.randn(2, 3), tmp_path / "empty", verify=False, force=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".m.{dead.pid}.abc.partial"
+    live = tmp_path / f".m.{os.getppid()}.abc.partial"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "training_model.onnx").write_text("half")
+    generate(torch.nn.Linear(3, 2), torch.randn(2, 3), tmp_path / "m", verify=False)
+    generate(torch.nn.Linear(3, 2), torch.randn(2, 3), tmp_path / "m", verify=False, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["empty", "m", live.name])

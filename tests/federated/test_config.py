@@ -59,6 +59,13 @@ def test_bad_run_config(config, message):
         (["--set", "lr=abc"], "'lr' must be a number"),
         (["--set", "local-epoch=3"], "Did you mean 'local-epochs'?"),
         (["--artifacts", "/nonexistent"], "does not exist"),
+        # node counts a run can never satisfy (each waited forever for min-nodes)
+        (["--clients", "0"], "--clients must be at least 1, got 0"),
+        (["--clients", "1"], "needs min-nodes=2 nodes but --clients is 1"),
+        (["--clients", "2", "--min-nodes", "5"], "Pass --min-nodes 2 or --clients 5"),
+        # settings that only failed inside the ServerApp or on every client
+        (["--set", "dp-noise=0.5"], "needs both dp-noise > 0 and dp-clip > 0"),
+        (["--set", "personal=classifier.*"], "'classifier.*' matches no trainable tensor"),
     ],
 )
 def test_odt_fl_refuses_bad_config_before_starting_anything(args, message, digits_artifacts, data_dir, tmp_path,
@@ -70,3 +77,16 @@ def test_odt_fl_refuses_bad_config_before_starting_anything(args, message, digit
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
     assert not (tmp_path / "logs").exists()
+
+
+def test_files_partitioning_needs_one_file_per_client(digits_artifacts, data_dir, tmp_path, capsys):
+    """6 files for 8 clients: refused before Flower starts (each client raised it into the log before)."""
+    (tmp_path / "data" / "clients").mkdir(parents=True)
+    (tmp_path / "data" / "test.npz").write_bytes((data_dir / "test.npz").read_bytes())
+    for i in range(6):
+        (tmp_path / "data" / "clients" / f"home{i}.npz").write_bytes((data_dir / "val.npz").read_bytes())
+    argv = ["fl", "simulate", "--artifacts", str(digits_artifacts), "--data", str(tmp_path / "data"),
+            "--out", str(tmp_path / "out"), "--partitioning", "files", "--clients"]  # fmt: skip
+    assert main([*argv, "8"]) == 2
+    assert "found 6 files for --clients 8. Use --clients 6" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

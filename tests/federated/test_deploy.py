@@ -140,9 +140,20 @@ def test_unreachable_superlink_gives_up_with_a_message(tmp_path):
     assert _alive_with_home(tmp_path / "home") == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
+def _wait_none_alive(flwr_home: Path, seconds: float = 60) -> list[int]:
+    """Processes still alive with this FLWR_HOME once they are all gone, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (alive := _alive_with_home(flwr_home)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sighup", "kill-9"]
+)
 def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_path, sig):
-    """Ctrl-C, `timeout`/CI cancellation (SIGTERM) and a closed terminal (SIGHUP) all clean up."""
+    """Ctrl-C, `timeout`/CI cancellation (SIGTERM), a closed terminal (SIGHUP) and kill -9 (no handler runs:
+    a watcher process outside odt stops the run's Flower processes) all clean up."""
     out = tmp_path / "out"
     command = [
         str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "100",
@@ -169,10 +180,34 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
         status = Path(f"/proc/{process.pid}/status").read_text()
         process.kill()
         raise AssertionError(f"no exit 60 s after {sig!r}: " + " ".join(re.findall(r"Sig\w+:\s+\w+", status))) from None
-    assert code == 128 + sig
-    time.sleep(0.5)
-    assert _alive_with_home(out / "logs" / "flwr-home") == []
+    assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
+    assert _wait_none_alive(out / "logs" / "flwr-home") == []
     assert os.path.exists(out / "logs" / "superlink.log")
+
+
+def test_a_run_where_every_client_fails_exits_1_with_the_cause_and_no_old_report(digits_artifacts, data_dir,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    """A garbage train.npz: every client fails in round 1. Before, odt printed an unchanged accuracy and
+    exited 0 (and with an old metrics.json in --out, reported that); now the run stops with the
+    first client's error and the path of Flower's log, and the old report stays as it was."""
+    from federated.report import write_report
+    from ondevice.cli import main
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    (data / "train.npz").write_bytes(b"not an archive")
+    (data / "test.npz").write_bytes((data_dir / "test.npz").read_bytes())
+    write_report([{"round": 0, "central.accuracy": 0.99}], out, {"run_id": "an-earlier-run"})
+    old = (out / "metrics.json").read_bytes()
+    argv = ["fl", "simulate", "--clients", "2", "--rounds", "2", "--artifacts", str(digits_artifacts),
+            "--data", str(data), "--out", str(out), "--round-timeout", "120"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "round 1: every one of the 2 clients failed or was excluded" in err, err
+    assert "train.npz is not an .npz archive" in err and "ray" not in err.lower()
+    assert str(out / "logs" / "flwr-run.log") in err and err.count("\n") == 1
+    assert (out / "metrics.json").read_bytes() == old
+    assert _wait_none_alive(out / "logs" / "flwr-home") == []
 
 
 @pytest.fixture(autouse=True)

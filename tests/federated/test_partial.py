@@ -13,7 +13,7 @@ from torch import nn
 from artifacts import Lora, generate
 from federated.client_app import PERSONAL
 from federated.client_app import app as client_app
-from federated.errors import FederatedError
+from federated.errors import FederatedError, RoundFailedError
 from federated.partial import aggregate_partial, union_of
 from federated.protocol import from_arrays, to_arrays
 from federated.strategy import GuardedStrategy
@@ -129,7 +129,8 @@ def test_a_tier_may_send_only_what_it_trains(tiers):
     reply = client_app(_task(strategy, global_weights, 0), _context(root, "head", 0))
     forged = {**from_arrays(reply.content["arrays"]), "query.lora_A": global_weights["query.lora_A"] + 1}
     reply.content["arrays"] = to_arrays(forged)
-    strategy.aggregate_train(1, [reply])
+    with pytest.raises(RoundFailedError, match="every one of the 1 clients failed or was excluded.*not one its tier"):
+        strategy.aggregate_train(1, [reply])  # nothing left to aggregate: the round fails loudly
     assert "is not one its tier trains" in strategy.rounds[1].excluded[0]
     with pytest.raises(FederatedError, match="strategy fedavg"):
         GuardedStrategy(FedProx(), main.manifest, main.manifest_sha256, codec="none", max_examples=9, partial=True)
@@ -191,3 +192,17 @@ def test_three_tiers_in_a_real_simulation(tiers, tmp_path):
     final = dict(np.load(tmp_path / "out" / "global_weights.npz"))
     assert final["query.lora_A"].shape == (4, 8)
     assert np.isfinite(report["rounds"][-1]["central.loss"])
+
+
+def test_a_tier_of_another_base_model_is_refused_up_front(tiers, digits_artifacts, data_dir, tmp_path, capsys):
+    from federated.partial import tier_problem
+    from ondevice.cli import main
+
+    trainers, root = tiers
+    assert tier_problem(trainers["r4"].manifest, trainers["head"].manifest) is None
+    assert tier_problem(trainers["r4"].manifest, trainers["r2"].manifest) is None  # rank 2 inside rank 4
+    assert "inputs ['input'] differ" in tier_problem(trainers["r4"].manifest, Trainer.load(digits_artifacts).manifest)
+    argv = ["fl", "simulate", "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(tmp_path),
+            "--set", f"tiers={root / 'head'}"]  # fmt: skip
+    assert main(argv) == 2
+    assert "is not a tier of" in capsys.readouterr().err and not (tmp_path / "logs").exists()

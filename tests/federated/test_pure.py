@@ -165,3 +165,40 @@ def test_codec_refuses_to_encode_non_finite(tensors):
     weights["b"][0] = np.inf
     with pytest.raises(CodecError, match="NaN/Inf"):
         encode(weights, reference, "int8")
+
+
+@pytest.mark.parametrize(
+    "replies, kept, min_nodes, excluded, message",
+    [
+        (0, 0, 2, {}, "no client replied within round-timeout"),
+        (1, 1, 2, {}, "only 1 of the 2 nodes it needs (min-nodes) replied"),
+        # every client failed: the first failure is quoted, from a traceback its last line
+        (
+            3,
+            0,
+            2,
+            {7: "Traceback (most recent call last):\n  File x\nDataError: train.npz is not an .npz archive"},
+            "every one of the 3 clients failed or was excluded, so nothing was trained. The first: node 7: "
+            "DataError: train.npz is not an .npz archive",
+        ),
+        (2, 1, 2, {5: "norm over bound"}, None),  # one excluded, one kept: the round goes on
+        (3, 2, 2, {}, None),
+    ],
+)
+def test_round_problems(replies, kept, min_nodes, excluded, message):
+    from federated.strategy import round_problem
+
+    problem = round_problem(replies, kept, min_nodes, excluded)
+    assert problem == message if message is None else message in problem
+
+
+def test_a_report_counts_only_for_the_run_that_wrote_it(tmp_path):
+    """An old metrics.json in --out is never this run's report; a failure is taken over a report."""
+    from federated.report import read_outcome, record_failure, write_report
+
+    write_report([{"round": 0, "central.loss": 1.0}], tmp_path, {"run_id": "old"})
+    assert read_outcome(tmp_path, "new") == (None, None)
+    assert read_outcome(tmp_path, "old")[0]["settings"]["run_id"] == "old"
+    record_failure(tmp_path, "new", ValueError("boom"))
+    assert read_outcome(tmp_path, "new") == (None, "ValueError: boom")
+    assert read_outcome(tmp_path, "old")[1] is None

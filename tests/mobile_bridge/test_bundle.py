@@ -143,3 +143,25 @@ def test_cli_keygen_bundle_verify(digits_artifacts, tmp_path, capsys):
     assert main(["verify-bundle", str(tmp_path / "b"), "--public-key", f"{key}.pub"]) == 1
     assert "eval_model.onnx was altered" in capsys.readouterr().err
     assert (key.stat().st_mode & 0o777) == 0o600
+
+
+def test_bundle_force_replaces_only_a_bundle(digits_artifacts, tmp_path, monkeypatch, capsys):
+    """`odt bundle --force` replaces a bundle it made (signed, with its ORT files) and refuses the working
+    directory, an empty --out, someone's directory and a bundle with a user's file added; nothing is lost."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("a user's file")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("mine")
+    art = str(digits_artifacts)
+    assert main(["bundle", art, "--out", "b", "--lr", "0.01"]) == 0
+    assert main(["bundle", art, "--out", "b", "--lr", "0.02", "--force"]) == 0
+    assert verify_bundle(tmp_path / "b")["learning_rate"]["base"] == 0.02
+    (tmp_path / "b" / "extra.txt").write_text("mine")
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for target, message in [(".", "working directory"), ("", "--out is empty"), ("docs", "no bundle.json"),
+                            ("b", "holds files odt did not write (extra.txt)")]:  # fmt: skip
+        assert main(["bundle", art, "--out", target, "--force"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

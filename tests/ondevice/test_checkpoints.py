@@ -71,7 +71,7 @@ def test_the_previous_checkpoint_is_kept_and_resume_falls_back_to_it(digits_arti
     latest.write_bytes(latest.read_bytes()[:-100])  # the newest checkpoint is damaged
     capsys.readouterr()
     assert main([*train, "--epochs", "3", "--resume"]) == 0
-    assert f"Resuming from {previous}" in capsys.readouterr().err
+    assert f"Using {previous}" in capsys.readouterr().err
     resumed = Trainer.load(digits_artifacts, checkpoint=latest)
     assert resumed.epoch == 3 and Trainer.load(digits_artifacts, checkpoint=previous).epoch == 2
     straight = Trainer.load(digits_artifacts)  # what 3 epochs give without any damage
@@ -103,26 +103,48 @@ with writer_lock(Path({str(tmp_path / "c.ckpt")!r})):
     Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")  # the lock died with its holder
 
 
-def test_kills_during_saves_leave_no_orphan_and_no_corrupt_checkpoint(digits_artifacts, digits_data, tmp_path):
-    """kill -9 a process that saves in a loop, 5 times at different moments; the next save cleans up."""
-    np.savez(tmp_path / "t.npz", **_data(digits_data))
+def _saver(digits_artifacts, path) -> subprocess.Popen:
+    """A process that saves ``path`` in a loop; it has saved once when this returns (no timer race)."""
     code = f"""
 from ondevice import Trainer
 t = Trainer.load({str(digits_artifacts)!r})
-print("ready", flush=True)
 while True:
     t.epoch += 1
-    t.save({str(tmp_path / "c.ckpt")!r})
+    t.save({str(path)!r})
+    print("saved", flush=True)
 """
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "saved"
+    return process
+
+
+def test_kills_during_saves_leave_no_orphan_and_no_corrupt_checkpoint(digits_artifacts, tmp_path):
+    """kill -9 a process that saves in a loop, 5 times at different moments: the checkpoint's own name
+    always holds a whole checkpoint (the old one is kept by a hard link, never moved away), and the
+    next save cleans up the killed saves' temporary files."""
     for kill in range(5):
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert process.stdout.readline().strip() == "ready"
-        time.sleep(0.05 + 0.037 * kill)
+        process = _saver(digits_artifacts, tmp_path / "c.ckpt")
+        time.sleep(0.011 * kill)  # any moment after the first save: the assertions hold at every one
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        loadable = [p for p in (tmp_path / "c.ckpt", tmp_path / "c.ckpt.previous") if p.exists()]
-        assert loadable, "a kill must never leave no checkpoint at all"
-        for path in loadable:
-            Trainer.load(digits_artifacts, checkpoint=path)  # whole and verified, never half-written
+        assert (tmp_path / "c.ckpt").is_file(), "a kill must never leave the checkpoint's name missing"
+        for path in (tmp_path / "c.ckpt", tmp_path / "c.ckpt.previous"):
+            if path.exists():
+                Trainer.load(digits_artifacts, checkpoint=path)  # whole and verified, never half-written
     Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")
     assert sorted(p.name for p in tmp_path.glob(".c.ckpt.*.tmp")) == []
+
+
+def test_readers_always_find_the_checkpoint_while_it_is_being_saved(digits_artifacts, tmp_path):
+    """At least 30 loads while another process saves in a loop, until three different saves were read:
+    every load finds a whole, verified checkpoint (before, the save moved the old file away first and
+    9 of 30 reads found none)."""
+    saver = _saver(digits_artifacts, tmp_path / "c.ckpt")
+    epochs: list[int] = []
+    try:
+        while (len(epochs) < 30 or len(set(epochs)) < 3) and len(epochs) < 5000:
+            epochs.append(Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt").epoch)
+    finally:
+        saver.kill()
+        saver.wait()
+    assert epochs == sorted(epochs) and len(set(epochs)) >= 3  # it was saving all along

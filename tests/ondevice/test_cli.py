@@ -51,7 +51,8 @@ def test_broken_pipe_is_quiet(digits_artifacts, digits_data, tmp_path):
     np.savez(tmp_path / "x.npz", input=np.tile(digits_data["test"]["input"], (20, 1)))
     command = f"'{ODT}' predict '{digits_artifacts}' --data '{tmp_path / 'x.npz'}' --json | head -c 10"
     result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True)
-    assert result.stdout == '{"output":' and result.stderr == "" and result.returncode == 0, result.stderr
+    assert result.stdout == '{"output":' and result.returncode == 0, result.stderr
+    assert result.stderr.startswith("warning: no --checkpoint given") and result.stderr.count("\n") == 1  # only that
 
 
 def test_predict_matches_the_trainer(digits_artifacts, digits_data, tmp_path, capsys):
@@ -79,3 +80,32 @@ def test_train_without_checkpoint_keeps_the_weights(digits_artifacts, digits_dat
     saved = tmp_path / f"{Path(digits_artifacts).name}.ckpt" / "latest.ckpt"
     assert f"the trained model is in {saved.relative_to(tmp_path)}" in capsys.readouterr().err
     assert Trainer.load(digits_artifacts, checkpoint=saved).epoch == 1
+
+
+def test_commands_without_checkpoint_use_what_train_saved_or_say_untrained(digits_artifacts, digits_data, tmp_path,
+                                                                            monkeypatch, capsys):  # fmt: skip
+    """`odt train DIR` saves to ./NAME.ckpt/ by default; evaluate, export and predict without --checkpoint
+    then use those weights (said on stderr), and say loudly when there are none; the numbers match
+    the explicit --checkpoint run and the untrained trainer."""
+    monkeypatch.chdir(tmp_path)
+    np.savez("t.npz", **{k: v[:256] for k, v in digits_data["train"].items()})
+    art = str(digits_artifacts)
+    evaluate = ["evaluate", art, "--data", "t.npz", "--json"]
+    assert main(evaluate) == 0
+    out, err = capsys.readouterr()
+    assert "untrained initial weights" in err
+    assert json.loads(out) == Trainer.load(art).evaluate({k: v[:256] for k, v in digits_data["train"].items()})
+    assert main(["train", art, "--data", "t.npz", "--epochs", "3", "--json"]) == 0
+    capsys.readouterr()
+    assert main(evaluate) == 0
+    implicit, err = capsys.readouterr()
+    assert "note: the weights of artifacts.ckpt/" in err
+    assert main([*evaluate, "--checkpoint", "artifacts.ckpt"]) == 0
+    assert json.loads(implicit) == json.loads(capsys.readouterr().out) != json.loads(out)
+    assert main(["export", art, "--out", "m.onnx"]) == 0 and "note: the weights of" in capsys.readouterr().err
+    manifest, batch = Trainer.load(art).manifest, {"input": digits_data["test"]["input"][:8]}
+    Trainer.load(art, checkpoint="artifacts.ckpt/latest.ckpt").export("trained.onnx")
+    Trainer.load(art).export("initial.onnx")
+    scores = {n: Predictor(f"{n}.onnx", manifest).predict(batch)["output"] for n in ("m", "trained", "initial")}
+    np.testing.assert_array_equal(scores["m"], scores["trained"])
+    assert not np.allclose(scores["m"], scores["initial"])
