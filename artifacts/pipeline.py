@@ -261,6 +261,7 @@ def _build(
         labels=tuple(o.labels),
         tokenizer=tokenizer,
         plan=o.plan,
+        index_limits=_index_limits(original, input_names),
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,
@@ -321,6 +322,22 @@ def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     tensor = value.type.tensor_type
     dims: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim]
     return TensorSpec(value.name, _NP_DTYPES.get(tensor.elem_type, str(tensor.elem_type)), tuple(dims))
+
+
+def _index_limits(model: onnx.ModelProto, inputs: list[str]) -> dict[str, int]:
+    """Integer inputs that Gather rows of a weight (directly or through Cast): input -> the fewest rows."""
+    tables = {i.name: i for i in model.graph.initializer}
+    carries = {name: name for name in inputs}  # tensor -> the input whose values it holds
+    limits: dict[str, int] = {}
+    for node in model.graph.node:  # topological order
+        if node.op_type == "Cast" and node.input[0] in carries:
+            carries[node.output[0]] = carries[node.input[0]]
+        elif node.op_type == "Gather" and node.input[1] in carries and node.input[0] in tables:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            dims = tables[node.input[0]].dims
+            source = carries[node.input[1]]
+            limits[source] = min(limits.get(source, dims[axis]), int(dims[axis]))
+    return limits
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

@@ -75,7 +75,7 @@ def read_outcome(out: Path, run_id: str) -> tuple[dict[str, Any] | None, str | N
     for name in (FAILURE, REPORT):
         try:
             data = json.loads((out / name).read_bytes())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if not isinstance(data, dict):
             continue

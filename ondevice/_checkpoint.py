@@ -123,6 +123,7 @@ def _keep_as_previous(path: Path, manifest_sha: str) -> None:
     except OSError:
         shutil.copyfile(path, keep)
     os.replace(keep, previous_of(path))
+    keep.unlink(missing_ok=True)  # a rename between two links of one file does nothing and leaves both
 
 
 def _remove_stale_temps(path: Path) -> None:
@@ -160,7 +161,7 @@ def _header(handle: IO[bytes], path: Path, manifest_sha: str | None) -> dict[str
     try:
         header = json.loads(handle.read(min(length, 1 << 16)))
         int(header["size"]), str(header["sha256"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise CheckpointCorruptError(f"checkpoint {path} has a damaged header{_hint(path)}") from None
     if manifest_sha is not None and header.get("manifest_sha256") != manifest_sha:
         found = str(header.get("manifest_sha256"))[:12]

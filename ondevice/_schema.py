@@ -151,6 +151,14 @@ def validate_manifest(data: dict[str, Any]) -> None:
     if len(set(labels)) != len(labels):
         _fail("labels", "distinct class names", labels)
     _tokenizer(data.get("tokenizer"), files, data["inputs"])
+    limits = data.get("index_limits", {})
+    inputs = {spec["name"]: spec["dtype"] for spec in data["inputs"]}
+    if not isinstance(limits, dict):
+        _fail("index_limits", "an object of input -> table rows", limits)
+    for name, rows in limits.items():
+        if not inputs.get(name, "").startswith("int"):
+            _fail(f"index_limits[{name!r}]", "an integer input", name)
+        _int(f"index_limits[{name!r}]", rows, low=1)
     if data.get("plan") is not None and not isinstance(data["plan"], dict):
         _fail("plan", "an object", data["plan"])
 

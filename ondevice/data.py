@@ -77,6 +77,7 @@ def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bo
     if not next(iter(sizes.values())):
         raise DataError("the dataset is empty: dimension 0 of every array is 0.")
     _check_axes(specs, checked)
+    _check_indices(manifest, checked)
     if labels:
         _check_labels(manifest, checked)
     return checked
@@ -143,6 +144,23 @@ def _check_labels(manifest: Manifest, data: dict[str, np.ndarray]) -> None:
             raise DataError(
                 f"{spec.name!r} must hold class indices in [0, {classes - 1}], found values "
                 f"from {valid.min()} to {valid.max()}."
+            )
+
+
+def _check_indices(manifest: Manifest, data: dict[str, np.ndarray]) -> None:
+    """Ids that index a table must lie in [0, rows): ORT fails on larger ones with its source path
+    and reads negative ones from the end of the table."""
+    for name, rows in manifest.index_limits.items():
+        ids = data.get(name)
+        if ids is None or not ids.size:
+            continue
+        bad = np.flatnonzero(((ids < 0) | (ids >= rows)).any(axis=tuple(range(1, ids.ndim))))
+        if bad.size:
+            row = int(bad[0])
+            found = ids[row][(ids[row] < 0) | (ids[row] >= rows)].ravel()[0] if ids.ndim > 1 else ids[row]
+            raise DataError(
+                f"{name!r} must hold ids in [0, {rows - 1}] (the rows of the table it indexes); example {row} "
+                f"holds {found} ({bad.size} examples are out of range). Tokenize with the artifacts' vocabulary."
             )
 
 

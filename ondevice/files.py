@@ -127,7 +127,7 @@ def _written_by_sdk(marker: Path) -> set[str]:
     """The files a manifest.json or bundle.json lists (empty when it is not one of ours)."""
     try:
         data = json.loads(marker.read_bytes()[: 1 << 24])
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return set()
     files = data.get("files") if isinstance(data, dict) else None
     return {str(name) for name in files} if isinstance(files, dict) else set()

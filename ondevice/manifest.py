@@ -6,6 +6,7 @@ the generator imports it from here, never the reverse.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -169,6 +170,9 @@ class Manifest:
     tokenizer: TokenizerSpec | None = None
     plan: Mapping[str, Any] | None = None
     """The memory planner's choice and its measurements, when ``--memory-budget`` picked the trainable set."""
+    index_limits: Mapping[str, int] = field(default_factory=dict)
+    """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
+    refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
 
     @property
     def trainable_size(self) -> int:
@@ -194,14 +198,20 @@ class Manifest:
         return last if isinstance(last, int) else None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+        """The JSON form, sealed: ``contract_sha256`` hashes what the graphs were built for (see
+        :func:`contract_digest`), so a hand edit of it is refused on load."""
+        data = asdict(self)
+        data["contract_sha256"] = contract_digest(data)
+        return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
+    def from_json(cls, text: str | bytes) -> Manifest:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{MANIFEST_NAME} is not valid JSON ({exc}). Regenerate the artifacts.") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{MANIFEST_NAME} is not valid JSON ({exc}). Regenerate the artifacts.") from None
+        except RecursionError:
+            raise ManifestError(f"{MANIFEST_NAME} nests too deeply to be a manifest. Regenerate the artifacts.") from None
         return _from_dict(data)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -228,7 +238,9 @@ class Manifest:
             raise ManifestError(
                 f"{directory} has no {MANIFEST_NAME}: it is not an artifact directory made by `odt generate`."
             )
-        manifest = cls.from_json(path.read_text())
+        if path.stat().st_size > 1 << 26:
+            raise ManifestError(f"{path} is over 64 MiB: not a manifest. Regenerate the artifacts.")
+        manifest = cls.from_json(path.read_bytes())
         if check_files:
             manifest.check_files(directory)
         return manifest
@@ -249,6 +261,28 @@ class Manifest:
             )
 
 
+SEALED = ("inputs", "targets", "loss_output", "loss_input", "outputs", "trainable", "frozen", "buffers", "loss",
+          "padding", "finite_check", "adapters", "labels", "tokenizer", "index_limits")  # fmt: skip
+"""What the graphs were built for: the feeds, the loss and its classes, the parameter buffer's layout."""
+
+
+def contract_digest(data: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's sealed entries (not its name, file table, versions, optimizer defaults,
+    verification or plan, which tools may rewrite: a bundle renames and re-hashes its files)."""
+    sealed = {key: data.get(key) for key in SEALED}
+    return hashlib.sha256(json.dumps(sealed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_seal(data: dict[str, Any]) -> None:
+    seal = data.get("contract_sha256")
+    if seal is not None and seal != contract_digest(data):
+        raise ArtifactIntegrityError(
+            f"{MANIFEST_NAME} was edited after generation: its inputs, outputs, loss, classes, labels or "
+            "trainable layout no longer match the graphs it was written for (contract_sha256 differs). "
+            "Regenerate the artifacts (odt generate) instead of editing the manifest."
+        )
+
+
 def _from_dict(data: Any) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{MANIFEST_NAME} must hold a JSON object, found {type(data).__name__}.")
@@ -261,6 +295,7 @@ def _from_dict(data: Any) -> Manifest:
             "Upgrade the runtime or regenerate the artifacts with a matching generator."
         )
     validate_manifest(data)
+    _check_seal(data)
     try:
         verification = data.get("verification")
         return Manifest(
@@ -285,6 +320,7 @@ def _from_dict(data: Any) -> Manifest:
             labels=tuple(data.get("labels", [])),
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
             plan=data.get("plan"),
+            index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

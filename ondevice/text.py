@@ -21,6 +21,11 @@ from .manifest import Manifest
 __all__ = ["TextEncoder", "load_jsonl", "load_data"]
 
 MAX_LINES = 1_000_000
+MAX_LINE_BYTES = 1 << 20
+"""Longest ``.jsonl`` line read (1 MiB); the whole file is bounded by ODT_MAX_DATA_BYTES like an ``.npz``."""
+CHARS_PER_TOKEN = 64
+"""Texts are cut to ``max_length * CHARS_PER_TOKEN`` characters before tokenizing: the tokenizer
+would otherwise hold every token of a huge text (100 MB of text took 5.9 GB) only to keep ``max_length``."""
 
 
 class TextEncoder:
@@ -64,7 +69,8 @@ class TextEncoder:
             raise DataError("texts must be a list of strings.")
         if not texts:
             raise DataError("no texts given.")
-        encoded = self._tokenizer.encode_batch(list(texts))
+        limit = max(4096, self.spec.max_length * CHARS_PER_TOKEN)
+        encoded = self._tokenizer.encode_batch([t[:limit] for t in texts])
         out = {self.spec.ids: np.array([e.ids for e in encoded], dtype=np.int64)}
         if self.spec.mask is not None:
             out[self.spec.mask] = np.array([e.attention_mask for e in encoded], dtype=np.int64)
@@ -80,21 +86,17 @@ def load_jsonl(
     manifest = encoder.manifest
     if not path.is_file():
         raise DataError(f"data file {path} does not exist.")
+    _check_size(path)
     texts, targets = [], []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
+    with path.open("rb") as lines:
+        for number, raw in enumerate(iter(lambda: lines.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{path}:{number} is longer than {MAX_LINE_BYTES:,} bytes: one short text per line.")
+            if not raw.strip():
                 continue
             if number > MAX_LINES:
                 raise DataError(f"{path} has more than {MAX_LINES:,} lines: split it.")
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{number} is not JSON ({exc.msg}): write one object per line.") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise DataError(
-                    f'{path}:{number}: expected {{"text": "...", "label": ...}}, found {line.strip()[:80]!r}.'
-                )
+            row = _row(raw, f"{path}:{number}")
             texts.append(row["text"])
             if labels and manifest.targets:
                 targets.append(_label(row.get("label"), manifest, f"{path}:{number}"))
@@ -104,6 +106,34 @@ def load_jsonl(
     if labels and manifest.targets:
         data[manifest.targets[0].name] = np.array(targets, dtype=np.int64)
     return data
+
+
+def _check_size(path: Path) -> None:
+    from .data import MAX_DATA_BYTES
+
+    limit = int(os.environ.get("ODT_MAX_DATA_BYTES", MAX_DATA_BYTES))
+    size = path.stat().st_size
+    if size > limit:
+        raise DataError(
+            f"data file {path} is {size:,} bytes, over the limit of {limit:,}. Split the data, or raise "
+            "ODT_MAX_DATA_BYTES if it is genuine."
+        )
+
+
+def _row(raw: bytes, where: str) -> dict:
+    """One ``{"text", "label"}`` object; invalid UTF-8, JSON or nesting are DataErrors naming the line."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where} is not UTF-8 text (byte {exc.start}): save the file as UTF-8.") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where} is not JSON ({exc.msg}): write one object per line.") from None
+    except RecursionError:
+        raise DataError(f'{where} nests too deeply: write flat {{"text": "...", "label": ...}} objects.') from None
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        shown = raw.decode("utf-8", "replace").strip()[:80]
+        raise DataError(f'{where}: expected {{"text": "...", "label": ...}}, found {shown!r}.')
+    return row
 
 
 def _label(value: object, manifest: Manifest, where: str) -> int:

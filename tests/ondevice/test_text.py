@@ -122,3 +122,46 @@ def test_odt_train_and_predict_on_text_without_torch(text_artifacts, tmp_path):
     reference = Trainer.load(text_artifacts, checkpoint=tmp_path / "ckpt" / "latest.ckpt")
     expected = reference.evaluate(load_jsonl(data, text_artifacts))["accuracy"]
     assert expected == 1.0
+
+
+# Text that used to cost gigabytes, hang or end in an untyped error; each is now a DataError naming the line.
+BAD_TEXT = [
+    ("long line", lambda: b'{"text": "' + b"a " * (1 << 20) + b'", "label": "on"}\n', "longer than 1,048,576 bytes"),
+    ("not utf-8", lambda: b'{"text": "\xff\xfe on", "label": "on"}\n', ":1 is not UTF-8 text"),
+    ("deep nesting", lambda: b'{"text": "x", "label": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "nests too deeply"),
+]
+
+
+@pytest.mark.parametrize("make, message", [r[1:] for r in BAD_TEXT], ids=[r[0] for r in BAD_TEXT])
+def test_hostile_text_is_a_data_error_naming_the_line(text_artifacts, tmp_path, make, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "turn on the light", "label": "on"}\n' + make())
+    with pytest.raises(DataError, match=message.replace(":1", ":2")):
+        load_jsonl(path, text_artifacts)
+
+
+def test_a_jsonl_file_over_the_data_limit_is_refused_before_reading(text_artifacts, tmp_path, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b'{"text": "turn on the light", "label": "on"}\n' * 2000)
+    monkeypatch.setenv("ODT_MAX_DATA_BYTES", "50000")
+    with pytest.raises(DataError, match="is 90,000 bytes, over the limit of 50,000"):
+        load_jsonl(path, text_artifacts)
+
+
+def test_a_huge_text_is_cut_before_tokenizing_and_encodes_like_its_start(text_artifacts):
+    """5 MB of text in one sentence took 427 MiB: only the first max_length tokens are kept anyway,
+    so the text is cut first; the ids equal those of the sentence's first words. Measured in a fresh
+    process (this one's peak RSS is already high)."""
+    code = f"""
+import resource
+from ondevice.text import TextEncoder
+encoder = TextEncoder({str(text_artifacts)!r})
+start = "turn on the kitchen lights and then " * 4
+short = encoder([start])["ids"]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+huge = encoder([start + "word " * 1_000_000])["ids"]
+print((huge == short).all() and huge.shape == (1, 12), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    same, grown_kib = result.stdout.split()
+    assert same == "True" and int(grown_kib) < 50_000, result.stdout + result.stderr[-2000:]
