@@ -165,7 +165,8 @@ def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[
     try:
         description = json.loads(text)
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
-        raise BundleError(f"{BUNDLE_JSON} is not a valid bundle description ({type(exc).__name__}); rebuild it.") from None
+        problem = type(exc).__name__
+        raise BundleError(f"{BUNDLE_JSON} is not a valid bundle description ({problem}); rebuild it.") from None
     if not isinstance(description, dict) or description.get("format") != BUNDLE_FORMAT:
         found = description.get("format") if isinstance(description, dict) else type(description).__name__
         raise BundleError(f"bundle format {found!r} is not {BUNDLE_FORMAT}; rebuild it.")

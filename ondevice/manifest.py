@@ -211,7 +211,7 @@ class Manifest:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"{MANIFEST_NAME} is not valid JSON ({exc}). Regenerate the artifacts.") from None
         except RecursionError:
-            raise ManifestError(f"{MANIFEST_NAME} nests too deeply to be a manifest. Regenerate the artifacts.") from None
+            raise ManifestError(f"{MANIFEST_NAME} nests too deeply for a manifest. Regenerate the artifacts.") from None
         return _from_dict(data)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
