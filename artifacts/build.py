@@ -16,7 +16,7 @@ from ondevice.manifest import Manifest, TokenizerSpec
 
 from ._edges import edge_batches, embedding_inputs
 from ._padding import padding_rows
-from .errors import InputSpecError, SelectionError
+from .errors import InputSpecError, ModelLoadError, SelectionError
 from .export import (
     export_onnx,
     torch_module,
@@ -84,6 +84,7 @@ def generate(
     True
     """
     out_dir = check_output(out_dir, force)
+    _check_finite(model)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
     plan_record = None
@@ -166,3 +167,14 @@ def _forward_names(model: nn.Module, count: int) -> list[str]:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return params[:count] if len(params) >= count else [f"input{i}" for i in range(count)]
+
+
+def _check_finite(model: torch.nn.Module) -> None:
+    """NaN/Inf in a weight make every verification row NaN: name the tensor instead."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ModelLoadError(
+                f"{name!r} holds {bad} NaN/Inf values: the model cannot train or be verified. "
+                "Load sound weights (--weights) or fix the initialisation."
+            )

@@ -13,6 +13,7 @@ __all__ = [
     "UnsupportedOperatorError",
     "ExportError",
     "OutputExistsError",
+    "ToleranceError",
     "VerificationError",
 ]
 
@@ -47,6 +48,10 @@ class ExportError(ArtifactError, RuntimeError):
 
 class OutputExistsError(ArtifactError, FileExistsError):
     """The output directory exists and --force was not given."""
+
+
+class ToleranceError(ArtifactError, UsageError, ValueError):
+    """A verification tolerance that is negative or not finite."""
 
 
 class VerificationError(ArtifactError, RuntimeError):

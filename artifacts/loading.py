@@ -42,6 +42,9 @@ def load_factory(spec: str) -> nn.Module:
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
+        except SystemExit as exc:
+            code = exc.code
+            raise ModelLoadError(f"importing {path} called sys.exit({code!r}); a model file must not exit.") from None
         except Exception as exc:
             raise ModelLoadError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
     else:
@@ -57,6 +60,8 @@ def load_factory(spec: str) -> nn.Module:
         raise ModelLoadError(f"{where}:{attr} is a {type(factory).__name__}, not a callable that builds a model.")
     try:
         model = factory()
+    except SystemExit as exc:
+        raise ModelLoadError(f"{where}:{attr}() called sys.exit({exc.code!r}) instead of returning a model.") from None
     except Exception as exc:
         raise ModelLoadError(f"{where}:{attr}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):

@@ -100,6 +100,12 @@ class CrossEntropy(Loss):
         )
 
     def target_spec(self, output: TensorSpec) -> TensorSpec:
+        classes = output.shape[-1] if output.shape else None
+        if self.weight is not None and isinstance(classes, int) and len(self.weight) != classes:
+            raise OptionError(
+                f"cross_entropy: {len(self.weight)} class weights given, but the output {output.name!r} has "
+                f"{classes} classes. Give one weight per class (--class-weights w0,w1,...)."
+            )
         return TensorSpec(self.target_name, "int64", output.shape[:-1])
 
     def reference(self, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:

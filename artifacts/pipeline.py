@@ -101,7 +101,10 @@ def build_artifacts(
     prove: Prover | None,
 ) -> Manifest:
     """Build, prove and publish: the directory appears complete or not at all."""
-    work = staging_dir(out_dir)
+    try:
+        work = staging_dir(out_dir)
+    except OSError as exc:
+        raise ArtifactError(f"cannot write in {out_dir.parent} ({exc.strerror}). Choose a writable --out.") from None
     try:
         manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
         if prove is not None:

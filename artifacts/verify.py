@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from torch import nn
 from ondevice.manifest import Manifest, Verification, VerificationRow
 from ondevice.session import OrtTraining, ort_error_message
 
-from .errors import VerificationError
+from .errors import ToleranceError, VerificationError
 from .export import zero_dropout
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
@@ -39,6 +40,12 @@ class Tolerances:
 
     atol: float = 1e-5
     rtol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ToleranceError(f"{name} must be a finite number >= 0, got {value!r}.")
 
 
 def compare(item: str, ort: np.ndarray, ref: np.ndarray, tol: Tolerances) -> VerificationRow:

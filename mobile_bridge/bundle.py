@@ -79,7 +79,10 @@ def make_bundle(
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BundleError(f"cannot create {target.parent}: {exc.strerror}. Choose a writable --out.") from None
-    work = staging_dir(target)
+    try:
+        work = staging_dir(target)
+    except OSError as exc:
+        raise BundleError(f"cannot write in {target.parent} ({exc.strerror}). Choose a writable --out.") from None
     try:
         rate = {
             "kind": curve.kind,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+MAX_CODES = 10_000
+
 __all__ = ["register"]
 
 
@@ -39,11 +41,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
     serve.add_argument("--demo-data", help=".npz the demo page at /web/ trains on (default: none)")
     serve.add_argument("--state", help="SQLite state file (default: BUNDLE.bridge.db beside the bundle)")
+    serve.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="IP",
+        help="a reverse proxy whose X-Forwarded-For names the client (repeatable; default: none, the peer's "
+        "own address counts, so a header cannot dodge the registration rate limit)",
+    )
+    serve.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a request body may stall before a 408 (default 30)")  # fmt: skip
     serve.set_defaults(run=_run_serve)
     enroll = modes.add_parser("enroll", help="issue one-time enrolment codes for devices (stored hashed)")
     enroll.add_argument("bundle", help="bundle directory the bridge serves")
     enroll.add_argument("--state", help="SQLite state file (default: BUNDLE.bridge.db beside the bundle)")
-    enroll.add_argument("--count", type=int, default=1, help="codes to issue (default 1)")
+    enroll.add_argument("--count", type=int, default=1, help=f"codes to issue, 1 to {MAX_CODES:,} (default 1)")
     enroll.add_argument("--json", action="store_true", help="print the codes as a JSON list")
     enroll.set_defaults(run=_run_enroll)
     deploy = modes.add_parser(
@@ -85,6 +97,13 @@ def _run_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_port(port: int) -> None:
+    from .errors import BridgeOptionError
+
+    if not 1 <= port <= 65535:
+        raise BridgeOptionError(f"--port must be a TCP port, 1 to 65535, got {port}.")
+
+
 def _run_verify(args: argparse.Namespace) -> int:
     from .bundle import verify_bundle
 
@@ -100,18 +119,24 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .errors import BridgeOptionError
     from .server import create_app
 
     secret = os.environ.get("ODT_BRIDGE_SECRET")
     if not secret:
         secret = secrets.token_urlsafe(32)
         print(f"relay secret (give it to relay SuperNodes as ODT_BRIDGE_SECRET): {secret}", flush=True)
+    _check_port(args.port)
+    if not 0 < args.body_timeout <= 3600:
+        raise BridgeOptionError(f"--body-timeout must be in (0, 3600] seconds, got {args.body_timeout}.")
     app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data,
-                     state=args.state)  # fmt: skip
+                     state=args.state, body_timeout=args.body_timeout)  # fmt: skip
     if not os.environ.get("ODT_BRIDGE_ENROLMENT") and not app.state.store.has_codes():
         print("registration is closed: set ODT_BRIDGE_ENROLMENT or issue codes with `odt bridge enroll`", flush=True)
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    proxies = ",".join(args.trusted_proxy)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=bool(proxies),
+                forwarded_allow_ips=proxies or None)  # fmt: skip
     return 0
 
 
@@ -120,11 +145,11 @@ def _run_enroll(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bundle import verify_bundle
-    from .errors import BridgeError
+    from .errors import BridgeOptionError
     from .store import Store
 
-    if args.count < 1:
-        raise BridgeError(f"--count must be >= 1, got {args.count}.")
+    if not 1 <= args.count <= MAX_CODES:
+        raise BridgeOptionError(f"--count must be 1 to {MAX_CODES:,}, got {args.count:,}; issue more in several calls.")
     verify_bundle(args.bundle)
     store = Store(
         Path(args.state) if args.state else Path(args.bundle).with_name(f"{Path(args.bundle).name}.bridge.db")
@@ -150,6 +175,7 @@ def _run_deploy(args: argparse.Namespace) -> int:
 
     from .bundle import make_bundle
 
+    _check_port(args.port)
     if args.devices < 1 or args.nodes < 0:
         raise RunConfigError(f"--devices must be >= 1 and --nodes >= 0, got {args.devices} and {args.nodes}.")
     config = run_config(args)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ondevice.errors import OdtError
+from ondevice.errors import OdtError, UsageError
 
-__all__ = ["BridgeError", "BundleError", "SignatureError"]
+__all__ = ["BridgeError", "BridgeOptionError", "BundleError", "SignatureError"]
 
 
 class BridgeError(OdtError):
@@ -17,3 +17,7 @@ class BundleError(BridgeError, ValueError):
 
 class SignatureError(BundleError):
     """A bundle is unsigned, signed by another key, or altered after signing."""
+
+
+class BridgeOptionError(BridgeError, UsageError, ValueError):
+    """A bridge option out of range (a port, a code count, a timeout)."""

@@ -16,6 +16,7 @@ responses never echo the body; registrations are rate-limited per client. State 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -43,6 +44,8 @@ __all__ = ["create_app", "BodyGuard"]
 
 MAX_METRICS = 32
 REGISTRATIONS_PER_MINUTE = 20
+BODY_TIMEOUT = 30.0
+"""Seconds a request body may pause between chunks before the bridge answers 408 and closes."""
 mimetypes.add_type("text/javascript", ".mjs")
 mimetypes.add_type("application/wasm", ".wasm")
 
@@ -116,6 +119,10 @@ class _TooLarge(BaseException):  # not Exception: FastAPI turns those into a 400
     pass
 
 
+class _Stalled(BaseException):
+    pass
+
+
 class BodyGuard:
     """ASGI middleware: the caller is authenticated from the headers before any body is read, and a
     body is cut off at ``limit`` bytes as it streams in (Content-Length or chunked alike).
@@ -124,8 +131,8 @@ class BodyGuard:
     device id (None for calls without a device), which endpoints read as ``request.state.device``.
     """
 
-    def __init__(self, app: Any, *, limit: int, authorized: Any) -> None:
-        self.app, self.limit, self.authorized = app, limit, authorized
+    def __init__(self, app: Any, *, limit: int, authorized: Any, read_timeout: float = BODY_TIMEOUT) -> None:
+        self.app, self.limit, self.authorized, self.read_timeout = app, limit, authorized, read_timeout
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -141,7 +148,10 @@ class BodyGuard:
 
         async def counted() -> dict[str, Any]:
             nonlocal seen
-            message = await receive()
+            try:  # a body that stops short of its Content-Length must not hold a connection for ever
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled() from None
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise _TooLarge()
@@ -157,6 +167,9 @@ class BodyGuard:
         except _TooLarge:
             if not started:
                 await _json(send, 413, f"request body over {self.limit} bytes")
+        except _Stalled:
+            if not started:
+                await _json(send, 408, f"request body not received within {self.read_timeout:g} s")
 
 
 ISOLATION_HEADERS = [
@@ -187,7 +200,7 @@ class CrossOriginIsolated:
 async def _json(send: Any, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 413:
+    if status in (408, 413):
         headers.append((b"connection", b"close"))  # stop the upload instead of draining it
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -208,6 +221,21 @@ class _RateLimit:
         return allowed
 
 
+def _demo_arrays(path: str | Path, bundle: Path) -> dict[str, list]:
+    """The demo data, checked against the bundle's manifest once at start (not in every request)."""
+    from ondevice import Manifest
+    from ondevice.data import check_data, load_npz
+    from ondevice.errors import OdtError
+
+    from .errors import BridgeError
+
+    try:
+        arrays = check_data(Manifest.load(bundle), load_npz(str(path)))
+    except OdtError as exc:
+        raise BridgeError(f"--demo-data {path}: {exc}") from None
+    return {name: array.ravel().tolist() for name, array in arrays.items()}
+
+
 def create_app(
     bundle: str | Path,
     *,
@@ -218,6 +246,7 @@ def create_app(
     max_body: int | None = None,
     demo_data: str | Path | None = None,
     registrations_per_minute: int = REGISTRATIONS_PER_MINUTE,
+    body_timeout: float = BODY_TIMEOUT,
 ) -> FastAPI:
     """The bridge application over a verified bundle directory.
 
@@ -227,6 +256,7 @@ def create_app(
     """
     bundle = Path(bundle)
     description = verify_bundle(bundle)
+    demo_arrays = _demo_arrays(demo_data, bundle) if demo_data is not None else None
     store = Store(Path(state) if state else bundle.with_name(f"{bundle.name}.bridge.db"))
     relay_secret = relay_secret or secrets.token_urlsafe(32)
     enrolment = enrolment_secret if enrolment_secret is not None else os.environ.get("ODT_BRIDGE_ENROLMENT", "")
@@ -253,7 +283,7 @@ def create_app(
         description="Phones and browsers join Flower rounds: enrol, get the bundle, pull a task, push an update.",
     )
     app.state.store, app.state.size, app.state.bundle_sha256 = store, size, sha
-    app.add_middleware(BodyGuard, limit=limit, authorized=authorized)
+    app.add_middleware(BodyGuard, limit=limit, authorized=authorized, read_timeout=body_timeout)
     app.add_middleware(CrossOriginIsolated)
 
     @app.exception_handler(RequestValidationError)
@@ -270,16 +300,20 @@ def create_app(
     def register(body: Registration, request: Request) -> Registered:
         """The name is the device id its relay SuperNode names in `bridge-device`; `enrolment` is the
         bridge's enrolment secret or a one-time code."""
+        # The peer's address (uvicorn rewrites it from X-Forwarded-For only for --trusted-proxy peers).
         client = request.client.host if request.client else "?"
         if not registrations.allow(client):
             raise _error(429, "too many registrations from this address; wait a minute")
         token = secrets.token_urlsafe(24)
         by_secret = bool(enrolment) and hmac.compare_digest(body.enrolment, enrolment)
-        if not by_secret and not (body.enrolment and store.use_code(body.enrolment, body.name)):
+        refused = "code" if not (by_secret or body.enrolment) else store.enrol(
+            body.name, token, None if by_secret else body.enrolment
+        )  # fmt: skip
+        if refused == "code":
             raise _error(403, "enrolment refused: give the bridge's enrolment secret or an unused code "
                               "from `odt bridge enroll`")  # fmt: skip
-        if not store.add_device(body.name, token):
-            raise _error(409, f"a device named {body.name!r} is registered already")
+        if refused == "name":
+            raise _error(409, f"a device named {body.name!r} is registered already; the code was not spent")
         return Registered(device_id=body.name, token=token)
 
     @app.get("/v1/bundle", summary="the bundle description (bundle.json)")
@@ -295,11 +329,9 @@ def create_app(
 
     @app.get("/v1/demo-data", summary="the demo page's training data (only with --demo-data)")
     def demo(_: str = Depends(device)) -> dict[str, Any]:
-        if demo_data is None:
+        if demo_arrays is None:
             raise _error(404, "this bridge was started without --demo-data")
-        from ondevice.data import load_npz
-
-        return {name: array.ravel().tolist() for name, array in load_npz(str(demo_data)).items()}
+        return demo_arrays
 
     @app.get("/v1/task", response_model=TaskOut, responses={204: {"description": "no task yet: poll again"}})
     def pull_task(device_id: str = Depends(device)) -> Any:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import BridgeError
+
 __all__ = ["Store", "Task", "Update", "digest"]
 
 _SCHEMA = """
@@ -53,17 +55,45 @@ class Update:
     bundle_sha256: str
 
 
+_TABLES = {"devices", "codes", "tasks", "updates"}
+
+
+def _check_state(db: sqlite3.Connection, path: Path) -> None:
+    """An existing state file must be a sound SQLite database holding the bridge's tables."""
+    if path.stat().st_size == 0:
+        raise BridgeError("the file is empty")
+    verdict = db.execute("PRAGMA quick_check").fetchone()
+    if verdict is None or verdict[0] != "ok":
+        raise BridgeError(f"integrity check: {verdict[0] if verdict else 'no answer'}")
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not _TABLES <= tables:
+        raise BridgeError(f"missing tables {sorted(_TABLES - tables)}")
+
+
 class Store:
     """One SQLite file; methods are transactions (a lock serializes the bridge's threads)."""
 
     def __init__(self, path: Path) -> None:
+        """Open (or create) the state file; one that exists but is not a whole bridge database is
+        refused with a BridgeError, never replaced: it holds every device's enrolment."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        existed = path.exists()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        try:
+            if existed:
+                _check_state(self._db, path)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.DatabaseError, BridgeError) as exc:
+            self._db.close()
+            reason = str(exc) if isinstance(exc, BridgeError) else f"SQLite: {exc}"
+            raise BridgeError(
+                f"bridge state {path} is damaged ({reason}); it was left as it is. Restore it from a copy, or "
+                "move it away to start with no devices (every device must then register again)."
+            ) from None
         self._lock = threading.Lock()
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
@@ -75,14 +105,6 @@ class Store:
             return self._db.execute(sql, args).fetchone()
 
     # -- devices and enrolment -------------------------------------------------------------------
-    def add_device(self, name: str, token: str) -> bool:
-        """False when the name is taken."""
-        try:
-            self._write("INSERT INTO devices VALUES (?, ?, ?)", (name, digest(token), time.time()))
-        except sqlite3.IntegrityError:
-            return False
-        return True
-
     def device_of(self, token: str) -> str | None:
         """The device a bearer token belongs to (an indexed lookup of the token's digest)."""
         row = self._one("SELECT name FROM devices WHERE token_sha256 = ?", (digest(token),))
@@ -92,10 +114,30 @@ class Store:
         with self._lock:
             self._db.executemany("INSERT INTO codes VALUES (?, NULL, ?)", [(digest(c), time.time()) for c in codes])
 
-    def use_code(self, code: str, device: str) -> bool:
-        """Spend a one-time enrolment code; False if it is unknown or spent."""
-        return self._write("UPDATE codes SET used_by = ? WHERE code_sha256 = ? AND used_by IS NULL",
-                           (device, digest(code))) == 1  # fmt: skip
+    def enrol(self, name: str, token: str, code: str | None) -> str | None:
+        """Add a device, spending ``code`` (None: enrolled by the bridge's secret) in the same transaction;
+        returns why not ("code" or "name"), and a refused registration spends nothing."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if self._db.execute("SELECT 1 FROM devices WHERE name = ?", (name,)).fetchone() is not None:
+                    self._db.execute("ROLLBACK")
+                    return "name"
+                if (
+                    code is not None
+                    and self._db.execute(
+                        "UPDATE codes SET used_by = ? WHERE code_sha256 = ? AND used_by IS NULL", (name, digest(code))
+                    ).rowcount
+                    != 1
+                ):
+                    self._db.execute("ROLLBACK")
+                    return "code"
+                self._db.execute("INSERT INTO devices VALUES (?, ?, ?)", (name, digest(token), time.time()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return None
 
     def has_codes(self) -> bool:
         return self._one("SELECT 1 FROM codes WHERE used_by IS NULL LIMIT 1", ()) is not None

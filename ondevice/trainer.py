@@ -222,6 +222,8 @@ class Trainer:
         for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", accumulate)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32):
+            raise ConfigError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
         if val_data is not None:
             self._check_evaluation("fit(val_data=...)")
         train = check_data(self.manifest, data)

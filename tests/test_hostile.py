@@ -31,6 +31,11 @@ def files(tmp_path, digits_artifacts, digits_data) -> dict[str, str]:
     np.savez(tmp_path / "cube.npz", input=np.zeros((8, 4, 64), np.float32), labels=np.zeros(8, np.int64))
     np.savez(tmp_path / "floatlabels.npz", input=good["input"], labels=good["labels"] + 0.5)
     (tmp_path / "private").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+    model = "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(64, 10))\n"
+    (tmp_path / "model.py").write_text(model)
+    (tmp_path / "exits.py").write_text("import sys\n\ndef build():\n    sys.exit(3)\n")
+    nan = model.replace("    return", "    m = ") + "    m[0].weight.data[0, 0] = float('nan')\n    return m\n"
+    (tmp_path / "nanmodel.py").write_text(nan)
     return {"art": str(digits_artifacts), **{p.stem: str(p) for p in tmp_path.iterdir()}, "tmp": str(tmp_path)}
 
 
@@ -67,6 +72,45 @@ CASES = [
     # federated run config
     (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}", "--set", "rounds=3"], 2, "mean 'num-server-rounds'"),
     (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}"], 2, "has no train.npz"),
+    # issue 22's corpus: each of these was silent, untyped, a hang or a crash before
+    (["bridge", "serve", "{tmp}", "--port", "99999"], 2, "--port must be a TCP port, 1 to 65535, got 99999"),
+    (["bridge", "enroll", "{tmp}", "--count", "10000000"], 2, "--count must be 1 to 10,000"),
+    (["train", "{art}", "--data", "{good}", "--seed", "-1"], 2, "seed must be an integer in [0, 2**32), got -1"),
+    (
+        [
+            "generate",
+            "--model",
+            "{model}:build",
+            "--input",
+            "input:4x64:float32",
+            "--class-weights",
+            "1,2",
+            "--out",
+            "{tmp}/g",
+        ],
+        1,
+        "2 class weights given, but the output 'output' has 10 classes",
+    ),
+    (
+        ["generate", "--model", "{model}:build", "--input", "input:4x64:float32", "--out", "/proc/x"],
+        1,
+        "cannot write in /proc",
+    ),
+    (
+        ["generate", "--model", "{model}:build", "--input", "input:4x64:float32", "--atol", "-1", "--out", "{tmp}/g"],
+        2,
+        "atol must be a finite number >= 0, got -1.0",
+    ),
+    (
+        ["generate", "--model", "{exits}:build", "--input", "input:4x64:float32", "--out", "{tmp}/g"],
+        1,
+        "build() called sys.exit(3)",
+    ),
+    (
+        ["generate", "--model", "{nanmodel}:build", "--input", "input:4x64:float32", "--out", "{tmp}/g"],
+        1,
+        "'0.weight' holds 1 NaN/Inf",
+    ),
 ]
 
 

@@ -31,8 +31,8 @@ def bridge(digits_artifacts, tmp_path):
     command = [ODT, "bridge", "serve", str(tmp_path / "bundle"), "--port", str(port), "--state", str(tmp_path / "b.db")]
     processes = []
 
-    def start() -> subprocess.Popen:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start(*extra: str) -> subprocess.Popen:
+        process = subprocess.Popen([*command, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         processes.append(process)
         for _ in range(150):
             try:
@@ -117,3 +117,31 @@ def test_a_400mb_chunked_upload_is_cut_off_with_bounded_memory(bridge):
     connection.close()
     assert sent < 400 * (1 << 20)  # it did not take the whole upload
     assert _rss(process.pid) - before < 50 * (1 << 20)
+
+
+def test_forwarded_for_headers_do_not_dodge_the_registration_limit(bridge):
+    """60 registrations from one peer, each claiming another X-Forwarded-For address: the peer's own
+    address is counted (before, uvicorn trusted the header from loopback: 60 x 403 and no 429)."""
+    port, start = bridge
+    start()
+    statuses = []
+    for i in range(60):
+        body = json.dumps({"name": f"d{i}", "enrolment": "wrong"}).encode()
+        headers = {"Content-Type": "application/json", "X-Forwarded-For": f"10.0.{i // 250}.{i % 250 + 1}"}
+        statuses.append(_call(port, "POST", "/v1/devices", body, headers)[0])
+    assert statuses[:20] == [403] * 20 and set(statuses[20:]) == {429}
+
+
+def test_a_body_that_stops_short_is_answered_and_closed(bridge):
+    """Content-Length 1000, 10 bytes sent, then silence: a 408 after --body-timeout, not a held connection."""
+    import socket
+
+    port, start = bridge
+    start("--body-timeout", "1")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/devices HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"name": "')  # fmt: skip
+        answer = b""
+        while chunk := sock.recv(4096):  # until the bridge closes the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in answer

@@ -215,3 +215,50 @@ def test_the_page_and_its_files_are_served_cross_origin_isolated(api):
         assert response.headers["cross-origin-opener-policy"] == "same-origin"
         assert response.headers["cross-origin-embedder-policy"] == "require-corp"
     assert "cross-origin-embedder-policy" not in api.get("/openapi.json").headers
+
+
+def test_a_refused_registration_spends_no_code(bundle, tmp_path):
+    """409 (name taken) used to spend the one-time code; now the code still works for another name."""
+    state = tmp_path / "b.db"
+    store = Store(state)
+    store.add_codes(["code-1", "code-2"])
+    store.close()
+    with TestClient(create_app(bundle, relay_secret=SECRET, enrolment_secret="", state=state)) as api:
+        assert api.post("/v1/devices", json={"name": "a", "enrolment": "code-1"}).status_code == 200
+        taken = api.post("/v1/devices", json={"name": "a", "enrolment": "code-2"})
+        assert taken.status_code == 409 and "not spent" in taken.text
+        assert api.post("/v1/devices", json={"name": "b", "enrolment": "code-2"}).status_code == 200
+        assert api.post("/v1/devices", json={"name": "c", "enrolment": "code-2"}).status_code == 403
+
+
+# State files a bridge must refuse at start, and leave as they are (they hold every device's enrolment).
+DAMAGED = [
+    ("empty", lambda good: b""),
+    ("truncated", lambda good: good[: len(good) // 2]),
+    ("garbage", lambda good: b"not a database" * 100),
+    ("flipped header", lambda good: good[:16] + bytes([good[16] ^ 0xFF]) + good[17:]),
+]
+
+
+@pytest.mark.parametrize("damage", [d for _, d in DAMAGED], ids=[n for n, _ in DAMAGED])
+def test_a_damaged_state_database_is_refused_and_kept(bundle, tmp_path, damage):
+    from mobile_bridge.errors import BridgeError
+
+    state = tmp_path / "b.db"
+    store = Store(state)
+    store.add_codes([f"code-{i}" for i in range(200)])  # a few pages
+    store.close()
+    (tmp_path / "b.db-wal").unlink(missing_ok=True)
+    state.write_bytes(damage(state.read_bytes()))
+    before = state.read_bytes()
+    with pytest.raises(BridgeError, match="is damaged .*left as it is"):
+        create_app(bundle, relay_secret=SECRET, enrolment_secret=ENROL, state=state)
+    assert state.read_bytes() == before
+
+
+def test_garbage_demo_data_is_refused_at_start(bundle, tmp_path):
+    from mobile_bridge.errors import BridgeError
+
+    (tmp_path / "demo.npz").write_bytes(b"garbage")
+    with pytest.raises(BridgeError, match="--demo-data .* is not an .npz archive"):
+        create_app(bundle, relay_secret=SECRET, state=tmp_path / "b.db", demo_data=tmp_path / "demo.npz")
