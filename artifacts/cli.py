@@ -110,6 +110,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     v.add_argument("--no-verify", action="store_true", help="skip the comparison against PyTorch")
     v.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     v.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    v.add_argument("--fd-atol", type=float, help="an .onnx model's finite-difference gradient rows: absolute "
+                   "tolerance (default 5e-3: float32 differences are approximate; --atol bounds the other rows)")
+    v.add_argument("--fd-rtol", type=float, help="relative tolerance of those rows (default 5e-2)")
     v.add_argument("--seed", type=int, default=0, help="seed of the example data (default 0)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(run=_run)
@@ -129,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         if not specs:
             raise InputSpecError("--input NAME:SHAPE:DTYPE is required for a PyTorch model (once per input).")
+        if args.fd_atol is not None or args.fd_rtol is not None:
+            raise InputSpecError("--fd-atol and --fd-rtol apply to .onnx models; a PyTorch model is checked by autograd.")
         model = load_factory(args.model)
         if args.weights:
             load_weights(model, args.weights)
@@ -183,15 +188,18 @@ def _labels(text: str | None) -> tuple[str, ...]:
 
 def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
     from .errors import InputSpecError
-    from .from_onnx import generate_from_onnx
+    from .from_onnx import FD_TOLERANCES, generate_from_onnx
     from .loading import DTYPES
+    from .verify import Tolerances
 
     if args.weights or args.output_name or args.opset != 17 or args.lora is not None or args.tokenizer:
         raise InputSpecError(
             "--weights, --output-name, --opset, --lora and --tokenizer apply to PyTorch models, not to an .onnx file."
         )
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
-    return generate_from_onnx(args.model, args.out, example_inputs=example, **_shared(args))
+    fd = FD_TOLERANCES
+    fd = Tolerances(fd.atol if args.fd_atol is None else args.fd_atol, fd.rtol if args.fd_rtol is None else args.fd_rtol)
+    return generate_from_onnx(args.model, args.out, example_inputs=example, fd_tolerances=fd, **_shared(args))
 
 
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:

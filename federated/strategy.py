@@ -387,7 +387,7 @@ def round_problem(replies: int, kept: int, min_nodes: int, excluded: Mapping[int
 def _first_line(reason: str, limit: int = 300) -> str:
     """The client's own error out of Flower's reason (which may hold a Ray or Python traceback)."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
-    told = [line.split("occurred. Message: ", 1)[1] for line in lines if "occurred. Message: " in line]
+    told = [line.split("occurred. Message: ", 1)[1].rstrip("'>") for line in lines if "occurred. Message: " in line]
     raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b: ", line)]
     if told:
         line = told[0]

@@ -62,6 +62,7 @@ def ort_error_message(exc: BaseException) -> str:
     text = re.sub(r"^\d+ : [A-Z_]+ : ", "", text)  # status code and name
     # "/onnxruntime_src/.../model.cc:165 onnxruntime::Model::Model(...) " -> ""
     text = re.sub(r"\s*/onnxruntime_src\S*:\d+\s+(?:[\w:~<>,&* ]+\([^()]*\)\s*)?", " ", text)
+    text = re.sub(r"^[\w/.-]+\.(?:cc|cpp|h):\d+\s+(?:[\w:~]+\s+)?", "", text)  # "checkpoint.cc:231 ToFile "
     return re.sub(r"^/\S+:\d+ ", "", text).strip()[:400]
 
 

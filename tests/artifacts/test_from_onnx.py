@@ -102,3 +102,19 @@ def test_bad_onnx_inputs(tmp_path, cnn_onnx):
     with pytest.raises(InputSpecError, match="give example inputs"):
         generate_from_onnx(tmp_path / "dynamic.onnx", tmp_path / "a")
     assert not (tmp_path / "a").exists()
+
+
+def test_the_sdks_own_export_generates_again_and_the_fd_flags_reach_its_rows(digits_artifacts, tmp_path, capsys):
+    """`odt generate --model model.onnx` on `odt export`'s output: 1e-3 refused 3 of 15 finite-difference
+    rows of this valid model; the default bounds pass at several seeds, and --fd-atol/--fd-rtol reach them."""
+    Trainer.load(digits_artifacts).export(tmp_path / "model.onnx")
+    for seed in ("0", "1", "3"):
+        argv = ["generate", "--model", str(tmp_path / "model.onnx"), "--out", str(tmp_path / f"g{seed}"), "--seed", seed]
+        assert main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    strict = ["generate", "--model", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "strict"),
+              "--fd-atol", "1e-9", "--fd-rtol", "1e-9"]  # fmt: skip
+    assert main(strict) == 1
+    err = capsys.readouterr().err
+    assert "(finite difference)" in err and "1.0e-09" in err and "--fd-atol" in err
+    assert not (tmp_path / "strict").exists()

@@ -301,3 +301,24 @@ def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, caps
     assert metrics == pytest.approx(trained)
     assert main(["export", str(digits_artifacts), "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.onnx")]) == 0
     assert (tmp_path / "m.onnx").stat().st_size > 60_000  # the trained weights are inside
+
+
+# ORT's messages as they reached users; what is left must name the problem, never ORT's sources.
+ORT_MESSAGES = [
+    # disk full while saving (measured on a 64 KiB tmpfs)
+    ("checkpoint.cc:231 ToFile Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on "
+     "device errno:28", "Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on device"),
+    ("[ONNXRuntimeError] : 1 : FAIL : /onnxruntime_src/orttraining/orttraining/training_api/module.cc:632 "
+     "onnxruntime::training::api::Module::Module(...) inputs.size() == 2 was false. Expected 2 inputs",
+     "Expected 2 inputs"),
+    ("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed: This is an invalid model.",
+     "Load model failed: This is an invalid model."),
+]
+
+
+@pytest.mark.parametrize("raw, shown", ORT_MESSAGES, ids=["disk full", "module.cc", "invalid graph"])
+def test_ort_messages_lose_their_source_locations(raw, shown):
+    from ondevice.session import ort_error_message
+
+    message = ort_error_message(RuntimeError(raw))
+    assert message.startswith(shown) and ".cc:" not in message and "onnxruntime::" not in message, message
