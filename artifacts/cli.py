@@ -110,8 +110,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     v.add_argument("--no-verify", action="store_true", help="skip the comparison against PyTorch")
     v.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     v.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
-    v.add_argument("--fd-atol", type=float, help="an .onnx model's finite-difference gradient rows: absolute "
-                   "tolerance (default 5e-3: float32 differences are approximate; --atol bounds the other rows)")
+    v.add_argument(
+        "--fd-atol",
+        type=float,
+        help="an .onnx model's finite-difference gradient rows: absolute "
+        "tolerance (default 5e-3: float32 differences are approximate; --atol bounds the other rows)",
+    )
     v.add_argument("--fd-rtol", type=float, help="relative tolerance of those rows (default 5e-2)")
     v.add_argument("--seed", type=int, default=0, help="seed of the example data (default 0)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
@@ -133,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         if not specs:
             raise InputSpecError("--input NAME:SHAPE:DTYPE is required for a PyTorch model (once per input).")
         if args.fd_atol is not None or args.fd_rtol is not None:
-            raise InputSpecError("--fd-atol and --fd-rtol apply to .onnx models; a PyTorch model is checked by autograd.")
+            raise InputSpecError("--fd-atol/--fd-rtol apply to .onnx models; PyTorch models are checked by autograd.")
         model = load_factory(args.model)
         if args.weights:
             load_weights(model, args.weights)
@@ -197,8 +201,8 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
             "--weights, --output-name, --opset, --lora and --tokenizer apply to PyTorch models, not to an .onnx file."
         )
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
-    fd = FD_TOLERANCES
-    fd = Tolerances(fd.atol if args.fd_atol is None else args.fd_atol, fd.rtol if args.fd_rtol is None else args.fd_rtol)
+    fd = Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,
+                    FD_TOLERANCES.rtol if args.fd_rtol is None else args.fd_rtol)  # fmt: skip
     return generate_from_onnx(args.model, args.out, example_inputs=example, fd_tolerances=fd, **_shared(args))
 
 

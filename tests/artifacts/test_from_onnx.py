@@ -109,7 +109,8 @@ def test_the_sdks_own_export_generates_again_and_the_fd_flags_reach_its_rows(dig
     rows of this valid model; the default bounds pass at several seeds, and --fd-atol/--fd-rtol reach them."""
     Trainer.load(digits_artifacts).export(tmp_path / "model.onnx")
     for seed in ("0", "1", "3"):
-        argv = ["generate", "--model", str(tmp_path / "model.onnx"), "--out", str(tmp_path / f"g{seed}"), "--seed", seed]
+        out = str(tmp_path / f"g{seed}")
+        argv = ["generate", "--model", str(tmp_path / "model.onnx"), "--out", out, "--seed", seed]
         assert main(argv) == 0, capsys.readouterr().err
     capsys.readouterr()
     strict = ["generate", "--model", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "strict"),

@@ -306,13 +306,20 @@ def test_cli_train_evaluate_export(digits_artifacts, digits_data, tmp_path, caps
 # ORT's messages as they reached users; what is left must name the problem, never ORT's sources.
 ORT_MESSAGES = [
     # disk full while saving (measured on a 64 KiB tmpfs)
-    ("checkpoint.cc:231 ToFile Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on "
-     "device errno:28", "Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on device"),
-    ("[ONNXRuntimeError] : 1 : FAIL : /onnxruntime_src/orttraining/orttraining/training_api/module.cc:632 "
-     "onnxruntime::training::api::Module::Module(...) inputs.size() == 2 was false. Expected 2 inputs",
-     "Expected 2 inputs"),
-    ("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed: This is an invalid model.",
-     "Load model failed: This is an invalid model."),
+    (
+        "checkpoint.cc:231 ToFile Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on "
+        "device errno:28",
+        "Failed to save checkpoint to file: /x/.c.ckpt.1.ort.tmp. error:No space left on device",
+    ),
+    (
+        "[ONNXRuntimeError] : 1 : FAIL : /onnxruntime_src/orttraining/orttraining/training_api/module.cc:632 "
+        "onnxruntime::training::api::Module::Module(...) inputs.size() == 2 was false. Expected 2 inputs",
+        "Expected 2 inputs",
+    ),
+    (
+        "[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed: This is an invalid model.",
+        "Load model failed: This is an invalid model.",
+    ),
 ]
 
 
