@@ -72,11 +72,11 @@ while True:
 """
 
 
-def kills_during_saves(artifacts: Path, work: Path, kills: int = 20) -> dict[str, int]:
+def kills_during_saves(artifacts: Path, work: Path, kills: int = 55) -> dict[str, int]:
     from ondevice import Trainer
 
     path = work / "kill.ckpt"
-    unloadable = orphans_after_next_save = empty = 0
+    unloadable = orphans_after_next_save = empty = missing = 0
     rng = np.random.default_rng(0)
     for _ in range(kills):
         process = subprocess.Popen([sys.executable, "-c", SAVER, str(artifacts), str(path)], stdout=subprocess.PIPE)
@@ -86,6 +86,7 @@ def kills_during_saves(artifacts: Path, work: Path, kills: int = 20) -> dict[str
         process.wait()
         candidates = [p for p in (path, path.with_name(path.name + ".previous")) if p.exists()]
         empty += not candidates
+        missing += not path.exists()
         for candidate in candidates:
             try:
                 Trainer.load(artifacts, checkpoint=candidate)
@@ -93,8 +94,50 @@ def kills_during_saves(artifacts: Path, work: Path, kills: int = 20) -> dict[str
                 unloadable += 1
     Trainer.load(artifacts).save(path)
     orphans_after_next_save = len(list(work.glob(".kill.ckpt.*.tmp")))
-    return {"kills": kills, "left_no_checkpoint": empty, "unloadable_checkpoints": unloadable,
-            "orphan_temp_files_after_next_save": orphans_after_next_save}  # fmt: skip
+    return {"kills": kills, "left_no_checkpoint": empty, "left_latest_missing": missing,
+            "unloadable_checkpoints": unloadable, "orphan_temp_files_after_next_save": orphans_after_next_save}  # fmt: skip
+
+
+def reads_during_saves(artifacts: Path, work: Path, reads: int = 30) -> dict[str, int]:
+    """`odt evaluate --checkpoint` run again and again while another process saves that checkpoint."""
+    from ondevice import Trainer
+
+    data = work / "eval.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data, input=rng.random((64, 64), dtype=np.float32), labels=rng.integers(0, 10, 64))
+    checkpoint = work / "reads"
+    Trainer.load(artifacts).save(checkpoint / "latest.ckpt")
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(artifacts), str(checkpoint / "latest.ckpt")],
+                             stdout=subprocess.PIPE)  # fmt: skip
+    assert saver.stdout is not None and saver.stdout.readline().strip() == b"ready"
+    failed = 0
+    try:
+        for _ in range(reads):
+            result = subprocess.run([ODT, "evaluate", str(artifacts), "--data", str(data), "--checkpoint",
+                                     str(checkpoint), "--json"], capture_output=True, text=True)  # fmt: skip
+            failed += result.returncode != 0
+    finally:
+        saver.kill()
+        saver.wait()
+    return {"reads": reads, "failed": failed}
+
+
+def force_targets(artifacts: Path, work: Path) -> dict[str, int]:
+    """`odt generate`/`odt bundle --force` aimed at what odt did not write: user files deleted."""
+    home = work / "home" / "project"
+    (home / "mine").mkdir(parents=True)
+    (home / "notes.txt").write_text("a user's file")
+    (home / "mine" / "thesis.tex").write_text("years of work")
+    (home.parent / "other.txt").write_text("another")
+    before = {p for p in home.parent.rglob("*") if p.is_file()}
+    targets = ["", ".", "..", "mine", "notes.txt"]
+    refused = 0
+    for target in targets:
+        for command in (["bundle", str(artifacts)], ["generate", "--model", str(artifacts / "eval_model.onnx")]):
+            result = subprocess.run([ODT, *command, "--out", target, "--force"], cwd=home, capture_output=True)
+            refused += result.returncode != 0
+    deleted = len(before - {p for p in home.parent.rglob("*") if p.is_file()})
+    return {"attempts": 2 * len(targets), "refused": refused, "user_files_deleted": deleted}
 
 
 def _bridge(bundle: Path, state: Path, port: int) -> subprocess.Popen:
@@ -196,18 +239,26 @@ def main() -> None:
             "machine": machine(),
             "checkpoint_bit_flips": bit_flips(artifacts, work),
             "kills_during_checkpoint_saves": kills_during_saves(artifacts, work),
+            "reads_during_checkpoint_saves": reads_during_saves(artifacts, work),
+            "force_at_user_files": force_targets(artifacts, work),
             "bridge_kill_restart": bridge_restarts(artifacts, work),
             "chunked_upload": chunked_upload(artifacts, work),
         }
     out = Path(args.out)
     (out / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
     flips, kills = result["checkpoint_bit_flips"], result["kills_during_checkpoint_saves"]
+    reads, force = result["reads_during_checkpoint_saves"], result["force_at_user_files"]
     bridge, upload = result["bridge_kill_restart"], result["chunked_upload"]
     rows = [
         ("single-bit flips of a checkpoint accepted", f"{flips['accepted']} of {flips['flips']} "
          f"({flips['untyped_errors']} untyped errors)"),
-        ("kill -9 during checkpoint saves: no checkpoint left / unloadable", f"{kills['left_no_checkpoint']} / "
-         f"{kills['unloadable_checkpoints']} of {kills['kills']} kills"),
+        ("kill -9 during checkpoint saves: no checkpoint left / latest.ckpt missing / unloadable",
+         f"{kills['left_no_checkpoint']} / {kills['left_latest_missing']} / {kills['unloadable_checkpoints']} of "
+         f"{kills['kills']} kills"),
+        ("`odt evaluate --checkpoint` while another process saves it: failed reads",
+         f"{reads['failed']} of {reads['reads']}"),
+        ("`--force` aimed at '', '.', '..', a user's directory and file (generate and bundle): user files deleted",
+         f"{force['user_files_deleted']} ({force['refused']} of {force['attempts']} refused)"),
         ("orphaned temporary files after the next save", str(kills["orphan_temp_files_after_next_save"])),
         ("bridge killed -9 between task pull and update push: updates lost", f"{bridge['updates_lost']} of "
          f"{bridge['kills']}"),
