@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test bench clean chromium wheel
+.PHONY: demo test check bench clean chromium wheel
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,16 @@ chromium:
 	    exit 1; \
 	  fi; }
 
+# Everything CI runs: lint, every test (real Flower processes, headless Chromium, wheel installs, the docs
+# site built with --strict), and the 15 slowest tests listed at the end.
 test: $(STAMP) $(WEB_STAMP) chromium
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The edit loop's subset: no Flower processes, no browser, no wheel builds.
+check: $(STAMP)
+	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
+	$(PY) -m pytest -q -m "not slow and not browser and not flower" -x
 
 bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks

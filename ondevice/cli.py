@@ -23,14 +23,8 @@ __all__ = [
 ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``odt``: exit 0 on success, 1 on a reported failure, 2 on a usage error.
-
-    ``--debug`` may stand anywhere; with ``--json`` an error is printed as JSON on stdout.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
+def _parser() -> argparse.ArgumentParser:
+    """`odt` with every installed package's sub-commands (the docs' commands are parsed by it in a test)."""
     parser = argparse.ArgumentParser(
         prog="odt", description="Generate, verify and train ONNX Runtime training artifacts on devices."
     )
@@ -42,7 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             entry.load()(commands)
         except ImportError as exc:  # an optional extra is not installed: say so when it is used
             _unavailable(commands, entry.name, exc)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``odt``: exit 0 on success, 1 on a reported failure, 2 on a usage error.
+
+    ``--debug`` may stand anywhere; with ``--json`` an error is printed as JSON on stdout.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return int(args.run(args) or 0)
