@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import math
 import warnings
 from typing import Callable, Iterable, Mapping, Sequence
@@ -28,6 +29,8 @@ __all__ = [
     "torch_module",
     "reaching",
 ]
+
+log = logging.getLogger(__name__)
 
 # Operators with no gradient builder or no CPU gradient kernel in ORT 1.19.2 (measured).
 NO_GRADIENT = {
@@ -135,7 +138,8 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     leaves a dimension unknown (a Slice with computed ends, as in Hugging Face's
     ``position_ids[:, :seq]``), it assumes no broadcast and a ``(1, seq)`` lookup added to a
     ``(batch, seq)`` activation gets the unreduced gradient (measured: position row 0 wrong).
-    Falls back to the model as it is when the inference cannot handle it.
+    Falls back to the model as it is when the inference cannot handle it, with a warning: the
+    verification against PyTorch then decides whether such a broadcast gradient came out wrong.
     """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -143,9 +147,18 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             inferred = SymbolicShapeInference.infer_shapes(copy.deepcopy(model), auto_merge=True)
-    except Exception:  # an op it does not know: ORT's own inference still runs
+    except Exception as exc:  # an op it does not know: ORT's own inference still runs
+        inferred, reason = None, f"{type(exc).__name__}: {exc}"
+    else:
+        reason = "it returned no model"
+    if inferred is None:
+        log.warning(
+            "symbolic shape inference failed (%s); where a broadcast dimension stays unknown, ORT 1.19 may "
+            "build a wrong gradient for it. Keep verification on: it compares every gradient with PyTorch.",
+            reason,
+        )
         return model
-    return inferred if inferred is not None else model
+    return inferred
 
 
 def complete_gradient_outputs(model: onnx.ModelProto) -> None:

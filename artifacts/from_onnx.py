@@ -31,10 +31,9 @@ from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets
 __all__ = ["generate_from_onnx", "onnx_example"]
 
 EPSILON = 3e-4
-FD_TOLERANCES = Tolerances(atol=5e-3, rtol=5e-2)
-"""The finite-difference rows' bounds (``--fd-atol/--fd-rtol``): on the SDK's own exported digits MLP,
-125 rows over 25 seeds missed by at most 1.8e-3 absolute (float32 differences crossing ReLU kinks);
-1e-3 refused 3 of 15 rows of that valid model."""
+FD_TOLERANCES = Tolerances(atol=1e-3, rtol=5e-2)
+"""The finite-difference rows' bounds (``--fd-atol/--fd-rtol``), widened per row by twice the
+difference between the estimates at two step sizes (their own error: ReLU kinks, float32)."""
 """Finite-difference step, relative to a tensor's largest value (measured best between float32
 rounding and ReLU kinks on a small CNN)."""
 
@@ -184,6 +183,15 @@ def _describe(model: onnx.ModelProto):  # type: ignore[no-untyped-def]
     return lambda node: (node, kinds.get(node, "node"))
 
 
+def _central_difference(reference, feeds, targets, loss, loss_index, name, weight, direction, step):  # type: ignore[no-untyped-def]
+    """The loss's derivative along ``direction`` at ``weight``, by central differences of width ``step``."""
+    moved = [
+        reference.loss(reference.outputs(feeds, {name: weight + sign * step * direction}), loss, loss_index, targets)
+        for sign in (1.0, -1.0)
+    ]
+    return (moved[0] - moved[1]) / (2 * step)
+
+
 def _prove(
     work: Path,
     manifest: Manifest,
@@ -218,15 +226,19 @@ def _prove(
         direction = rng.standard_normal(spec.shape).astype(np.float64)
         direction /= np.linalg.norm(direction)
         epsilon = EPSILON * max(1.0, float(np.abs(weights[spec.name]).max()))
-        moved = [
-            reference.loss(reference.outputs(feeds, {spec.name: weights[spec.name] + sign * epsilon * direction}),
-                           loss, loss_index, targets)
-            for sign in (1.0, -1.0)
-        ]  # fmt: skip
-        finite_difference = (moved[0] - moved[1]) / (2 * epsilon)
+        at = {
+            step: _central_difference(reference, feeds, targets, loss, loss_index, spec.name, weights[spec.name],
+                                      direction, step)
+            for step in (epsilon, epsilon / 2)
+        }  # fmt: skip
+        finite_difference = at[epsilon / 2]
+        # Two step sizes agree where the loss is smooth and float32 rounding is small; where they
+        # differ (a ReLU kink crossed, rounding), that difference bounds the estimate's own error.
+        noise = abs(at[epsilon] - at[epsilon / 2])
+        tol = Tolerances(fd_tol.atol + 2 * noise, fd_tol.rtol)
         grad = gradients[spec.name]
         analytic = 0.0 if grad is None else float(np.sum(grad.astype(np.float64) * direction))
-        rows.append(compare(f"grad {spec.name} (finite difference)", np.float64(analytic), finite_difference, fd_tol))
+        rows.append(compare(f"grad {spec.name} (finite difference)", np.float64(analytic), finite_difference, tol))
     params = [torch.from_numpy(weights[p.name].astype(np.float32)).requires_grad_(True) for p in manifest.trainable]
     for spec, param in zip(manifest.trainable, params):
         grad = gradients[spec.name]

@@ -95,7 +95,8 @@ def kills_during_saves(artifacts: Path, work: Path, kills: int = 55) -> dict[str
     Trainer.load(artifacts).save(path)
     orphans_after_next_save = len(list(work.glob(".kill.ckpt.*.tmp")))
     return {"kills": kills, "left_no_checkpoint": empty, "left_latest_missing": missing,
-            "unloadable_checkpoints": unloadable, "orphan_temp_files_after_next_save": orphans_after_next_save}  # fmt: skip
+            "unloadable_checkpoints": unloadable,
+            "orphan_temp_files_after_next_save": orphans_after_next_save}  # fmt: skip
 
 
 def reads_during_saves(artifacts: Path, work: Path, reads: int = 30) -> dict[str, int]:

@@ -14,7 +14,7 @@ from ondevice import Trainer
 from ondevice.text import load_data
 
 from .buffers import split_state
-from .errors import FederatedError
+from .errors import FederatedError, RoundFailedError
 from .partial import fit_to, union_of
 from .protocol import METRICS, from_arrays, to_arrays
 from .report import record_failure, round_row, save_weights, write_report
@@ -124,7 +124,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
     final = to_arrays(initial)
     if remaining > 0 and settings.fraction_train < 1:  # sampled rounds: the same sample in every run
         strategy.seed = settings.seed
-        strategy.node_order = node_partitions(grid, settings.min_nodes, settings.round_timeout)
+        strategy.node_order = node_partitions(grid, settings.min_nodes, max(settings.round_timeout, 60.0))
     if remaining > 0:
         result = strategy.start(
             grid,
@@ -145,9 +145,18 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
 
 def node_partitions(grid: Grid, min_nodes: int, timeout: float) -> dict[int, int]:
     """Each node's partition id, asked once with a query message once ``min_nodes`` are connected:
-    Flower gives nodes new random ids each run, their partitions stay. Nodes without one answer -1."""
+    Flower gives nodes new random ids each run, their partitions stay. Nodes without one answer -1.
+
+    Raises RoundFailedError when ``min_nodes`` have not connected within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
     while len(nodes := list(grid.get_node_ids())) < min_nodes:
-        time.sleep(1)
+        if time.monotonic() > deadline:
+            raise RoundFailedError(
+                f"only {len(nodes)} of the {min_nodes} nodes a round needs (min-nodes) connected within "
+                f"{timeout:.0f} s. Start more nodes or lower min-nodes."
+            )
+        time.sleep(min(1.0, timeout / 10))
     queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
     order = {}
     for reply in grid.send_and_receive(queries, timeout=timeout):

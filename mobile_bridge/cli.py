@@ -174,6 +174,7 @@ def _run_deploy(args: argparse.Namespace) -> int:
     from federated.runner import deploy
 
     from .bundle import make_bundle
+    from .errors import BridgeError
 
     _check_port(args.port)
     if args.devices < 1 or args.nodes < 0:
@@ -200,12 +201,20 @@ def _run_deploy(args: argparse.Namespace) -> int:
         odt = str(Path(sys.executable).parent / "odt")
         serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo,
                  "--state", str(out / "bridge.db")]  # fmt: skip
-        group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret, "ODT_BRIDGE_ENROLMENT": enrolment})
-        for _ in range(150):
+        process = group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret,
+                                                          "ODT_BRIDGE_ENROLMENT": enrolment})  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # up, dead, or too slow: never tell the user to open a page nobody serves
+            if process.poll() is not None:
+                log = group.log_path("bridge").read_text(errors="replace").strip().splitlines()[-3:]
+                raise BridgeError(f"the bridge exited with code {process.returncode}: {' | '.join(log)}")
             try:
                 urllib.request.urlopen(f"{url}/openapi.json", timeout=1).close()
                 break
             except OSError:
+                if time.monotonic() > deadline:
+                    raise BridgeError(f"the bridge did not answer on {url} within 60 s; see "
+                                      f"{group.log_path('bridge')}.") from None  # fmt: skip
                 time.sleep(0.2)
         names = ", ".join(f"browser-{k + 1}" for k in range(args.devices))
         print(f"bridge: open {url}/web/#enrol={enrolment} in {args.devices} browser(s) and join as {names} "

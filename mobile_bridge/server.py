@@ -207,14 +207,20 @@ async def _json(send: Any, status: int, detail: str) -> None:
 
 
 class _RateLimit:
-    """At most ``per_minute`` events per key in any 60 s (registrations per client address)."""
+    """At most ``per_minute`` events per key in any 60 s (registrations per client address).
 
-    def __init__(self, per_minute: int) -> None:
-        self.per_minute, self.events, self.lock = per_minute, {}, threading.Lock()
+    Keys whose events are all older than a minute are forgotten once ``keep`` keys are held, so
+    many addresses cannot grow it without bound.
+    """
 
-    def allow(self, key: str) -> bool:
-        now = time.monotonic()
+    def __init__(self, per_minute: int, keep: int = 1024) -> None:
+        self.per_minute, self.keep, self.events, self.lock = per_minute, keep, {}, threading.Lock()
+
+    def allow(self, key: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
         with self.lock:
+            if len(self.events) >= self.keep:
+                self.events = {k: t for k, t in self.events.items() if t and now - t[-1] < 60}
             recent = [t for t in self.events.get(key, []) if now - t < 60]
             allowed = len(recent) < self.per_minute
             self.events[key] = recent + [now] if allowed else recent

@@ -67,7 +67,7 @@ class Trainer:
         session.set_learning_rate(self._lr)
         self._train_names = [o.name for o in manifest.outputs]
         self._buffers = [b.name for b in manifest.buffers]
-        self._grad_views: list[np.ndarray] | None = None
+        self._grad_views: dict[int, np.ndarray] | None = None
         self._proximal: tuple[float, list[np.ndarray]] | None = None
 
     @classmethod
@@ -178,20 +178,24 @@ class Trainer:
         """Where ``output`` sits in a step's fetches (the loss comes first), or None."""
         return None if output not in self._train_names else 1 + self._train_names.index(output)
 
-    def _gradients(self) -> list[np.ndarray]:
-        # ORT 1.19 allocates each gradient buffer once and zeroes it in place on reset, so views
-        # taken after the first backward stay valid for the session (a test holds it to that).
-        if self._grad_views is None:
-            views = [self._session.gradient_view(p.name) for p in self.manifest.trainable]
-            if any(v is None for v in views):
-                return [v for v in views if v is not None]
-            self._grad_views = views  # type: ignore[assignment]
-        return self._grad_views
+    def _gradients(self) -> dict[int, np.ndarray]:
+        """Index in ``manifest.trainable`` -> the accumulated gradient (those ORT has allocated).
+
+        ORT 1.19 allocates each gradient buffer once and zeroes it in place on reset, so views
+        taken after the first backward stay valid for the session (a test holds it to that).
+        """
+        if self._grad_views is not None:
+            return self._grad_views
+        views = {i: self._session.gradient_view(p.name) for i, p in enumerate(self.manifest.trainable)}
+        present = {i: v for i, v in views.items() if v is not None}
+        if len(present) == len(views):
+            self._grad_views = present
+        return present
 
     def _gradients_finite(self) -> bool:
         # Artifacts without the in-graph check (manifest.finite_check): a sum is NaN/Inf when any
         # element is (or when it overflows float32, as good a reason to skip), with no temporary.
-        return all(math.isfinite(grad.sum()) for grad in self._gradients())
+        return all(math.isfinite(grad.sum()) for grad in self._gradients().values())
 
     # -- loops ---------------------------------------------------------------------------------
     def fit(
@@ -305,12 +309,13 @@ class Trainer:
             )
         else:
             if micro_steps > 1 and self.manifest.loss.options.get("reduction", "mean") == "mean":
-                for grad in self._gradients():
+                for grad in self._gradients().values():
                     grad *= np.float32(1.0 / micro_steps)
             if self._proximal is not None:
                 mu, anchors = self._proximal
-                for spec, grad, anchor in zip(self.manifest.trainable, self._gradients(), anchors):
-                    grad += np.float32(mu) * (self._session.parameter_view(spec.name) - anchor)
+                for index, grad in self._gradients().items():  # by index: a missing buffer shifts nothing
+                    name = self.manifest.trainable[index].name
+                    grad += np.float32(mu) * (self._session.parameter_view(name) - anchors[index])
             self._session.optimizer_step()
             self.step += 1
         self._session.reset_grad()

@@ -105,8 +105,10 @@ def test_bad_onnx_inputs(tmp_path, cnn_onnx):
 
 
 def test_the_sdks_own_export_generates_again_and_the_fd_flags_reach_its_rows(digits_artifacts, tmp_path, capsys):
-    """`odt generate --model model.onnx` on `odt export`'s output: 1e-3 refused 3 of 15 finite-difference
-    rows of this valid model; the default bounds pass at several seeds, and --fd-atol/--fd-rtol reach them."""
+    """`odt generate --model model.onnx` on `odt export`'s output: a fixed 1e-3 refused 3 of 15
+    finite-difference rows of this valid model (ReLU kinks crossed); with each row's bound widened by
+    the difference of two step sizes' estimates it passes at several seeds (175 rows over 25 seeds in
+    a one-off), and --fd-atol/--fd-rtol reach the rows (a tiny bound fails)."""
     Trainer.load(digits_artifacts).export(tmp_path / "model.onnx")
     for seed in ("0", "1", "3"):
         out = str(tmp_path / f"g{seed}")
@@ -117,5 +119,5 @@ def test_the_sdks_own_export_generates_again_and_the_fd_flags_reach_its_rows(dig
               "--fd-atol", "1e-9", "--fd-rtol", "1e-9"]  # fmt: skip
     assert main(strict) == 1
     err = capsys.readouterr().err
-    assert "(finite difference)" in err and "1.0e-09" in err and "--fd-atol" in err
+    assert "(finite difference)" in err and "--fd-atol" in err
     assert not (tmp_path / "strict").exists()

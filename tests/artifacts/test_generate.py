@@ -223,3 +223,23 @@ def test_constant_index_gathers_become_slices(tmp_path):
     gathers = [n for n in graph.node if n.op_type == "Gather"]
     assert all(n.input[0] in parameters for n in gathers)  # only the embedding lookup is left
     assert any(n.name.endswith("/odt_squeeze") for n in graph.node)
+
+
+def test_a_failed_shape_inference_is_said_not_swallowed(caplog):
+    """ORT's symbolic shape inference gives up on an op it does not know; the model goes on as it is,
+    with a warning that names the failure (it used to pass in silence)."""
+    import logging
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from artifacts.export import infer_shapes
+
+    node = helper.make_node("Frobnicate", ["x"], ["y"], domain="my.domain")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.domain", 1)])
+    with caplog.at_level(logging.WARNING, logger="artifacts.export"):
+        assert infer_shapes(model) is model
+    assert "symbolic shape inference failed (Exception: Incomplete symbolic shape inference)" in caplog.text
+    assert isinstance(model, onnx.ModelProto)

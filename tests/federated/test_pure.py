@@ -202,3 +202,16 @@ def test_a_report_counts_only_for_the_run_that_wrote_it(tmp_path):
     record_failure(tmp_path, "new", ValueError("boom"))
     assert read_outcome(tmp_path, "new") == (None, "ValueError: boom")
     assert read_outcome(tmp_path, "old")[1] is None
+
+
+def test_the_server_stops_waiting_for_nodes_that_never_connect():
+    """It slept in a loop for ever while fewer than min-nodes were connected."""
+    from federated.errors import RoundFailedError
+    from federated.server_app import node_partitions
+
+    class OneNode:  # only what the wait reads of Flower's Grid: the connected node ids
+        def get_node_ids(self):
+            return [7]
+
+    with pytest.raises(RoundFailedError, match="only 1 of the 3 nodes a round needs"):
+        node_partitions(OneNode(), 3, timeout=0.3)

@@ -145,3 +145,24 @@ def test_a_body_that_stops_short_is_answered_and_closed(bridge):
         while chunk := sock.recv(4096):  # until the bridge closes the connection
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in answer
+
+
+@pytest.mark.flower
+def test_bridge_deploy_stops_with_the_cause_when_its_bridge_dies(digits_artifacts, data_dir, tmp_path, capsys):
+    """The port is taken, so the bridge exits at once: before, `odt bridge deploy` still told the user
+    to open the page after 30 s; now it stops with the bridge's own last lines, and stops Flower."""
+    import socket
+
+    from federated.processes import started_by
+    from ondevice.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["bridge", "deploy", "--devices", "1", "--port", str(port), "--artifacts", str(digits_artifacts),
+                "--data", str(data_dir), "--out", str(tmp_path / "out"), "--rounds", "1"]  # fmt: skip
+        assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "the bridge exited with code" in err and "open http" not in out
+    assert started_by(str(tmp_path / "out" / "logs" / "flwr-home")) == []

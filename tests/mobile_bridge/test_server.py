@@ -262,3 +262,15 @@ def test_garbage_demo_data_is_refused_at_start(bundle, tmp_path):
     (tmp_path / "demo.npz").write_bytes(b"garbage")
     with pytest.raises(BridgeError, match="--demo-data .* is not an .npz archive"):
         create_app(bundle, relay_secret=SECRET, state=tmp_path / "b.db", demo_data=tmp_path / "demo.npz")
+
+
+def test_the_rate_limiter_forgets_quiet_addresses():
+    from mobile_bridge.server import _RateLimit
+
+    limit = _RateLimit(2, keep=100)
+    assert all(limit.allow(f"10.0.0.{i}", now=0.0) for i in range(5000))  # a crowd within one minute...
+    assert len(limit.events) == 5000  # all still recent: none may be forgotten yet
+    assert [limit.allow("a", now=1.0), limit.allow("a", now=2.0), limit.allow("a", now=3.0)] == [True, True, False]
+    limit.allow("b", now=120.0)  # ...a minute later only the recent ones are held
+    assert set(limit.events) == {"b"}
+    assert limit.allow("a", now=121.0)

@@ -320,7 +320,9 @@ def test_cached_gradient_views_keep_aliasing_ort_buffers(digits_no_dropout, digi
     trainer.fit(data, epochs=2, batch_size=32, accumulate=3, progress=False)
     views = trainer._gradients()
     trainer._micro_step(list(check_data(trainer.manifest, _subset(data, 32)).values()), micro=0)
-    for spec, view in zip(trainer.manifest.trainable, views):
+    assert sorted(views) == list(range(len(trainer.manifest.trainable)))
+    for index, view in views.items():
+        spec = trainer.manifest.trainable[index]
         np.testing.assert_array_equal(view, trainer._session.get_gradient(spec.name), err_msg=spec.name)
         assert np.any(view != 0)
 
@@ -342,3 +344,29 @@ def test_proximal_term_matches_pytorch(digits_no_dropout, digits_data):
     trainer.train_step(batch)
     for (name, value), ref in zip(trainer.get_weights().items(), params):
         np.testing.assert_allclose(value, ref.detach().numpy(), atol=1e-6, err_msg=name)
+
+
+def test_a_gradient_buffer_ort_has_not_allocated_shifts_no_other_parameter(digits_no_dropout, digits_data, monkeypatch):
+    """The proximal term pairs gradients with their anchors by index: with the first buffer missing,
+    every other parameter steps exactly as with all buffers (before, each got its neighbour's term)."""
+    directory, _ = digits_no_dropout
+    batch = _subset(digits_data["train"], 32)
+    steps = {}
+    for hidden in (False, True):
+        trainer = Trainer.load(directory)
+        anchor = {k: v - 0.05 for k, v in trainer.get_weights().items()}
+        trainer.set_proximal(0.3, anchor)
+        if hidden:
+            first = trainer.manifest.trainable[0].name
+            view = trainer._session.gradient_view
+
+            def missing_first(name, first=first, view=view):
+                return None if name == first else view(name)
+
+            monkeypatch.setattr(trainer._session, "gradient_view", missing_first)
+        trainer.train_step(batch)
+        steps[hidden] = trainer.get_weights()
+    names = [p.name for p in Trainer.load(directory).manifest.trainable]
+    for name in names[1:]:
+        np.testing.assert_array_equal(steps[True][name], steps[False][name], err_msg=name)
+    assert not np.array_equal(steps[True][names[0]], steps[False][names[0]])  # it alone missed its term
