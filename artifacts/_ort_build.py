@@ -16,11 +16,11 @@ import onnx
 from ondevice.manifest import Manifest
 from ondevice.session import OrtTraining, ort_error_message
 
-from ._batchnorm import strip_batchnorm_training
 from .errors import ArtifactError, ExportError, UnsupportedOperatorError
 from .export import dropout_to_inference
 from .losses import Loss
 from .optimizers import SGD, AdamW
+from .passes.batchnorm import strip_batchnorm_training
 
 __all__ = ["run_ort_generator", "repair_eval_model", "convert_to_ort_format", "check_loads"]
 

@@ -15,7 +15,6 @@ from torch import nn
 from ondevice.manifest import Manifest, TokenizerSpec
 
 from ._edges import edge_batches, embedding_inputs
-from ._padding import padding_rows
 from .errors import InputSpecError, ModelLoadError, SelectionError
 from .export import (
     export_onnx,
@@ -24,6 +23,7 @@ from .export import (
 from .lora import Lora, add_adapters
 from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
+from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .verify import Tolerances, verify_batches
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import math
 import warnings
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -18,10 +17,7 @@ from .errors import ExportError, InputSpecError, UnsupportedOperatorError
 
 __all__ = [
     "export_onnx",
-    "complete_gradient_outputs",
     "infer_shapes",
-    "average_pool_to_conv",
-    "gather_to_slice",
     "zero_dropout",
     "dropout_to_inference",
     "check_gradient_ops",
@@ -159,103 +155,6 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         )
         return model
     return inferred
-
-
-def complete_gradient_outputs(model: onnx.ModelProto) -> None:
-    """Add the optional outputs ORT's gradient builders read but the exporter may omit.
-
-    LayerNormalization needs Mean and InvStdDev (opset >= 17 exports one output); Dropout needs
-    its mask (attention dropout inside scaled_dot_product_attention exports without it).
-    """
-    for node in model.graph.node:
-        if node.op_type == "Dropout" and len(node.output) == 1:
-            node.output.append(f"{node.output[0]}/mask")
-        elif node.op_type == "LayerNormalization" and len(node.output) == 1:
-            node.output.extend([f"{node.output[0]}/mean", f"{node.output[0]}/inv_std_dev"])
-
-
-def gather_to_slice(model: onnx.ModelProto) -> int:
-    """Rewrite ``Gather(x, k)`` with a constant scalar index as ``Squeeze(Slice(x, k, k + 1))``.
-
-    The exporter picks q/k/v and ``x[:, 0]`` with such Gathers, and ORT 1.19's CPU GatherGrad
-    (a scatter into a zeroed tensor) took half of a transformer encoder's step (measured with
-    ORT's profiler); Slice's gradient is a plain copy. Returns the number of rewrites.
-    """
-    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    parameters = {i.name for i in model.graph.initializer}
-    rewritten: list[onnx.NodeProto] = []
-    count = 0
-    for node in model.graph.node:
-        index = constants.get(node.input[1]) if node.op_type == "Gather" else None
-        if index is None or index.ndim != 0 or node.input[0] in parameters:
-            rewritten.append(node)
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        k = int(index)
-        base = f"{node.output[0]}/odt_slice"
-
-        def ints(name: str, value: int) -> onnx.NodeProto:
-            return helper.make_node(
-                "Constant", [], [name], value=helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value])
-            )
-
-        rewritten += [
-            ints(f"{base}/start", k),
-            ints(f"{base}/end", k + 1 if k != -1 else 2**62),
-            ints(f"{base}/axis", axis),
-            helper.make_node(
-                "Slice", [node.input[0], f"{base}/start", f"{base}/end", f"{base}/axis"], [base], name=base
-            ),
-            helper.make_node("Squeeze", [base, f"{base}/axis"], list(node.output), name=f"{node.name}/odt_squeeze"),
-        ]
-        count += 1
-    del model.graph.node[:]
-    model.graph.node.extend(rewritten)
-    return count
-
-
-def average_pool_to_conv(model: onnx.ModelProto) -> int:
-    """Rewrite AveragePool as a depthwise Conv with fixed 1/k weights; returns the count.
-
-    ORT 1.19.2's CPU AveragePoolGrad dies with SIGFPE (measured, any kernel size); Conv's
-    gradient works. Exact for ceil_mode=0 with count_include_pad=1 or no padding.
-    """
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {
-        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
-        for v in (*inferred.graph.value_info, *inferred.graph.input)
-    }
-    count = 0
-    for node in model.graph.node:
-        if node.op_type != "AveragePool":
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        kernel = list(attrs["kernel_shape"])
-        pads = list(attrs.get("pads", [0] * 2 * len(kernel)))
-        channels = (shapes.get(node.input[0]) or [0, 0])[1]
-        if attrs.get("ceil_mode", 0) or (any(pads) and not attrs.get("count_include_pad", 0)) or not channels:
-            continue
-        weight = f"{node.name}/odt_average_weight"
-        values = [1.0 / math.prod(kernel)] * (channels * math.prod(kernel))
-        model.graph.initializer.append(
-            helper.make_tensor(weight, onnx.TensorProto.FLOAT, [channels, 1, *kernel], values)
-        )
-        conv = helper.make_node(
-            "Conv",
-            [node.input[0], weight],
-            list(node.output),
-            name=node.name,
-            group=channels,
-            kernel_shape=kernel,
-            pads=pads,
-            strides=list(attrs.get("strides", [1] * len(kernel))),
-        )
-        node.CopyFrom(conv)
-        count += 1
-    return count
 
 
 def dropout_to_inference(model: onnx.ModelProto) -> None:

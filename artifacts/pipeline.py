@@ -30,14 +30,8 @@ from ondevice.manifest import (
 )
 from ondevice.session import ORT_VERSION
 
-from ._activations import rewrite_activations
-from ._batchnorm import expose_batchnorm_updates
-from ._finite import FINITE_CHECK, add_finite_check
-from ._gathergrad import rewrite_gather_grad
+from . import passes
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
-from ._padding import mask_padding_gradients
-from ._relugrad import rewrite_relu_grad
-from ._relupool import pool_before_relu
 from .errors import (
     ArtifactError,
     InputSpecError,
@@ -46,10 +40,7 @@ from .errors import (
     VerificationError,
 )
 from .export import (
-    average_pool_to_conv,
     check_gradient_ops,
-    complete_gradient_outputs,
-    gather_to_slice,
     infer_shapes,
     on_trained_path,
     reaching,
@@ -188,10 +179,8 @@ def _build(
     loss, optimizer, opset = o.loss, o.optimizer, o.opset
     onnx_model, outputs = source.graph, source.outputs
     original = copy.deepcopy(onnx_model)
-    complete_gradient_outputs(onnx_model)
-    average_pool_to_conv(onnx_model)
-    gather_to_slice(onnx_model)
-    pool_before_relu(onnx_model)
+    context = passes.Context(opset=opset)
+    passes.run_stage("export", onnx_model, context)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     trainable = select_trainable(
         source.params, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
@@ -207,12 +196,14 @@ def _build(
             raise SelectionError(f"no selected parameter affects the loss output {loss_output!r}.")
     frozen = [n for n in source.states if n not in trainable]
     live = on_trained_path(onnx_model, trainable)
-    rewritten = rewrite_activations(onnx_model, lambda node: node.output[0] in live)
-    if rewritten:
-        log.info("rewritten for ORT's gradient builder: %s", ", ".join(sorted(set(rewritten))))
+    context.trainable, context.frozen, context.live = trainable, frozen, lambda node: node.output[0] in live
+    passes.run_stage("forward", onnx_model, context)
+    if context.results["activations"]:
+        log.info("rewritten for ORT's gradient builder: %s", ", ".join(sorted(set(context.results["activations"]))))
     check_gradient_ops(onnx_model, trainable, source.describe)
     onnx_model = infer_shapes(onnx_model)
-    updates = expose_batchnorm_updates(onnx_model, frozen, opset)
+    passes.run_stage("shaped", onnx_model, context)
+    updates = context.results["batchnorm-statistics"]
 
     output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
@@ -227,7 +218,7 @@ def _build(
         work,
         describe=lambda node: "{!r} ({})".format(*source.describe(node)),
     )
-    padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), trainable)
+    padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     if o.ort_format:
         convert_to_ort_format(work)
@@ -259,7 +250,7 @@ def _build(
         loss=LossSpec(loss.kind, loss.options()),
         optimizer=OptimizerSpec(optimizer.kind, optimizer.lr, optimizer.options()),
         padding=padding,
-        finite_check=FINITE_CHECK,
+        finite_check=passes.FINITE_CHECK,
         adapters=o.adapters,
         labels=tuple(o.labels),
         tokenizer=tokenizer,
@@ -295,19 +286,17 @@ def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: 
     return replace(spec, file="tokenizer.json")
 
 
-def _finish_training_graph(training_model: Path, rows: dict[str, int], trainable: list[str]) -> dict[str, int]:
-    """Mask the padding rows' gradients, speed up the gradients of ReLU and of lookup tables and
-    add the finite check; returns the rows masked."""
-    rows = {name: row for name, row in rows.items() if name in trainable}
+def _finish_training_graph(training_model: Path, rows: dict[str, int], context: passes.Context) -> dict[str, int]:
+    """Run the training-graph passes (padding rows, ReLU and lookup gradients, the finite check);
+    returns the padding rows masked."""
+    context.padding = {name: row for name, row in rows.items() if name in context.trainable}
     model = onnx.load(training_model)
-    done = mask_padding_gradients(model, rows) if rows else []
+    passes.run_stage("training", model, context)
+    done = context.results["padding-rows"]
     if done:
-        log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{rows[n]}]" for n in done))
-    rewrite_relu_grad(model)
-    rewrite_gather_grad(model)
-    add_finite_check(model)
+        log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{context.padding[n]}]" for n in done))
     onnx.save(model, training_model)
-    return {name: rows[name] for name in done}
+    return {name: context.padding[name] for name in done}
 
 
 def _parameter_order(training_model: Path) -> list[str]:

@@ -35,16 +35,16 @@ GENERATED, NO_SWAP, NO_REWRITES = "generated", "without the pooling swap", "no r
 
 def build(work: Path) -> dict[str, Path]:
     """The benchmark CNN as generated, without the pooling swap, and without either ReLU rewrite."""
-    from artifacts import generate, pipeline
+    from artifacts import generate, passes
     from benchmarks.models import cases
 
     case = next(c for c in cases() if c.name == "CNN")
     paths = {GENERATED: work / "generated", NO_SWAP: work / "no-swap", NO_REWRITES: work / "no-rewrites"}
     generate(case.build(), case.inputs(BATCH), paths[GENERATED], verify=False)
-    with mock.patch.object(pipeline, "pool_before_relu", lambda graph: 0):
+    with mock.patch.object(passes, "REGISTRY", passes.without("pool-before-relu")):
         generate(case.build(), case.inputs(BATCH), paths[NO_SWAP], verify=False)
-        with mock.patch.object(pipeline, "rewrite_relu_grad", lambda training: 0):
-            generate(case.build(), case.inputs(BATCH), paths[NO_REWRITES], verify=False)
+    with mock.patch.object(passes, "REGISTRY", passes.without("pool-before-relu", "relu-grad")):
+        generate(case.build(), case.inputs(BATCH), paths[NO_REWRITES], verify=False)
     return paths
 
 

@@ -80,8 +80,8 @@ def test_frozen_path_keeps_the_original_operator(tmp_path):
 def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monkeypatch):
     import shutil
 
-    from artifacts import pipeline
-    from artifacts._relugrad import rewrite_relu_grad
+    from artifacts import passes
+    from artifacts.passes.relugrad import rewrite_relu_grad
     from ondevice.session import OrtTraining
 
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
     )
     with torch.no_grad():
         model[0].bias.zero_()  # zero input rows then give exact zeros at the first ReLU
-    monkeypatch.setattr(pipeline, "rewrite_relu_grad", lambda training: 0)  # keep ORT's own ReluGrad
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("relu-grad"))  # keep ORT's own ReluGrad
     generate(model, torch.randn(8, 2, 8, 8), tmp_path / "ort", verify=False)
     shutil.copytree(tmp_path / "ort", tmp_path / "fast")
     graph = onnx.load(tmp_path / "fast" / "training_model.onnx")
@@ -104,7 +104,7 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
 
 
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
-    from artifacts import pipeline
+    from artifacts import passes
     from ondevice.session import OrtTraining
 
     torch.manual_seed(0)
@@ -112,7 +112,7 @@ def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_p
         nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 8), nn.ReLU(), nn.Linear(8, 3)
     )
     generate(model, torch.randn(8, 2, 8, 8), tmp_path / "swapped")
-    monkeypatch.setattr(pipeline, "pool_before_relu", lambda graph: 0)
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("pool-before-relu"))
     generate(model, torch.randn(8, 2, 8, 8), tmp_path / "plain", verify=False)
     nodes = onnx.load(tmp_path / "swapped" / "training_model.onnx").graph.node
     pooled = next(n.output[0] for n in nodes if n.op_type == "MaxPool")
@@ -128,7 +128,7 @@ def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_p
 def test_relu_with_another_consumer_keeps_its_place():
     from onnx import TensorProto, helper
 
-    from artifacts._relupool import pool_before_relu
+    from artifacts.passes.relupool import pool_before_relu
 
     def graph(outputs: list[str]) -> onnx.ModelProto:
         nodes = [

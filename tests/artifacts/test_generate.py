@@ -243,3 +243,19 @@ def test_a_failed_shape_inference_is_said_not_swallowed(caplog):
         assert infer_shapes(model) is model
     assert "symbolic shape inference failed (Exception: Incomplete symbolic shape inference)" in caplog.text
     assert isinstance(model, onnx.ModelProto)
+
+
+def test_the_passes_page_is_the_registry_and_every_named_test_exists():
+    """docs/passes.md holds `python -m artifacts.passes`; each pass names a test that exists."""
+    from pathlib import Path
+
+    from artifacts import passes
+
+    root = Path(__file__).resolve().parents[2]
+    assert passes.table() in (root / "docs" / "passes.md").read_text()
+    for entry in passes.REGISTRY:
+        path, _, name = entry.test.partition("::")
+        assert f"def {name}(" in (root / path).read_text(), entry.test
+    assert [p.stage for p in passes.REGISTRY] == sorted((p.stage for p in passes.REGISTRY), key=passes.STAGES.index)
+    with pytest.raises(ValueError, match="no passes named"):
+        passes.without("relu-gard")

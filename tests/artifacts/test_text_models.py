@@ -258,7 +258,7 @@ def _ancestors(model: onnx.ModelProto, name: str) -> set[str]:
 
 
 def test_lookup_rewrite_makes_its_zeros_at_run_time_and_skips_what_it_cannot_do():
-    from artifacts._gathergrad import rewrite_gather_grad
+    from artifacts.passes.gathergrad import rewrite_gather_grad
 
     model = _lookup_graph([40, 8])
     assert rewrite_gather_grad(model) == 1

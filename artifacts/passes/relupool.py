@@ -3,7 +3,7 @@
 ReLU is monotonic, so ``MaxPool(Relu(x)) == Relu(MaxPool(x))`` bit for bit, and the gradients
 agree too: where a window's maximum is positive, both send the gradient to its first maximal
 element; where it is not, ReLU's gradient is zero either way. After a 2x2 pooling the ReLU and
-its gradient (``Greater``, ``Cast``, ``Mul`` after :mod:`._relugrad`) run on a quarter of the
+its gradient (``Greater``, ``Cast``, ``Mul`` after :mod:`.relugrad`) run on a quarter of the
 elements. Verification against PyTorch covers it.
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from ._padding import constant, lookup_table
+from .padding import constant, lookup_table
 
 __all__ = ["rewrite_gather_grad"]
 

@@ -1,0 +1,129 @@
+"""Graph rewrites, one module each, run by the pipeline in the order of :data:`REGISTRY`.
+
+Every pass rewrites an ONNX model in place, ``run(model, context) -> result``, at one stage of
+the pipeline:
+
+- ``export``: the exported forward graph, before the trainable set is chosen;
+- ``forward``: the forward graph once the trainable set is known (``context.trainable``);
+- ``shaped``: the forward graph after symbolic shape inference, before ORT's generator;
+- ``training``: ORT's generated training graph.
+
+Each entry says what it fixes in ONNX Runtime 1.19, why the rewrite is exact, and which test
+proves it against PyTorch; ``python -m artifacts.passes`` prints that table (the docs' page
+``docs/passes.md`` holds it, and a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import onnx
+
+from .activations import rewrite_activations
+from .avgpool import average_pool_to_conv
+from .batchnorm import expose_batchnorm_updates
+from .finite import FINITE_CHECK, add_finite_check
+from .gathergrad import rewrite_gather_grad
+from .outputs import complete_gradient_outputs
+from .padding import mask_padding_gradients, padding_rows
+from .relugrad import rewrite_relu_grad
+from .relupool import pool_before_relu
+from .slices import gather_to_slice
+
+__all__ = ["Pass", "Context", "REGISTRY", "STAGES", "run_stage", "without", "table", "FINITE_CHECK", "padding_rows"]
+
+STAGES = ("export", "forward", "shaped", "training")
+
+
+@dataclass
+class Context:
+    """What passes may read, and what they returned (``results``, by pass name)."""
+
+    trainable: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+    opset: int = 17
+    padding: Mapping[str, int] = field(default_factory=dict)
+    """Trainable embedding weight -> its padding row."""
+    live: Callable[[onnx.NodeProto], bool] = lambda node: True
+    """Whether a node is on the trained path (set by the pipeline for the forward stage)."""
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    stage: str
+    run: Callable[[onnx.ModelProto, Context], Any]
+    fixes: str
+    exact: str
+    test: str
+
+
+REGISTRY: tuple[Pass, ...] = (
+    Pass("gradient-outputs", "export", lambda m, c: complete_gradient_outputs(m),
+         "LayerNormalization (opset >= 17) and attention Dropout are exported with one output; ORT's gradient "
+         "builders read Mean/InvStdDev and the mask",
+         "adds optional outputs; no value changes",
+         "tests/artifacts/test_text_models.py::test_bert_family_verifies_with_everything_trainable"),
+    Pass("average-pool", "export", lambda m, c: average_pool_to_conv(m),
+         "the CPU AveragePoolGrad dies with SIGFPE",
+         "a depthwise Conv with 1/k weights is the same average (ceil_mode 0; padding counted or absent)",
+         "tests/artifacts/test_generate.py::test_cnn_with_batchnorm_dropout_and_pooling"),
+    Pass("constant-gather", "export", lambda m, c: gather_to_slice(m),
+         "GatherGrad (a locked scatter) took half of an encoder's step for q/k/v and x[:, 0] picks",
+         "Squeeze(Slice(x, k, k + 1)) selects the same element; its gradient is a copy",
+         "tests/artifacts/test_generate.py::test_constant_index_gathers_become_slices"),
+    Pass("pool-before-relu", "export", lambda m, c: pool_before_relu(m),
+         "ReLU and its gradient ran on every element before a 2x2 max pooling",
+         "ReLU is monotonic: MaxPool(Relu(x)) == Relu(MaxPool(x)) bit for bit, gradients included",
+         "tests/artifacts/test_activations.py::test_max_pooling_moves_before_relu_with_identical_values_and_gradients"),
+    Pass("activations", "forward", lambda m, c: rewrite_activations(m, c.live),
+         "no gradient for Elu, Selu, Celu, Softplus, HardSigmoid, HardSwish, Mish, PRelu, InstanceNorm, ...",
+         "each operator rewritten as the formula it computes, with operators that have gradients",
+         "tests/artifacts/test_activations.py::test_rewrite_trains_everything_and_matches_pytorch"),
+    Pass("batchnorm-statistics", "shaped", lambda m, c: expose_batchnorm_updates(m, c.frozen, c.opset),
+         "training does not update BatchNorm's running statistics; a training-mode BatchNorm breaks the eval graph",
+         "PyTorch's momentum update computed in the training graph and returned as outputs",
+         "tests/ondevice/test_trainer.py::test_batchnorm_statistics_are_updated_by_training"),
+    Pass("padding-rows", "training", lambda m, c: mask_padding_gradients(m, dict(c.padding)),
+         "GatherGrad gives an embedding's padding_idx row the full gradient (PyTorch gives it none)",
+         "the incoming gradient is zeroed where the id is the padding index, before the lookup's gradient",
+         "tests/artifacts/test_text_models.py::test_padding_row_stays_like_pytorch_after_100_steps"),
+    Pass("relu-grad", "training", lambda m, c: rewrite_relu_grad(m),
+         "the CPU ReluGrad is a slow per-element loop",
+         "Mul(dY, Cast(Greater(X, 0))) is the same values bit for bit",
+         "tests/artifacts/test_activations.py::test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit"),
+    Pass("lookup-grad", "training", lambda m, c: rewrite_gather_grad(m),
+         "the CPU GatherGrad takes one shared lock per element",
+         "ScatterElements(add) into zeros sums the same rows, in index order",
+         "tests/artifacts/test_text_models.py::test_lookup_gradient_sums_repeated_ids_like_pytorch_on_two_threads"),
+    Pass("finite-check", "training", lambda m, c: add_finite_check(m),
+         "checking loss and gradients for NaN/Inf from Python cost a call per tensor each step",
+         "adds one output, the L2 norm of loss and gradients, finite exactly when all are",
+         "tests/ondevice/test_trainer.py::test_finite_check_is_the_norm_of_loss_and_accumulated_gradients"),
+)  # fmt: skip
+
+
+def run_stage(stage: str, model: onnx.ModelProto, context: Context) -> None:
+    """Run the registry's passes of ``stage`` on ``model`` in order; results go to ``context.results``."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    for entry in REGISTRY:
+        if entry.stage == stage:
+            context.results[entry.name] = entry.run(model, context)
+
+
+def without(*names: str) -> tuple[Pass, ...]:
+    """The registry without the named passes (for measuring or testing what a pass changes)."""
+    unknown = set(names) - {p.name for p in REGISTRY}
+    if unknown:
+        raise ValueError(f"no passes named {sorted(unknown)}; the registry has {[p.name for p in REGISTRY]}")
+    return tuple(p for p in REGISTRY if p.name not in names)
+
+
+def table() -> str:
+    """The registry as a markdown table, in the order the pipeline runs it."""
+    rows = ["| pass | stage | fixes in ONNX Runtime 1.19 | why it is exact | test |", "|---|---|---|---|---|"]
+    rows += [f"| `{p.name}` | {p.stage} | {p.fixes} | {p.exact} | `{p.test}` |" for p in REGISTRY]
+    return "\n".join(rows) + "\n"

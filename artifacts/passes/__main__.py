@@ -1,0 +1,5 @@
+"""`python -m artifacts.passes`: the registry's table (docs/passes.md holds it)."""
+
+from . import table
+
+print(table(), end="")
