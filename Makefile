@@ -27,8 +27,8 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 	touch $@
 
 demo: $(STAMP)
-	$(PY) samples/digits/run.py --out $(OUT)/digits
-	$(PY) samples/intents/run.py --out $(OUT)/intents --federated 2
+	$(PY) -m samples.digits.run --out $(OUT)/digits
+	$(PY) -m samples.intents.run --out $(OUT)/intents --federated 2
 
 # The browser tests drive Debian's Chromium: installed here when running as root, else one line saying how.
 chromium:
@@ -54,15 +54,15 @@ check: $(STAMP)
 
 bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks
-	$(PY) benchmarks/generation.py
-	$(PY) benchmarks/runtime.py
-	$(PY) benchmarks/cnn.py
-	$(PY) benchmarks/transformer.py
-	$(PY) benchmarks/federation.py
-	$(PY) benchmarks/fl_sweep.py
-	$(PY) benchmarks/browser.py
-	$(PY) benchmarks/faults.py
-	$(PY) benchmarks/finetune.py
+	$(PY) -m benchmarks.generation
+	$(PY) -m benchmarks.runtime
+	$(PY) -m benchmarks.cnn
+	$(PY) -m benchmarks.transformer
+	$(PY) -m benchmarks.federation
+	$(PY) -m benchmarks.fl_sweep
+	$(PY) -m benchmarks.browser
+	$(PY) -m benchmarks.faults
+	$(PY) -m benchmarks.finetune
 
 # The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
 wheel: $(STAMP) $(WEB_STAMP)

@@ -98,6 +98,7 @@ def generate(
             batch_size=batch_size,
             generate_options={"dynamic_axes": dynamic_axes, "output_names": output_names, "loss": loss,
                               "loss_output": loss_output, "optimizer": optimizer, "freeze": freeze, "opset": opset},
+            generate=generate,
             lora=lora or Lora(),
             head=tuple(trainable),
         )  # fmt: skip

@@ -22,7 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -121,6 +121,7 @@ def plan(
     budget: int | str,
     batch_size: int,
     generate_options: Mapping[str, Any],
+    generate: Callable[..., Any],
     lora: Lora | None = None,
     ranks: Sequence[int] = (4, 8, 16),
     head: Sequence[str] = (),
@@ -130,10 +131,10 @@ def plan(
     """Measure candidates (largest first) until one trains within ``budget`` at ``batch_size``.
 
     ``generate_options`` are the other options of the final ``generate`` call (loss, optimizer,
-    dynamic axes...). Raises SelectionError, with the smallest measured peak, when nothing fits.
+    dynamic axes...); ``generate`` is :func:`artifacts.generate` (passed in, so the planner does not
+    import the module that calls it). Raises SelectionError, with the smallest measured peak, when
+    nothing fits.
     """
-    from .build import generate
-
     budget = parse_size(budget)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")

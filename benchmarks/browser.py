@@ -7,7 +7,7 @@ threads; the page's longest stall while it trains (the longest gap between ticks
 timer); page open to first step; bundle size. Then the kernels' own speed on both sides: a
 one-node MatMul model in an inference session (the wide model's layer shape, and a square one),
 which says how much of the step's gap is the matrix multiply alone.
-Run: .venv/bin/python benchmarks/browser.py
+Run: .venv/bin/python -m benchmarks.browser
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 WEB = ROOT / "mobile_bridge" / "web"
 STEPS, BATCH = 60, 32
 VARIANTS = (("page", 1), ("page", 2), ("Web Worker", 1))
@@ -55,7 +53,8 @@ class _Quiet(SimpleHTTPRequestHandler):
 
 def models():
     import torch
-    from model import build
+
+    from samples.digits.model import build
 
     torch.manual_seed(0)
     wide = torch.nn.Sequential(

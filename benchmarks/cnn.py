@@ -4,7 +4,7 @@ ORT's profiler over the step (milliseconds per op type) of the graph as generate
 moved before ReLU, ReLU's gradient rewritten), without the pooling swap, and without either
 rewrite (ORT's own ReluGrad); the step time of each, and of the generated graph with thread
 spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
-Run: .venv/bin/python benchmarks/cnn.py [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.cnn [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import collections
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,6 @@ from unittest import mock
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
 
 from benchmarks._machine import machine  # noqa: E402
 

@@ -210,13 +210,12 @@ print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).sp
 
 RSS_TORCH = """
 import json, sys, torch, numpy as np
-sys.path.insert(0, sys.argv[4])
 from benchmarks.models import cases
 from benchmarks.compare import HFAdamW
 torch.set_num_threads(int(sys.argv[3]))
 case = next(c for c in cases() if c.name == sys.argv[1])
 model = case.torch_model().train()
-trainable = set(json.load(open(sys.argv[5])))  # what the SDK trains: the same set needs grads and moments here
+trainable = set(json.load(open(sys.argv[4])))  # what the SDK trains: the same set needs grads and moments here
 for name, p in model.named_parameters():
     p.requires_grad_(name in trainable)
 data = np.load(sys.argv[2])
@@ -245,12 +244,11 @@ import json, time, sys
 t0 = time.perf_counter()
 import torch, numpy as np
 t1 = time.perf_counter()
-sys.path.insert(0, sys.argv[3])
 from benchmarks.models import cases
 from benchmarks.compare import HFAdamW
 case = next(c for c in cases() if c.name == sys.argv[1])
 model = case.torch_model().train()
-trainable = set(json.load(open(sys.argv[4])))
+trainable = set(json.load(open(sys.argv[3])))
 for name, p in model.named_parameters():
     p.requires_grad_(name in trainable)
 data = np.load(sys.argv[2])
@@ -263,7 +261,8 @@ print(t1 - t0, time.perf_counter() - t1)
 
 
 def _python(code: str, *args: str) -> list[float]:
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    # In the repository's root: the child imports `benchmarks` and `samples` as packages.
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=ROOT)
     return [float(v) for v in out.stdout.split()]
 
 
@@ -274,10 +273,10 @@ def process_figures(case: Case, row: dict[str, Any], work: Path, threads: int, r
     rss_ort = statistics.median(
         _python(RSS_ORT, row["directory"], str(batch_file), str(threads))[0] for _ in range(repeat)
     )
-    torch_args = (case.name, str(batch_file), str(threads), str(ROOT), str(names_file))
+    torch_args = (case.name, str(batch_file), str(threads), str(names_file))
     rss_torch = statistics.median(_python(RSS_TORCH, *torch_args)[0] for _ in range(repeat))
     cold_ort = [_python(COLD_ORT, row["directory"], str(batch_file)) for _ in range(repeat)]
-    cold_torch = [_python(COLD_TORCH, case.name, str(batch_file), str(ROOT), str(names_file)) for _ in range(repeat)]
+    cold_torch = [_python(COLD_TORCH, case.name, str(batch_file), str(names_file)) for _ in range(repeat)]
     row.update(
         rss_ort_mib=rss_ort / 2**20,
         rss_torch_mib=rss_torch / 2**20,

@@ -1,6 +1,6 @@
 """Fault benchmark: bit flips, kill -9 loops and hostile uploads against the real runtime and bridge.
 
-Run: .venv/bin/python benchmarks/faults.py [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.faults [--out benchmarks/results]
 Writes faults.json and faults.md (the README's reliability table). Every figure is a count or a
 measurement of this run; nothing is assumed.
 """
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 
@@ -32,9 +31,8 @@ ODT = str(Path(sys.executable).parent / "odt")
 
 
 def _artifacts(work: Path) -> Path:
-    from model import build
-
     from artifacts import generate
+    from samples.digits.model import build
 
     generate(build(), {"input": torch.randn(32, 64)}, work / "artifacts")
     return work / "artifacts"

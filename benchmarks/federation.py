@@ -7,7 +7,7 @@ local epochs, lr 0.003, no minimum steps), against centralized training at both 
 clients x 30 rounds (10 sampled per round): rounds to 90 % test accuracy, the wall time of a round
 once running (from the run's report) and of start-up, and what a client task's SDK work costs
 (artifacts, data) the first time and from the process's caches.
-Run: .venv/bin/python benchmarks/federation.py [--quick]
+Run: .venv/bin/python -m benchmarks.federation [--quick]
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 from federated.config import Settings  # noqa: E402
@@ -38,12 +36,12 @@ BEFORE = {"local-epochs": 2, "lr": 0.003, "local-steps": 0}
 
 def prepare(work: Path) -> tuple[Path, Path, dict[float, float]]:
     import torch
-    from data import prepare as prepare_data
-    from model import build
 
     from artifacts import generate
     from ondevice import Trainer
     from ondevice.data import load_npz
+    from samples.digits.data import prepare as prepare_data
+    from samples.digits.model import build
 
     paths = prepare_data(work / "data")
     artifacts = work / "artifacts"

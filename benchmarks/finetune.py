@@ -8,7 +8,7 @@ B. the intents sample (real commands, test = unseen homes): accuracy of full fin
 C. federated rounds over the 8 homes (2 local epochs): LoRA + head against full-model FedAvg, bytes each client
    sends per round and final accuracy.
 
-Run: .venv/bin/python benchmarks/finetune.py [--quick]   (writes benchmarks/results/finetune.*)
+Run: .venv/bin/python -m benchmarks.finetune [--quick]   (writes benchmarks/results/finetune.*)
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "intents")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -46,11 +45,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def build(config: dict[str, Any], classes: int) -> tuple[nn.Module, list[str]]:
     """The PyTorch model of a configuration and the names of what trains (LoRA added like the SDK does)."""
-    from model import IntentClassifier
-
     from artifacts import Lora
     from artifacts.lora import add_adapters
     from artifacts.selection import matches
+    from samples.intents.model import IntentClassifier
 
     torch.manual_seed(0)
     model = IntentClassifier(classes)
@@ -64,10 +62,9 @@ def build(config: dict[str, Any], classes: int) -> tuple[nn.Module, list[str]]:
 
 
 def generate_config(config: dict[str, Any], classes: int, labels: list[str], out: Path, lr: float) -> Path:
-    from model import IntentClassifier, minilm_path
-
     from artifacts import AdamW, Lora, generate
     from ondevice.manifest import TokenizerSpec
+    from samples.intents.model import IntentClassifier, minilm_path
 
     torch.manual_seed(0)
     example = {"ids": torch.randint(1, 30_000, (8, 16)), "mask": torch.ones(8, 16, dtype=torch.int64)}
@@ -94,15 +91,14 @@ def batches(classes: int, count: int, seq: int, batch: int) -> list[dict[str, np
 
 TORCH_RSS = """
 import sys, json, numpy as np, torch
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/samples/intents"]
 from benchmarks.finetune import build, CONFIGS
 from benchmarks.compare import HFAdamW
-torch.set_num_threads(int(sys.argv[4]))
-model, names = build(CONFIGS[sys.argv[2]], int(sys.argv[5]))
+torch.set_num_threads(int(sys.argv[3]))
+model, names = build(CONFIGS[sys.argv[1]], int(sys.argv[4]))
 model.train()
 for n, p in model.named_parameters():
     p.requires_grad_(n in set(names))
-data = np.load(sys.argv[3])
+data = np.load(sys.argv[2])
 opt = HFAdamW([p for n, p in model.named_parameters() if n in set(names)])
 for _ in range(4):
     torch.nn.functional.cross_entropy(model(torch.from_numpy(data["ids"]), torch.from_numpy(data["mask"])),
@@ -164,10 +160,11 @@ def step_and_memory(
     torch_rss = statistics.median(
         int(
             subprocess.run(
-                [sys.executable, "-c", TORCH_RSS, str(ROOT), name, str(work / "batch.npz"), str(THREADS), str(classes)],
+                [sys.executable, "-c", TORCH_RSS, name, str(work / "batch.npz"), str(THREADS), str(classes)],
                 capture_output=True,
                 text=True,
                 check=True,
+                cwd=ROOT,  # the child imports `benchmarks` and `samples` as packages
             ).stdout.split()[-1]
         )
         for _ in range(2)
@@ -240,7 +237,8 @@ def main() -> int:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     import transformers
-    from data import prepare
+
+    from samples.intents.data import prepare
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -7,7 +7,7 @@ messages, so that many settings x seeds fit in minutes. Per local setting (epoch
 local steps): 10 clients x 20 rounds, and 100 clients x 30 rounds with 10 sampled per round
 (seeded), each for three seeds (partitions, data order, sampling); the final accuracy on the
 central test set per seed, their mean, and the round at which 90 % is first reached.
-Run: .venv/bin/python benchmarks/fl_sweep.py
+Run: .venv/bin/python -m benchmarks.fl_sweep
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 from benchmarks.federation import TARGET, prepare  # noqa: E402

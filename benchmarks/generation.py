@@ -1,6 +1,6 @@
 """Generation benchmark: time to generate and to verify, and artifact sizes, per model.
 
-Run: .venv/bin/python benchmarks/generation.py [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.generation [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +16,6 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from artifacts import generate  # noqa: E402
 from benchmarks._machine import machine  # noqa: E402
@@ -40,7 +38,7 @@ class BertSmall(nn.Module):
 
 
 def cases() -> list[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
-    from model import build
+    from samples.digits.model import build
 
     torch.manual_seed(0)
     return [

@@ -1,6 +1,6 @@
 """Runtime benchmark on the digits model: trainer overhead over raw ORT calls, cold start, peak RSS.
 
-Run: .venv/bin/python benchmarks/runtime.py [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.runtime [--out benchmarks/results]
 Each figure is a median of interleaved repetitions in one run; RSS and cold start come from
 separate subprocesses so that neither side pays for the other's imports.
 """
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "samples" / "digits")]
 
 from benchmarks._machine import machine  # noqa: E402
 
@@ -53,8 +52,7 @@ print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).sp
 
 RSS_TORCH = """
 import sys, numpy as np, torch
-sys.path.insert(0, sys.argv[3])
-from model import build
+from samples.digits.model import build
 data = np.load(sys.argv[2])
 x, y = torch.from_numpy(data["input"]), torch.from_numpy(data["labels"])
 model = build().train()
@@ -73,7 +71,8 @@ def _run(code: str, *args: str) -> float:
 
 
 def _run_all(code: str, *args: str) -> list[float]:
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
+                            cwd=ROOT)  # fmt: skip
     return [float(v) for v in result.stdout.strip().splitlines()[-1].split()]
 
 
@@ -170,11 +169,11 @@ def main() -> int:
     out = Path(parser.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
-    from data import prepare
-    from model import build
 
     from artifacts import generate
     from ondevice.data import load_npz
+    from samples.digits.data import prepare
+    from samples.digits.model import build
 
     work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
     paths = prepare(work / "data")
@@ -186,7 +185,7 @@ def main() -> int:
     figures["import_load_first_step_s"] = statistics.median(sum(parts) for parts in cold)
     figures["cold_start_parts_ms"] = {k: 1e3 * statistics.median(p[i] for p in cold) for i, k in enumerate(COLD_PARTS)}
     rss_ondevice = [_run(RSS_ONDEVICE, str(artifacts), str(paths["train"])) for _ in range(3)]
-    rss_torch = [_run(RSS_TORCH, "", str(paths["train"]), str(ROOT / "samples" / "digits")) for _ in range(3)]
+    rss_torch = [_run(RSS_TORCH, "", str(paths["train"])) for _ in range(3)]
     figures["peak_rss_ondevice_mib"] = statistics.median(rss_ondevice) / 2**20
     figures["peak_rss_torch_mib"] = statistics.median(rss_torch) / 2**20
     figures["rss_ratio"] = figures["peak_rss_ondevice_mib"] / figures["peak_rss_torch_mib"]

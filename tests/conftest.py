@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads: Hugging Face models come from local files only
-sys.path.insert(0, str(ROOT / "samples" / "digits"))
 
 
 @pytest.fixture(scope="session")
 def digits_data(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
-    from data import prepare
-
     from ondevice.data import load_npz
+    from samples.digits.data import prepare
 
     paths = prepare(tmp_path_factory.mktemp("digits-data"))
     return {split: load_npz(str(path)) for split, path in paths.items()}
@@ -35,9 +32,9 @@ def data_dir(digits_data, tmp_path_factory) -> Path:
 
 def _generate(tmp_path_factory, name: str, dropout: bool = True, **options):  # type: ignore[no-untyped-def]
     import torch
-    from model import build
 
     from artifacts import generate
+    from samples.digits.model import build
 
     model = build()
     if not dropout:

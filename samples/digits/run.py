@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from data import prepare  # noqa: E402
+from .data import prepare
 
 EPOCHS = 20
 BATCH = 32
@@ -22,10 +18,11 @@ BATCH = 32
 def make_artifacts(out: Path) -> Path:
     """Workstation step (torch): generate and verify the artifacts."""
     import torch
-    from model import build
 
     from artifacts import generate
     from artifacts.verify import format_table
+
+    from .model import build
 
     manifest = generate(build(), {"input": torch.randn(BATCH, 64)}, out / "artifacts", force=True, ort_format=True)
     print(format_table(manifest.verification))

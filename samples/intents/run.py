@@ -15,13 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from data import prepare  # noqa: E402
+from .data import prepare
 
 BATCH = 32
 SEQ = 32
@@ -32,10 +28,11 @@ def make_artifacts(out: Path, labels: list[str], rank: int) -> Path:
     """Workstation step (torch): LoRA artifacts of MiniLM with a new head, verified against PyTorch."""
     import torch
     import transformers
-    from model import IntentClassifier, minilm_path
 
     from artifacts import AdamW, Lora, generate
     from ondevice.manifest import TokenizerSpec
+
+    from .model import IntentClassifier, minilm_path
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

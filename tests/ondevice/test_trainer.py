@@ -305,7 +305,7 @@ def test_export_and_predict_match_the_eval_graph(digits_artifacts, digits_data, 
 
 
 def test_digits_sample_reaches_95_percent(tmp_path):
-    import run
+    from samples.digits import run
 
     assert run.main(["--out", str(tmp_path / "digits")]) == 0
     history = __import__("json").loads((tmp_path / "digits" / "history.json").read_text())

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("hassil")  # in requirements/lock.txt: never skipped under `make test`
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("intents_data", ROOT / "samples" / "intents" / "data.py")
-intents = importlib.util.module_from_spec(_spec)
-sys.modules["intents_data"] = intents  # dataclasses look their module up while the class is made
-_spec.loader.exec_module(intents)
+from samples.intents import data as intents  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict]:
