@@ -30,10 +30,12 @@ _LAZY = {
     "Tolerances": ".verify",
     "Lora": ".lora",
     "plan": ".planner",
+    "load_into": ".weights",
 }
 
 __all__ = [
     "generate",
+    "load_into",
     "Lora",
     "plan",
     "Tolerances",

@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.serverapp import Grid, ServerApp
 
 from ondevice import Trainer
+from ondevice.formats import save_peft, save_safetensors
 from ondevice.text import load_data
 
 from .buffers import split_state
@@ -137,8 +138,11 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         final = result.arrays if result.arrays else final  # no round aggregated: the model it started from
     metrics, plot = write_report(rows, out, asdict(settings))
     save_weights(out / "global_weights.npz", from_arrays(final))  # with the running statistics
+    load(final)
+    save_safetensors(evaluator, out / "global_model.safetensors")  # by the PyTorch model's state_dict names
+    if evaluator.manifest.adapters:
+        save_peft(evaluator, out / "global_peft")  # PeftModel.from_pretrained(base, OUTPUT/global_peft)
     if evaluator.manifest.outputs:
-        load(final)
         evaluator.export(out / "global_model.onnx")
     print(f"federated report: {metrics} and {plot}", flush=True)
 

@@ -183,9 +183,18 @@ def register_evaluate(commands: argparse._SubParsersAction) -> None:
 
 
 def register_export(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("export", help="write the (trained) model as an inference ONNX file")
+    p = commands.add_parser(
+        "export", help="write the (trained) model: an inference ONNX file, safetensors for PyTorch, or a PEFT adapter"
+    )
     p.add_argument("directory", help="artifact directory")
-    p.add_argument("--out", required=True, help="path of the .onnx file to write")
+    p.add_argument("--out", required=True, help="the .onnx or .safetensors file, or the PEFT folder, to write")
+    p.add_argument(
+        "--format",
+        choices=["onnx", "safetensors", "peft"],
+        help="onnx: inference graph (LoRA folded); safetensors: every weight by the PyTorch model's state_dict "
+        "names (LoRA folded); peft: adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained "
+        "(default: from --out's suffix, .onnx or .safetensors)",
+    )
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"export CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.set_defaults(run=_run_export)
 
@@ -374,8 +383,20 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .formats import save_peft, save_safetensors
+
+    kind = args.format or {".onnx": "onnx", ".safetensors": "safetensors"}.get(Path(args.out).suffix)
+    if kind is None:
+        raise ConfigError(f"--out {args.out!r} ends in neither .onnx nor .safetensors: pass --format onnx, "
+                          "safetensors or peft (a folder).")  # fmt: skip
     trainer, note = _load_trained(args.directory, args.checkpoint)
-    print(f"inference model: {trainer.export(args.out)}")
+    if kind == "onnx":
+        print(f"inference model: {trainer.export(args.out)}")
+    elif kind == "safetensors":
+        print(f"weights by state_dict name: {save_safetensors(trainer, args.out)}")
+    else:
+        print(f"PEFT adapter: {save_peft(trainer, args.out)}")
     _note(note)
     return 0
 

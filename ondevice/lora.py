@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import numpy as np
-
 from .errors import CheckpointError
+from .formats import fold_weight
 from .manifest import Adapter
 
 __all__ = ["fold_adapters"]
@@ -30,7 +29,7 @@ def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untype
         if missing:
             raise CheckpointError(f"cannot fold the LoRA adapter into {adapter.weight}: the graph lacks {missing}.")
         w, a, b = (numpy_helper.to_array(initializers[n]) for n in (adapter.weight, adapter.a, adapter.b))
-        merged = (w.astype(np.float64) + adapter.scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(w.dtype)
+        merged = fold_weight(w, a, b, adapter.scale)
         initializers[adapter.weight].CopyFrom(numpy_helper.from_array(merged, adapter.weight))
         _bypass(graph, adapter)
     _prune(graph)

@@ -358,6 +358,12 @@ class Trainer:
             raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
         self._session.set_flat(flat, trainable_only=True)
 
+    def parameter(self, name: str) -> np.ndarray:
+        """A copy of one parameter, trainable or frozen, by its manifest (``state_dict``) name."""
+        if name not in {p.name for p in (*self.manifest.trainable, *self.manifest.frozen)}:
+            raise WeightsError(f"{name!r} is not a parameter of these artifacts; `odt inspect` lists them.")
+        return self._session.get_parameter(name)
+
     def get_buffers(self) -> dict[str, np.ndarray]:
         """Running statistics the train step updates (BatchNorm mean/var), by name in manifest order."""
         return {name: self._session.get_parameter(name) for name in self._buffers}

@@ -69,6 +69,14 @@ def test_simulation_accuracy_rises(digits_artifacts, data_dir, tmp_path, monkeyp
     assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.3
     assert all(row["bytes_up"] > 0 for row in report["rounds"][1:])
     assert (tmp_path / "out" / "rounds.png").stat().st_size > 10_000
+    # the final global model, by the PyTorch model's names: the same weights as global_weights.npz
+    from safetensors.numpy import load_file
+
+    final = load_file(tmp_path / "out" / "global_model.safetensors")
+    npz = np.load(tmp_path / "out" / "global_weights.npz")
+    assert sorted(final) == sorted(n for n in npz.files if not n.startswith("__"))
+    for name in final:
+        np.testing.assert_array_equal(final[name], npz[name], err_msg=name)
     assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
 
 

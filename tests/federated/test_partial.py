@@ -191,6 +191,12 @@ def test_three_tiers_in_a_real_simulation(tiers, tmp_path):
         assert sizes == [4 * 27, 4 * (27 + 2 * (2 * 8 + 8 * 2)), 4 * (27 + 2 * (4 * 8 + 8 * 4))]  # head, r2, r4
     final = dict(np.load(tmp_path / "out" / "global_weights.npz"))
     assert final["query.lora_A"].shape == (4, 8)
+    # a LoRA run ends with a PEFT adapter of the global model too: PEFT loads it
+    from peft import PeftModel
+
+    adapter = PeftModel.from_pretrained(Tiny(), tmp_path / "out" / "global_peft")
+    lora_a = adapter.state_dict()["base_model.model.query.lora_A.default.weight"].numpy()
+    np.testing.assert_array_equal(lora_a, final["query.lora_A"])
     assert np.isfinite(report["rounds"][-1]["central.loss"])
 
 

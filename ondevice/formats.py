@@ -1,0 +1,141 @@
+"""Trained weights in the formats PyTorch and Hugging Face load: safetensors by the model's own
+``state_dict`` names, and PEFT LoRA adapter folders. numpy and ``safetensors`` only (no torch).
+
+The manifest's parameter names are the PyTorch model's ``state_dict`` keys (the exporter keeps
+them), so the file loads with ``model.load_state_dict(safetensors.torch.load_file(path))`` into
+the model the artifacts were generated from. A ``state_dict`` entry the graph never reads (e.g. an
+unused pooler) is not in the artifacts: load those files with ``strict=False``, or use
+``artifacts.load_into``, which says what it left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import CheckpointError
+from .files import atomic_write_bytes, fsync_dir, public_mode
+from .manifest import Adapter, Manifest
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "FORMATS"]
+
+FORMATS = ("onnx", "safetensors", "peft")
+PEFT_PREFIX = "base_model.model."
+
+
+def fold_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """``W + scale * B @ A`` in float64, returned in W's dtype (a LoRA adapter merged into its layer)."""
+    merged = weight.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+    return merged.astype(weight.dtype)
+
+
+def model_weights(trainer: Trainer, *, fold: bool = True) -> dict[str, np.ndarray]:
+    """Every parameter and buffer the artifacts hold, by ``state_dict`` name (BatchNorm statistics
+    included); LoRA adapters folded into their base weights and left out, unless ``fold=False``."""
+    manifest = trainer.manifest
+    values = {p.name: trainer.parameter(p.name) for p in (*manifest.trainable, *manifest.frozen)}
+    if fold:
+        for adapter in manifest.adapters:
+            values[adapter.weight] = fold_weight(
+                values[adapter.weight], values.pop(adapter.a), values.pop(adapter.b), adapter.scale
+            )
+    return values
+
+
+def peft_weights(manifest: Manifest, weights: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(adapter_model tensors, adapter_config) in PEFT's LoRA layout for unfolded ``weights``.
+
+    Layers trained besides the adapters (a classifier head) go in ``modules_to_save``.
+    """
+    if not manifest.adapters:
+        raise CheckpointError("these artifacts have no LoRA adapters: export --format safetensors instead.")
+    ranks = {weights[a.a].shape[0] for a in manifest.adapters}
+    scales = {a.scale for a in manifest.adapters}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise CheckpointError(f"PEFT needs one rank and alpha for all adapters; found ranks {sorted(ranks)}.")
+    rank, scale = ranks.pop(), scales.pop()
+    tensors: dict[str, np.ndarray] = {}
+    targets = []
+    for adapter in manifest.adapters:
+        module = _module(adapter)
+        targets.append(module)
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = weights[adapter.a]
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = weights[adapter.b]
+    adapted = {n for a in manifest.adapters for n in (a.a, a.b)}
+    saved = sorted({p.name.rsplit(".", 1)[0] for p in manifest.trainable if p.name not in adapted and "." in p.name})
+    for name, value in weights.items():
+        if name.rsplit(".", 1)[0] in saved:
+            tensors[PEFT_PREFIX + name] = value
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": scale * rank,
+        "target_modules": targets,
+        "modules_to_save": saved or None,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "task_type": None,
+        "base_model_name_or_path": None,
+    }
+    return tensors, config
+
+
+def _module(adapter: Adapter) -> str:
+    if not adapter.weight.endswith(".weight"):
+        raise CheckpointError(f"LoRA weight {adapter.weight!r} is not a module's `.weight`: PEFT cannot name it.")
+    return adapter.weight[: -len(".weight")]
+
+
+def save_safetensors(trainer: Trainer, path: str | os.PathLike[str], *, fold: bool = True) -> Path:
+    """Write :func:`model_weights` as one ``.safetensors`` file, atomically.
+
+    Examples
+    --------
+    >>> save_safetensors(Trainer.load("out/mlp", checkpoint="ckpt/latest.ckpt"), "mlp.safetensors")  # doctest: +SKIP
+    """
+    return _write(Path(path), model_weights(trainer, fold=fold))
+
+
+def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
+    """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``PeftModel.from_pretrained(base_model, directory)`` loads."""
+    tensors, config = peft_weights(trainer.manifest, model_weights(trainer, fold=False))
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {directory}: {exc.strerror}. Choose a writable --out.") from None
+    _write(directory / "adapter_model.safetensors", tensors)
+    atomic_write_bytes(directory / "adapter_config.json", json.dumps(config, indent=2).encode())
+    return directory
+
+
+def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    from safetensors.numpy import save_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror}. Choose a writable --out.") from None
+    try:
+        contiguous = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+        save_file(contiguous, tmp, metadata={"format": "pt"})  # "pt": what transformers' from_pretrained expects
+        os.chmod(tmp, public_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path

@@ -1,0 +1,125 @@
+"""Trained weights back into PyTorch and PEFT: safetensors by state_dict name, PEFT adapter folders.
+
+Each format is loaded by the library users load it with and compared with ORT's exported model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ondevice import Predictor, Trainer
+from ondevice.cli import main
+
+
+def _trained(directory, data, tmp_path) -> Trainer:
+    trainer = Trainer.load(directory)
+    trainer.fit(data, epochs=2, batch_size=32, progress=False, checkpoint=tmp_path / "ckpt" / "latest.ckpt")
+    return trainer
+
+
+def test_safetensors_load_into_the_original_model_and_match_orts_export(digits_no_dropout, digits_data, tmp_path):
+    """generate -> train on the device -> `odt export --format safetensors` -> load_state_dict(strict)."""
+    from safetensors.torch import load_file
+
+    directory, model = digits_no_dropout
+    trained = _trained(directory, {k: v[:256] for k, v in digits_data["train"].items()}, tmp_path)
+    argv = ["export", str(directory), "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "w.safetensors")]
+    assert main(argv) == 0
+    assert main([*argv[:-1], str(tmp_path / "m.onnx")]) == 0
+    state = load_file(tmp_path / "w.safetensors")
+    assert sorted(state) == sorted(model.state_dict())
+    x = torch.from_numpy(digits_data["test"]["input"][:64])
+    with torch.no_grad():
+        untrained = model.eval()(x).numpy()
+        model.load_state_dict(state)  # strict: every key, every shape
+        ours = model(x).numpy()
+    ort = Predictor(str(tmp_path / "m.onnx"), trained.manifest).predict({"input": x.numpy()})["output"]
+    np.testing.assert_allclose(ours, ort, atol=1e-5)
+    assert not np.allclose(ours, untrained, atol=1e-3)  # the trained weights arrived
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.value, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.query(x)) + self.value(x))
+
+
+@pytest.fixture(scope="module")
+def lora_trained(tmp_path_factory):
+    from artifacts import Lora, generate
+
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    base = Tiny()
+    generate(base, {"x": torch.randn(8, 8)}, root / "a", lora=Lora(4, 8, ("query", "value")), trainable=["head"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype(np.float32)
+    trainer = Trainer.load(root / "a")
+    trainer.fit({"x": x, "labels": (x[:, 0] > 0).astype(np.int64)}, epochs=5, batch_size=16, progress=False)
+    trainer.save(root / "ckpt" / "latest.ckpt")
+    return root, base, trainer
+
+
+def test_a_peft_adapter_loads_with_peft_and_gives_the_sdks_logits(lora_trained, tmp_path):
+    from peft import PeftModel
+
+    root, base, trainer = lora_trained
+    assert main(["export", str(root / "a"), "--checkpoint", str(root / "ckpt"), "--format", "peft",
+                 "--out", str(tmp_path / "adapter")]) == 0  # fmt: skip
+    assert main(["export", str(root / "a"), "--checkpoint", str(root / "ckpt"), "--out", str(tmp_path / "m.onnx")]) == 0
+    x = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)
+    ort = Predictor(str(tmp_path / "m.onnx"), trainer.manifest).predict({"x": x})
+    (scores,) = ort.values()
+    reference = Tiny()
+    reference.load_state_dict(base.state_dict())
+    peft_model = PeftModel.from_pretrained(reference.eval(), tmp_path / "adapter")
+    with torch.no_grad():
+        np.testing.assert_allclose(peft_model(torch.from_numpy(x)).numpy(), scores, atol=1e-5)
+    config = __import__("json").loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (4, 8.0, ["head"])
+
+
+def test_lora_safetensors_are_folded_into_the_plain_model(lora_trained, tmp_path):
+    from safetensors.torch import load_file
+
+    root, base, trainer = lora_trained
+    assert main(["export", str(root / "a"), "--checkpoint", str(root / "ckpt"),
+                 "--out", str(tmp_path / "w.safetensors")]) == 0  # fmt: skip
+    plain = Tiny()
+    plain.load_state_dict(load_file(tmp_path / "w.safetensors"))  # no lora_A/lora_B keys left
+    x = np.random.default_rng(2).normal(size=(16, 8)).astype(np.float32)
+    trainer.export(tmp_path / "m.onnx")
+    (scores,) = Predictor(str(tmp_path / "m.onnx"), trainer.manifest).predict({"x": x}).values()
+    with torch.no_grad():
+        np.testing.assert_allclose(plain.eval()(torch.from_numpy(x)).numpy(), scores, atol=1e-5)
+
+
+def test_export_needs_a_known_format_and_peft_needs_adapters(digits_artifacts, tmp_path, capsys):
+    assert main(["export", str(digits_artifacts), "--out", str(tmp_path / "w.bin")]) == 2
+    assert "pass --format onnx, safetensors or peft" in capsys.readouterr().err
+    assert main(["export", str(digits_artifacts), "--format", "peft", "--out", str(tmp_path / "p")]) == 1
+    assert "no LoRA adapters" in capsys.readouterr().err
+
+
+def test_load_into_takes_a_checkpoint_or_a_file_and_refuses_another_model(lora_trained, tmp_path):
+    """artifacts.load_into: the checkpoint (LoRA folded) and the exported file give the same model."""
+    from artifacts import ModelLoadError, load_into
+    from ondevice.formats import save_safetensors
+
+    root, base, trainer = lora_trained
+    from_checkpoint, from_file = Tiny(), Tiny()
+    assert load_into(from_checkpoint, root / "ckpt" / "latest.ckpt", artifacts=root / "a") == []
+    save_safetensors(trainer, tmp_path / "w.safetensors")
+    assert load_into(from_file, tmp_path / "w.safetensors") == []
+    for name, value in from_checkpoint.state_dict().items():
+        torch.testing.assert_close(value, from_file.state_dict()[name], rtol=0, atol=0)
+    with pytest.raises(ModelLoadError, match="does not fit this model"):
+        load_into(nn.Sequential(nn.Linear(8, 3)), tmp_path / "w.safetensors")
+    with pytest.raises(ModelLoadError, match="give artifacts=DIR"):
+        load_into(Tiny(), root / "ckpt" / "latest.ckpt")
