@@ -117,7 +117,7 @@ def generate(
         trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
     options = Options(
         output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes, tuple(adapters), tuple(labels), tokenizer, plan_record,
+        ort_format, axes, tuple(adapters), tuple(labels), tokenizer, plan_record, hf_config=_hf_config(model),
     )  # fmt: skip
 
     def source() -> Source:
@@ -179,3 +179,16 @@ def _check_finite(model: torch.nn.Module) -> None:
                 f"{name!r} holds {bad} NaN/Inf values: the model cannot train or be verified. "
                 "Load sound weights (--weights) or fix the initialisation."
             )
+
+
+def _hf_config(model: nn.Module) -> dict | None:
+    """``{"config", "prefix"}`` of the transformers model that is ``model`` or one of its direct
+    children (a wrapper such as ``(ids, mask) -> logits``), with its class as ``architectures``."""
+    import json
+
+    for prefix, module in (("", model), *((f"{name}.", child) for name, child in model.named_children())):
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_json_string") and hasattr(module, "save_pretrained"):
+            config = {**json.loads(config.to_json_string()), "architectures": [type(module).__name__]}
+            return {"config": config, "prefix": prefix}
+    return None

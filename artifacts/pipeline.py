@@ -171,6 +171,7 @@ class Options:
     tokenizer: TokenizerSpec | None = None
     """Its ``file`` is the source path; the artifact directory holds a copy named by its base name."""
     plan: Mapping[str, Any] | None = None
+    hf_config: Mapping[str, Any] | None = None
 
 
 def _build(
@@ -256,6 +257,7 @@ def _build(
         tokenizer=tokenizer,
         plan=o.plan,
         index_limits=_index_limits(original, input_names),
+        hf_config=o.hf_config,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,

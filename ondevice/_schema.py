@@ -159,6 +159,12 @@ def validate_manifest(data: dict[str, Any]) -> None:
         if not inputs.get(name, "").startswith("int"):
             _fail(f"index_limits[{name!r}]", "an integer input", name)
         _int(f"index_limits[{name!r}]", rows, low=1)
+    hf = data.get("hf_config")
+    if hf is not None and not (
+        isinstance(hf, dict) and isinstance(hf.get("prefix"), str) and isinstance(hf.get("config"), dict)
+        and isinstance(hf["config"].get("model_type"), str)
+    ):  # fmt: skip
+        _fail("hf_config", 'null or {"config": a transformers config with model_type, "prefix": a string}', hf)
     if data.get("plan") is not None and not isinstance(data["plan"], dict):
         _fail("plan", "an object", data["plan"])
 

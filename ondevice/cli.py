@@ -190,9 +190,10 @@ def register_export(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the .onnx or .safetensors file, or the PEFT folder, to write")
     p.add_argument(
         "--format",
-        choices=["onnx", "safetensors", "peft"],
+        choices=["onnx", "safetensors", "peft", "hf"],
         help="onnx: inference graph (LoRA folded); safetensors: every weight by the PyTorch model's state_dict "
-        "names (LoRA folded); peft: adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained "
+        "names (LoRA folded); peft: adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained; "
+        "hf: a folder transformers' from_pretrained loads (models generated from transformers) "
         "(default: from --out's suffix, .onnx or .safetensors)",
     )
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"export CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
@@ -384,19 +385,21 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     from .errors import ConfigError
-    from .formats import save_peft, save_safetensors
+    from .formats import save_hf, save_peft, save_safetensors
 
     kind = args.format or {".onnx": "onnx", ".safetensors": "safetensors"}.get(Path(args.out).suffix)
     if kind is None:
         raise ConfigError(f"--out {args.out!r} ends in neither .onnx nor .safetensors: pass --format onnx, "
-                          "safetensors or peft (a folder).")  # fmt: skip
+                          "safetensors, or peft or hf (folders).")  # fmt: skip
     trainer, note = _load_trained(args.directory, args.checkpoint)
     if kind == "onnx":
         print(f"inference model: {trainer.export(args.out)}")
     elif kind == "safetensors":
         print(f"weights by state_dict name: {save_safetensors(trainer, args.out)}")
-    else:
+    elif kind == "peft":
         print(f"PEFT adapter: {save_peft(trainer, args.out)}")
+    else:
+        print(f"Hugging Face folder: {save_hf(trainer, args.out)}")
     _note(note)
     return 0
 

@@ -25,9 +25,9 @@ from .manifest import Adapter, Manifest
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "FORMATS"]
+__all__ = ["fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "save_hf", "FORMATS"]
 
-FORMATS = ("onnx", "safetensors", "peft")
+FORMATS = ("onnx", "safetensors", "peft", "hf")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -117,6 +117,31 @@ def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"cannot create {directory}: {exc.strerror}. Choose a writable --out.") from None
     _write(directory / "adapter_model.safetensors", tensors)
     atomic_write_bytes(directory / "adapter_config.json", json.dumps(config, indent=2).encode())
+    return directory
+
+
+def save_hf(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
+    """Write a Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer if the
+    artifacts carry one) that ``AutoModel...from_pretrained(directory)`` loads with the trained weights."""
+    import shutil
+
+    manifest = trainer.manifest
+    if manifest.hf_config is None:
+        raise CheckpointError(
+            "these artifacts were not generated from a transformers model (the manifest has no hf_config): "
+            "export --format safetensors and load it with artifacts.load_into."
+        )
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {directory}: {exc.strerror}. Choose a writable --out.") from None
+    prefix = str(manifest.hf_config["prefix"])
+    weights = {name[len(prefix) :]: value for name, value in model_weights(trainer).items() if name.startswith(prefix)}
+    _write(directory / "model.safetensors", weights)
+    atomic_write_bytes(directory / "config.json", json.dumps(manifest.hf_config["config"], indent=2).encode())
+    if manifest.tokenizer is not None:
+        shutil.copyfile(Path(trainer.directory) / manifest.tokenizer.file, directory / "tokenizer.json")
     return directory
 
 

@@ -170,6 +170,9 @@ class Manifest:
     tokenizer: TokenizerSpec | None = None
     plan: Mapping[str, Any] | None = None
     """The memory planner's choice and its measurements, when ``--memory-budget`` picked the trainable set."""
+    hf_config: Mapping[str, Any] | None = None
+    """``{"config": config.json, "prefix": "model."}`` when the model is (or wraps, under ``prefix``)
+    a ``transformers`` model, so that ``odt export --format hf`` writes a folder ``from_pretrained`` loads."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
@@ -321,6 +324,7 @@ def _from_dict(data: Any) -> Manifest:
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
             plan=data.get("plan"),
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
+            hf_config=data.get("hf_config"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

@@ -102,9 +102,11 @@ def test_lora_safetensors_are_folded_into_the_plain_model(lora_trained, tmp_path
 
 def test_export_needs_a_known_format_and_peft_needs_adapters(digits_artifacts, tmp_path, capsys):
     assert main(["export", str(digits_artifacts), "--out", str(tmp_path / "w.bin")]) == 2
-    assert "pass --format onnx, safetensors or peft" in capsys.readouterr().err
+    assert "pass --format onnx, safetensors, or peft or hf" in capsys.readouterr().err
     assert main(["export", str(digits_artifacts), "--format", "peft", "--out", str(tmp_path / "p")]) == 1
     assert "no LoRA adapters" in capsys.readouterr().err
+    assert main(["export", str(digits_artifacts), "--format", "hf", "--out", str(tmp_path / "h")]) == 1
+    assert "not generated from a transformers model" in capsys.readouterr().err
 
 
 def test_load_into_takes_a_checkpoint_or_a_file_and_refuses_another_model(lora_trained, tmp_path):
@@ -123,3 +125,42 @@ def test_load_into_takes_a_checkpoint_or_a_file_and_refuses_another_model(lora_t
         load_into(nn.Sequential(nn.Linear(8, 3)), tmp_path / "w.safetensors")
     with pytest.raises(ModelLoadError, match="give artifacts=DIR"):
         load_into(Tiny(), root / "ckpt" / "latest.ckpt")
+
+
+def test_a_transformers_model_exports_as_a_folder_from_pretrained_loads(tmp_path):
+    """BERT (random config) wrapped as (ids, mask) -> logits: trained on the device, exported with
+    --format hf, loaded by AutoModelForSequenceClassification: the logits of ORT's exported model."""
+    transformers = pytest.importorskip("transformers")  # in requirements/lock.txt: never skipped under make test
+    from artifacts import generate
+
+    class Classifier(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, attention_mask=mask).logits
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    example = {"ids": torch.randint(1, 100, (4, 12)), "mask": torch.ones(4, 12, dtype=torch.int64)}
+    generate(Classifier(transformers.BertForSequenceClassification(config)), example, tmp_path / "a", verify=False)
+    rng = np.random.default_rng(0)
+    data = {
+        "ids": rng.integers(1, 100, (64, 12)),
+        "mask": np.ones((64, 12), np.int64),
+        "labels": rng.integers(0, 3, 64),
+    }
+    trainer = Trainer.load(tmp_path / "a")
+    trainer.fit(data, epochs=2, batch_size=16, progress=False)
+    trainer.save(tmp_path / "ckpt" / "latest.ckpt")
+    for out, kind in ((tmp_path / "hf", "hf"), (tmp_path / "m.onnx", "onnx")):
+        assert main(["export", str(tmp_path / "a"), "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out),
+                     "--format", kind]) == 0  # fmt: skip
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    batch = {k: v[:8] for k, v in data.items() if k != "labels"}
+    (ort,) = Predictor(str(tmp_path / "m.onnx"), trainer.manifest).predict(batch).values()
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.from_numpy(batch["ids"]), attention_mask=torch.from_numpy(batch["mask"])).logits
+    np.testing.assert_allclose(logits.numpy(), ort, atol=1e-5)
