@@ -48,6 +48,7 @@ def generate(
     train_last: int | None = None,
     bias_only: bool = False,
     lora: Lora | None = None,
+    lora_from: str | os.PathLike[str] | None = None,
     labels: Sequence[str] = (),
     tokenizer: TokenizerSpec | None = None,
     memory_budget: int | str | None = None,
@@ -67,7 +68,9 @@ def generate(
     (``{"ids": {1: "seq"}}``). The directory appears complete or not at all.
 
     ``lora`` adds low-rank adapters to the target Linear layers (``model`` itself is not changed);
-    then the adapters train, plus whatever ``trainable`` names (e.g. a new head). ``labels`` names
+    then the adapters train, plus whatever ``trainable`` names (e.g. a new head). ``lora_from`` (a
+    PEFT adapter folder) sets rank, alpha and targets from its config and starts the adapters (and
+    its ``modules_to_save``) from its weights instead of random A and zero B. ``labels`` names
     the classes; ``tokenizer`` (a ``tokenizer.json`` and the inputs it fills) travels with the
     artifacts so a device can train on text.
 
@@ -108,12 +111,23 @@ def generate(
         train_last, bias_only = chosen.get("train_last"), chosen.get("bias_only", False)
         plan_record = result.record()
     adapters: list = []
+    start = None
+    if lora_from is not None:
+        from .lora import read_peft
+
+        lora_given, (lora, start) = lora, read_peft(lora_from)
+        if lora_given is not None and lora_given != lora:
+            raise SelectionError(f"lora={lora_given} differs from the adapter in {lora_from} ({lora}): give one.")
     if lora is not None:
         if train_last is not None or bias_only:
             raise SelectionError(
                 "LoRA chooses what trains: combine it with trainable=[...] only, not train_last/bias_only."
             )
         model, adapters = add_adapters(model, lora, seed)
+        if start is not None:
+            from .lora import load_peft
+
+            load_peft(model, start)  # the adapters (and saved modules) start where that adapter ended
         trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
     options = Options(
         output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,

@@ -79,6 +79,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--lora", type=int, metavar="RANK", help="add LoRA adapters of this rank (they train)")
     t.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: scale = alpha / rank (default 2 x rank)")
     t.add_argument(
+        "--lora-from",
+        metavar="DIR",
+        help="start LoRA from a PEFT adapter folder (its rank, alpha, targets and weights; e.g. from "
+        "`odt export --format peft` or PeftModel.save_pretrained)",
+    )
+    t.add_argument(
         "--lora-targets",
         default="query,value",
         metavar="NAMES",
@@ -196,7 +202,14 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
     from .loading import DTYPES
     from .verify import Tolerances
 
-    if args.weights or args.output_name or args.opset != 17 or args.lora is not None or args.tokenizer:
+    if (
+        args.weights
+        or args.output_name
+        or args.opset != 17
+        or args.lora is not None
+        or args.tokenizer
+        or args.lora_from
+    ):
         raise InputSpecError(
             "--weights, --output-name, --opset, --lora and --tokenizer apply to PyTorch models, not to an .onnx file."
         )
@@ -226,6 +239,7 @@ def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], s
         output_names=args.output_name,
         opset=args.opset,
         lora=lora,
+        lora_from=args.lora_from,
         memory_budget=args.memory_budget,
         batch_size=args.batch_size,
         tokenizer=_tokenizer(args, example),

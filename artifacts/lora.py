@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +24,9 @@ from ondevice.manifest import Adapter
 from .errors import SelectionError
 from .selection import matches
 
-__all__ = ["Lora", "LoraLinear", "add_adapters"]
+__all__ = ["Lora", "LoraLinear", "add_adapters", "read_peft", "load_peft"]
+
+PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,47 @@ def add_adapters(model: nn.Module, lora: Lora, seed: int = 0) -> tuple[nn.Module
         prefix = f"{name}."
         adapters.append(Adapter(prefix + "weight", prefix + "lora_A", prefix + "lora_B", lora.scale))
     return adapted, adapters
+
+
+def read_peft(directory: str | os.PathLike[str]) -> tuple[Lora, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter folder as (this SDK's Lora, tensors by this SDK's names).
+
+    ``layer.lora_A.weight`` becomes ``layer.lora_A``; the weights of ``modules_to_save`` keep their
+    names. One rank and alpha for every layer (PEFT's ``rank_pattern``/``alpha_pattern`` are refused).
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+        tensors = load_file(directory / "adapter_model.safetensors")
+    except (OSError, ValueError) as exc:
+        raise SelectionError(
+            f"{directory} is not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors): {exc}"
+        ) from None
+    if config.get("peft_type") != "LORA" or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise SelectionError(f"{directory}: only plain LoRA adapters (one rank and alpha) can start the adapters.")
+    targets = config.get("target_modules")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    lora = Lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets)
+    state = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}")
+        state[name] = value
+    return lora, state
+
+
+def load_peft(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a PEFT adapter's tensors (from :func:`read_peft`) into an adapted model; every one must fit."""
+    own = model.state_dict()
+    misfits = [f"{n} {tuple(t.shape)}" for n, t in state.items() if n not in own or own[n].shape != t.shape]
+    if misfits:
+        raise SelectionError(
+            f"the PEFT adapter does not fit this model: {misfits[:5]} are not (or not so shaped) in it. "
+            "Start from the adapter of the same base model, targets and rank."
+        )
+    model.load_state_dict(state, strict=False)

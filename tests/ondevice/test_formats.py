@@ -164,3 +164,32 @@ def test_a_transformers_model_exports_as_a_folder_from_pretrained_loads(tmp_path
     with torch.no_grad():
         logits = loaded(input_ids=torch.from_numpy(batch["ids"]), attention_mask=torch.from_numpy(batch["mask"])).logits
     np.testing.assert_allclose(logits.numpy(), ort, atol=1e-5)
+
+
+def test_generation_starts_from_a_peft_adapter(lora_trained, tmp_path):
+    """`odt export --format peft`, then `generate(lora_from=...)` on the base model: the new artifacts
+    start where the adapter ended (their outputs equal PEFT's), rank and alpha from its config."""
+    from peft import PeftModel
+
+    from artifacts import Lora, generate
+    from artifacts.errors import SelectionError
+
+    root, base, trainer = lora_trained
+    assert main(["export", str(root / "a"), "--checkpoint", str(root / "ckpt"), "--format", "peft",
+                 "--out", str(tmp_path / "adapter")]) == 0  # fmt: skip
+    manifest = generate(base, {"x": torch.randn(8, 8)}, tmp_path / "b", lora_from=tmp_path / "adapter",
+                        trainable=["head"])  # fmt: skip
+    assert manifest.verification.passed and manifest.adapters[0].scale == 2.0
+    started = Trainer.load(tmp_path / "b")
+    for name, value in trainer.get_weights().items():
+        np.testing.assert_array_equal(started.get_weights()[name], value, err_msg=name)
+    x = np.random.default_rng(3).normal(size=(16, 8)).astype(np.float32)
+    started.export(tmp_path / "b.onnx")
+    (ours,) = Predictor(str(tmp_path / "b.onnx"), started.manifest).predict({"x": x}).values()
+    reference = Tiny()
+    reference.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(reference.eval(), tmp_path / "adapter")(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    with pytest.raises(SelectionError, match="differs from the adapter"):
+        generate(base, {"x": torch.randn(8, 8)}, tmp_path / "c", lora=Lora(8), lora_from=tmp_path / "adapter")
