@@ -202,16 +202,11 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
     from .loading import DTYPES
     from .verify import Tolerances
 
-    if (
-        args.weights
-        or args.output_name
-        or args.opset != 17
-        or args.lora is not None
-        or args.tokenizer
-        or args.lora_from
-    ):
+    torch_only = [args.weights, args.output_name, args.opset != 17, args.lora is not None, args.tokenizer, args.lora_from]
+    if any(torch_only):
         raise InputSpecError(
-            "--weights, --output-name, --opset, --lora and --tokenizer apply to PyTorch models, not to an .onnx file."
+            "--weights, --output-name, --opset, --lora, --lora-from and --tokenizer apply to PyTorch models, "
+            "not to an .onnx file."
         )
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
     fd = Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,
