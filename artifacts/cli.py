@@ -202,7 +202,8 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
     from .loading import DTYPES
     from .verify import Tolerances
 
-    torch_only = [args.weights, args.output_name, args.opset != 17, args.lora is not None, args.tokenizer, args.lora_from]
+    torch_only = [args.weights, args.output_name, args.opset != 17, args.lora is not None, args.tokenizer,
+                  args.lora_from]  # fmt: skip
     if any(torch_only):
         raise InputSpecError(
             "--weights, --output-name, --opset, --lora, --lora-from and --tokenizer apply to PyTorch models, "
