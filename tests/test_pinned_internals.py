@@ -1,0 +1,82 @@
+"""The private parts of pinned dependencies the SDK relies on, each named with the version it was
+written for: an upgrade that moves or changes one fails here, by name, instead of somewhere deep.
+"""
+
+from __future__ import annotations
+
+import random
+from importlib import metadata
+
+import numpy as np
+import pytest
+
+PINS = {"onnxruntime-training": "1.19.2", "onnx": "1.17.0", "flwr": "1.41.0"}
+
+
+@pytest.mark.parametrize("package, version", PINS.items())
+def test_the_pinned_versions_are_installed(package, version):
+    assert metadata.version(package) == version, f"the SDK's private uses below were checked on {package} {version}"
+
+
+def test_ort_1_19_private_bindings_the_runtime_uses(digits_artifacts):
+    """ondevice.session reaches into onnxruntime.capi._pybind_state (CheckpointState, Module,
+    Optimizer, save_checkpoint, the logger) and passes OrtValue._ortvalue to Module's buffer copies:
+    ORT's public training API imports torch, which the device side must not need."""
+    from onnxruntime.capi import _pybind_state as C
+    from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
+
+    for name in (
+        "CheckpointState",
+        "Module",
+        "Optimizer",
+        "save_checkpoint",
+        "set_default_logger_severity",
+        "OrtDevice",
+    ):
+        assert hasattr(C, name), f"onnxruntime 1.19.2's _pybind_state.{name} is gone"
+    assert hasattr(OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32)), "_ortvalue")
+
+    from ondevice import Trainer
+
+    trainer = Trainer.load(digits_artifacts)  # built on those bindings: the flat buffer round-trips
+    flat = trainer.get_flat_weights()
+    trainer.set_weights(flat + 1.0)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), flat + 1.0)
+
+
+def test_flower_1_41_internals_the_apps_use():
+    """federated.strategy recalibrates Flower's DP noise through DifferentialPrivacyFixedClippingBase's
+    attributes, averages metrics with strategy_utils.aggregate_metricrecords, and reseeds the global
+    `random` module because Flower samples nodes with it; the client reads KEY_CLIPPING_NORM."""
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+    from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    assert isinstance(KEY_CLIPPING_NORM, str)
+    dp = DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=2.0,
+                                                    num_sampled_clients=3)  # fmt: skip
+    assert isinstance(dp, DifferentialPrivacyFixedClippingBase)
+    assert (dp.noise_multiplier, dp.clipping_norm, dp.num_sampled_clients) == (1.0, 2.0, 3)
+
+    records = [RecordDict({"m": MetricRecord({"num-examples": n, "loss": v})}) for n, v in ((10, 1.0), (30, 3.0))]
+    merged = aggregate_metricrecords(records, "num-examples")
+    assert merged["loss"] == pytest.approx(np.average([1.0, 3.0], weights=[10, 30]))
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from tests.federated.test_statistics_and_dp import Nodes
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what a ServerApp process has
+
+    def sample() -> list[int]:
+        from flwr.app import ArrayRecord, ConfigRecord
+
+        messages = FedAvg(fraction_train=0.5).configure_train(1, ArrayRecord(), ConfigRecord(), Nodes(10))
+        return sorted(m.metadata.dst_node_id for m in messages)
+
+    random.seed(7)
+    first = sample()
+    random.seed(7)
+    assert sample() == first, "Flower 1.41 sampled nodes with the `random` module; seeding no longer fixes it"
