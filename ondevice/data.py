@@ -39,8 +39,9 @@ def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> d
             members = archive.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise DataError(
-            f"data file {path} is not an .npz archive ({exc or type(exc).__name__}): save named arrays with "
-            "numpy.savez(path, input=..., labels=...); a single .npy array has no names."
+            f"data file {path} is not an .npz archive ({exc or type(exc).__name__}). odt reads .npz (named arrays: "
+            "numpy.savez(path, input=..., labels=...); a single .npy array has no names) and .jsonl of "
+            '{"text": ..., "label": ...} lines for artifacts with a tokenizer; convert other formats to one of them.'
         ) from None
     if not members or not all(m.filename.endswith(".npy") for m in members):
         raise DataError(f"data file {path} holds no .npy arrays: save named arrays with numpy.savez.")

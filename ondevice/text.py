@@ -99,7 +99,11 @@ def load_jsonl(
             row = _row(raw, f"{path}:{number}")
             texts.append(row["text"])
             if labels and manifest.targets:
-                targets.append(_label(row.get("label"), manifest, f"{path}:{number}"))
+                if "label" not in row:
+                    others = sorted(k for k in row if k != "text")
+                    raise DataError(f'{path}:{number}: expected a "label" key beside "text", found keys {others}. '
+                                    'Rename it to "label" (or give data without labels to `odt predict`).')  # fmt: skip
+                targets.append(_label(row["label"], manifest, f"{path}:{number}"))
     if not texts:
         raise DataError(f"{path} holds no examples.")
     data = encoder(texts)
@@ -143,10 +147,14 @@ def _label(value: object, manifest: Manifest, where: str) -> int:
     classes = manifest.num_classes
     if isinstance(value, int) and not isinstance(value, bool) and classes is not None and 0 <= value < classes:
         return value
-    known = (
-        f"one of {list(names)[:8]}{' ...' if len(names) > 8 else ''}" if names else f"a class number below {classes}"
-    )
-    raise DataError(f"{where}: label {value!r} is not {known}.")
+    if not names:
+        raise DataError(f"{where}: label {value!r} is not a class number below {classes}.")
+    import difflib
+
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+    raise DataError(f"{where}: label {value!r} is not one of the {len(names)} classes.{hint} Classes: {shown}.")
 
 
 def load_data(

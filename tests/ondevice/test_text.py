@@ -82,8 +82,14 @@ def test_bad_text_data_is_refused_with_its_line(text_artifacts, tmp_path):
     bad.write_text('{"text": "turn on", "label": "on"}\nnot json\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2 is not JSON"):
         load_jsonl(bad, text_artifacts)
-    with pytest.raises(DataError, match=r":1: label 'dim' is not one of \['on', 'off', 'timer'\]"):
+    with pytest.raises(DataError, match=r":1: label 'dim' is not one of the 3 classes. Classes: on, off, timer"):
         load_jsonl(_jsonl(tmp_path / "l.jsonl", [("dim the lights", "dim")]), text_artifacts)
+    # a typo gets the name it was meant to be; another key than "label" is named
+    with pytest.raises(DataError, match=r"label 'tmer' is not one of the 3 classes. Did you mean 'timer'\?"):
+        load_jsonl(_jsonl(tmp_path / "t.jsonl", [("set a timer", "tmer")]), text_artifacts)
+    (tmp_path / "k.jsonl").write_text('{"text": "turn on", "intent": "on"}\n')
+    with pytest.raises(DataError, match=r'k.jsonl:1: expected a "label" key beside "text", found keys \[\'intent\'\]'):
+        load_jsonl(tmp_path / "k.jsonl", text_artifacts)
     with pytest.raises(DataError, match="texts must be a list of strings"):
         TextEncoder(text_artifacts)("a single string")
 
