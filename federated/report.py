@@ -108,7 +108,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         axis.set(xlabel="round", title=title)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-        axis.legend(loc="best")
+        if axis.lines:  # a report without this metric has nothing to label
+            axis.legend(loc="best")
     right.set_ylim(0.0, 1.0)
     fig.suptitle("federated training on device (Flower + ONNX Runtime)")
     fig.tight_layout()
