@@ -230,10 +230,13 @@ def writer_lock(path: Path) -> Iterator[None]:
         handle.close()  # releases the lock
 
 
-def export_inference(session: OrtTraining, outputs: list[str], path: Path, adapters: tuple = ()) -> Path:
+def export_inference(
+    session: OrtTraining, outputs: list[str], path: Path, adapters: tuple = (), metadata: dict[str, str] | None = None
+) -> Path:
     """The eval graph with the current weights and the loss removed, as one ONNX file.
 
-    LoRA ``adapters`` are folded into their base weights (a plain model).
+    LoRA ``adapters`` are folded into their base weights (a plain model); ``metadata`` goes into
+    the model's ``metadata_props`` (the manifest and tokenizer, so the file describes itself).
     """
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
@@ -241,12 +244,16 @@ def export_inference(session: OrtTraining, outputs: list[str], path: Path, adapt
     tmp = _temp_beside(path)
     try:
         session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
-        if adapters:
+        if adapters or metadata:
             import onnx
 
             from .lora import fold_adapters
 
-            onnx.save(fold_adapters(onnx.load(tmp), adapters), tmp)
+            model = fold_adapters(onnx.load(tmp), adapters)
+            for key, value in (metadata or {}).items():
+                entry = model.metadata_props.add()
+                entry.key, entry.value = key, value
+            onnx.save(model, tmp)
         os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:

@@ -173,8 +173,12 @@ _CKPT_DEFAULT = "(default: ./DIRECTORY-NAME.ckpt/ where `odt train` saves, else 
 
 
 def register_evaluate(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("evaluate", help="loss (and accuracy) of artifacts or a checkpoint on .npz data")
-    p.add_argument("directory", help="artifact directory")
+    p = commands.add_parser(
+        "evaluate", help="loss (and accuracy) of artifacts, a checkpoint or an exported .onnx model on labelled data"
+    )
+    p.add_argument("directory", help="artifact directory, or an .onnx file from `odt export` (a federated run's "
+                   "global_model.onnx too)")  # fmt: skip
+    p.add_argument("--artifacts", help="with an .onnx file exported before models carried a manifest: its artifacts")
     p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, or .jsonl of texts")
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"evaluate CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.add_argument("--batch-size", type=int, default=256, help="default 256")
@@ -213,7 +217,8 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint", metavar="CKPT_DIR", help=f"with an artifact directory: CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}"
     )
-    p.add_argument("--artifacts", help="with an .onnx file: the artifact directory it came from (its manifest)")
+    p.add_argument("--artifacts", help="with an .onnx file exported before models carried their manifest: its "
+                   "artifact directory (default: the manifest and tokenizer inside the file)")  # fmt: skip
     p.add_argument("--out", help="also write every output to this .npz (default: print only)")
     p.add_argument("--json", action="store_true", help="print every output as JSON")
     p.set_defaults(run=_run_predict)
@@ -224,23 +229,21 @@ def _run_predict(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from .errors import ConfigError
-    from .manifest import Manifest
     from .predict import Predictor
     from .text import TextEncoder, load_data
 
-    if args.model.endswith(".onnx") and not args.artifacts:
-        raise ConfigError("an .onnx model needs --artifacts DIR (the artifacts it was exported from).")
-    directory = args.artifacts if args.model.endswith(".onnx") else args.model
     note = ""
-    data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
-    with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
-        if args.model.endswith(".onnx"):
-            manifest, model = Manifest.load(args.artifacts), args.model
-        else:
+    if args.model.endswith(".onnx"):
+        predictor, encoder = _exported(args.model, args.artifacts)
+        data = encoder(args.text) if args.text else load_data(args.data, args.artifacts, labels=False, encoder=encoder)
+        manifest, outputs = predictor.manifest, predictor.predict(data)
+    else:
+        directory = args.model
+        data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
+        with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
             trainer, note = _load_trained(args.model, args.checkpoint)
             manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
-        outputs = Predictor(model, manifest).predict(data)
+            outputs = Predictor(model, manifest).predict(data)
     if args.out:
         import io
 
@@ -267,6 +270,21 @@ def _run_predict(args: argparse.Namespace) -> int:
     if args.out:
         print(f"outputs: {args.out}")
     return 0
+
+
+def _exported(model: str, artifacts: str | None):  # type: ignore[no-untyped-def]
+    """(Predictor, TextEncoder or None) of an exported model: its own manifest and tokenizer, or the
+    artifacts' when given (models exported before they carried them)."""
+    from .manifest import Manifest
+    from .predict import Predictor
+    from .text import TextEncoder
+
+    predictor = Predictor(model, Manifest.load(artifacts) if artifacts else None)
+    if predictor.manifest.tokenizer is None:
+        return predictor, None
+    if artifacts:
+        return predictor, TextEncoder(artifacts, predictor.manifest)
+    return predictor, TextEncoder(None, predictor.manifest, tokenizer_json=predictor.tokenizer_json)
 
 
 def _checkpoint_file(directory: str | None) -> str | None:
@@ -376,6 +394,14 @@ def _default_checkpoint_dir(directory: str) -> str:
 def _run_evaluate(args: argparse.Namespace) -> int:
     from .text import load_data
 
+    if args.directory.endswith(".onnx"):
+        from .scoring import evaluate_exported
+
+        predictor, encoder = _exported(args.directory, args.artifacts)
+        metrics = evaluate_exported(predictor, load_data(args.data, args.artifacts, encoder=encoder),
+                                    batch_size=args.batch_size)  # fmt: skip
+        print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return 0
     trainer, note = _load_trained(args.directory, args.checkpoint)
     metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size)
     print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -40,8 +40,13 @@ class TextEncoder:
     (1, 8)
     """
 
-    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
-        directory = Path(directory)
+    def __init__(
+        self, directory: str | os.PathLike[str] | None, manifest: Manifest | None = None, *,
+        tokenizer_json: str | None = None,
+    ) -> None:  # fmt: skip
+        """``directory`` holds the manifest and its tokenizer; an exported model gives both instead
+        (``manifest`` and ``tokenizer_json``, from :class:`~ondevice.Predictor`)."""
+        directory = Path(directory or ".")
         self.manifest = manifest if manifest is not None else Manifest.load(directory)
         spec = self.manifest.tokenizer
         if spec is None:
@@ -56,7 +61,10 @@ class TextEncoder:
                 "these artifacts read text with the `tokenizers` library: pip install 'ondevice-training[text]'."
             ) from None
         try:
-            self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
+            if tokenizer_json is not None:
+                self._tokenizer = Tokenizer.from_str(tokenizer_json)
+            else:
+                self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
         except Exception as exc:
             raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
         padding = self._tokenizer.padding or {}  # keep the tokenizer's pad token, pad to the longest text
@@ -78,11 +86,13 @@ class TextEncoder:
 
 
 def load_jsonl(
-    path: str | os.PathLike[str], directory: str | os.PathLike[str], *, labels: bool = True
-) -> dict[str, np.ndarray]:
-    """A ``.jsonl`` file of ``{"text", "label"}`` lines as the artifacts' arrays (tokenized)."""
-    path, directory = Path(path), Path(directory)
-    encoder = TextEncoder(directory)
+    path: str | os.PathLike[str], directory: str | os.PathLike[str] | None, *, labels: bool = True,
+    encoder: TextEncoder | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """A ``.jsonl`` file of ``{"text", "label"}`` lines as the artifacts' arrays (tokenized by
+    ``encoder``, default: the tokenizer of the artifacts in ``directory``)."""
+    path = Path(path)
+    encoder = encoder if encoder is not None else TextEncoder(directory)
     manifest = encoder.manifest
     if not path.is_file():
         raise DataError(f"data file {path} does not exist.")
@@ -158,9 +168,11 @@ def _label(value: object, manifest: Manifest, where: str) -> int:
 
 
 def load_data(
-    path: str | os.PathLike[str], directory: str | os.PathLike[str], *, labels: bool = True
-) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` file, or of a ``.jsonl`` text file tokenized for the artifacts in ``directory``."""
+    path: str | os.PathLike[str], directory: str | os.PathLike[str] | None, *, labels: bool = True,
+    encoder: TextEncoder | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """The arrays of an ``.npz`` file, or of a ``.jsonl`` text file tokenized for the artifacts in
+    ``directory`` (or by ``encoder``)."""
     if Path(path).suffix == ".jsonl":
-        return load_jsonl(path, directory, labels=labels)
+        return load_jsonl(path, directory, labels=labels, encoder=encoder)
     return load_npz(path)

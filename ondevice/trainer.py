@@ -444,9 +444,15 @@ class Trainer:
     def export(self, path: str | os.PathLike[str]) -> Path:
         """Write the current model as an inference ONNX file (outputs: the manifest's outputs).
 
-        LoRA adapters are folded into their base weights: the file is a plain model.
+        LoRA adapters are folded into their base weights: the file is a plain model. The manifest
+        (labels, inputs) and the tokenizer travel in its metadata, so ``Predictor(path)`` and
+        ``odt predict/evaluate model.onnx`` need nothing else.
         """
         from ._checkpoint import export_inference
+        from .predict import METADATA_MANIFEST, METADATA_TOKENIZER
 
         outputs = [o.name for o in self.manifest.outputs]
-        return export_inference(self._session, outputs, Path(path), self.manifest.adapters)
+        metadata = {METADATA_MANIFEST: self.manifest.to_json()}
+        if self.manifest.tokenizer is not None:
+            metadata[METADATA_TOKENIZER] = (self.directory / self.manifest.tokenizer.file).read_text()
+        return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata)

@@ -64,13 +64,12 @@ def test_predict_matches_the_trainer(digits_artifacts, digits_data, tmp_path, ca
     exported = trainer.export(tmp_path / "m.onnx")
     expected = Predictor(exported, Manifest.load(digits_artifacts)).predict(test)["output"]
     np.testing.assert_allclose(predicted, expected, rtol=1e-6)
-    assert main(["predict", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "x.npz")]) == 2  # no --artifacts
-    assert "needs --artifacts" in capsys.readouterr().err
-    assert main(["predict", str(tmp_path / "m.onnx"), "--artifacts", str(digits_artifacts), "--data",
-                 str(tmp_path / "x.npz")]) == 0  # fmt: skip
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 20 and lines[0].startswith("0\tclass ")
-    assert [int(line.split()[2]) for line in lines] == list(expected.argmax(1))
+    capsys.readouterr()
+    for extra in ([], ["--artifacts", str(digits_artifacts)]):  # the manifest inside the file, or the artifacts'
+        assert main(["predict", str(tmp_path / "m.onnx"), *extra, "--data", str(tmp_path / "x.npz")]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 20 and lines[0].startswith("0\tclass ")
+        assert [int(line.split()[2]) for line in lines] == list(expected.argmax(1))
 
 
 def test_train_without_checkpoint_keeps_the_weights(digits_artifacts, digits_data, tmp_path, capsys, monkeypatch):
@@ -109,3 +108,53 @@ def test_commands_without_checkpoint_use_what_train_saved_or_say_untrained(digit
     scores = {n: Predictor(f"{n}.onnx", manifest).predict(batch)["output"] for n in ("m", "trained", "initial")}
     np.testing.assert_array_equal(scores["m"], scores["trained"])
     assert not np.allclose(scores["m"], scores["initial"])
+
+
+def test_an_exported_model_is_scored_and_run_alone(digits_artifacts, digits_data, tmp_path, capsys):
+    """`odt export` embeds the manifest: `odt evaluate/predict model.onnx` need no artifact directory,
+    and score exactly what the artifacts' eval graph scores."""
+    trainer = Trainer.load(digits_artifacts)
+    trainer.fit({k: v[:256] for k, v in digits_data["train"].items()}, epochs=1, batch_size=32, progress=False)
+    trainer.export(tmp_path / "m.onnx")
+    test = {k: v[:300] for k, v in digits_data["test"].items()}
+    np.savez(tmp_path / "test.npz", **test)
+    assert main(["evaluate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "test.npz"), "--json",
+                 "--batch-size", "64"]) == 0  # fmt: skip
+    scored = json.loads(capsys.readouterr().out)
+    expected = trainer.evaluate(test, batch_size=64)
+    assert scored["accuracy"] == expected["accuracy"] and abs(scored["loss"] - expected["loss"]) < 1e-5
+    assert main(["predict", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "test.npz"), "--json"]) == 0
+    assert np.asarray(json.loads(capsys.readouterr().out)["output"]).shape == (len(test["input"]), 10)
+    assert Predictor(tmp_path / "m.onnx").manifest == trainer.manifest
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("cross_entropy", {"reduction": "mean", "weight": [0.5, 2.0, 1.0], "ignore_index": 1}),
+    ("mse", {"reduction": "mean"}),
+    ("l1", {"reduction": "mean"}),
+    ("bce_with_logits", {"reduction": "mean", "pos_weight": [3.0, 0.5, 1.0], "weight": None}),
+])  # fmt: skip
+def test_exported_scoring_computes_pytorchs_losses(kind, options):
+    import torch
+    import torch.nn.functional as F
+
+    from ondevice.scoring import batch_loss
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    if kind == "cross_entropy":
+        y = rng.integers(0, 3, 16)
+        ref = F.cross_entropy(torch.from_numpy(x), torch.from_numpy(y), weight=torch.tensor(options["weight"]),
+                              ignore_index=options["ignore_index"])  # fmt: skip
+    else:
+        y = rng.random((16, 3)).astype(np.float32)
+        if kind == "bce_with_logits":
+            y = (y > 0.5).astype(np.float32)
+        ref = (
+            {"mse": F.mse_loss, "l1": F.l1_loss}[kind](torch.from_numpy(x), torch.from_numpy(y))
+            if kind != "bce_with_logits"
+            else F.binary_cross_entropy_with_logits(
+                torch.from_numpy(x), torch.from_numpy(y), pos_weight=torch.tensor(options["pos_weight"])
+            )
+        )
+    assert abs(batch_loss(kind, options, x, y) - float(ref)) < 1e-6

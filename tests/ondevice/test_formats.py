@@ -24,7 +24,8 @@ def test_safetensors_load_into_the_original_model_and_match_orts_export(digits_n
     """generate -> train on the device -> `odt export --format safetensors` -> load_state_dict(strict)."""
     from safetensors.torch import load_file
 
-    directory, model = digits_no_dropout
+    directory, shared = digits_no_dropout
+    model = __import__("copy").deepcopy(shared)  # the fixture's model is shared with other tests
     trained = _trained(directory, {k: v[:256] for k, v in digits_data["train"].items()}, tmp_path)
     argv = ["export", str(directory), "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "w.safetensors")]
     assert main(argv) == 0

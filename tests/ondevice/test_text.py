@@ -171,3 +171,21 @@ print((huge == short).all() and huge.shape == (1, 12), resource.getrusage(resour
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     same, grown_kib = result.stdout.split()
     assert same == "True" and int(grown_kib) < 50_000, result.stdout + result.stderr[-2000:]
+
+
+def test_an_exported_text_model_predicts_text_on_its_own(text_artifacts, tmp_path, capsys):
+    """The tokenizer and the labels travel inside the exported file: `odt predict model.onnx --text`
+    needs nothing else (the artifact directory is moved away), and agrees with the artifacts."""
+    import shutil
+
+    from ondevice.cli import main
+
+    copy = tmp_path / "artifacts"
+    shutil.copytree(text_artifacts, copy)
+    Trainer.load(copy).export(tmp_path / "m.onnx")
+    assert main(["predict", str(copy), "--text", "turn on the lights", "--text", "set a timer"]) == 0
+    from_artifacts = capsys.readouterr().out
+    shutil.rmtree(copy)
+    assert main(["predict", str(tmp_path / "m.onnx"), "--text", "turn on the lights", "--text", "set a timer"]) == 0
+    alone = capsys.readouterr().out
+    assert alone == from_artifacts and alone.split("\t")[1] in LABELS
