@@ -27,7 +27,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module, or an existing MODEL.onnx",
+        help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module, an existing MODEL.onnx, or "
+        "hf:FOLDER_OR_PACKAGE for a pretrained Hugging Face encoder (local files only) with a head for --task",
     )
     p.add_argument("--weights", help="state_dict file to load into the model (default: the factory's weights)")
     p.add_argument(
@@ -108,7 +109,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="a Hugging Face tokenizer.json that fills the first input (ids) and the second (attention mask), "
         "if any; it travels with the artifacts so `odt train --data FILE.jsonl` tokenizes on the device",
     )
-    x.add_argument("--max-length", type=int, help="tokens per text (default: the example's sequence length)")
+    x.add_argument("--max-length", type=int, help="tokens per text (default: the example's sequence length; "
+                   "64 for hf: models)")  # fmt: skip
+    x.add_argument("--task", default="sequence-classification", choices=["sequence-classification"],
+                   help="the head an hf: model gets (default sequence-classification: mean pooling + Linear, "
+                   "sized by --labels)")  # fmt: skip
 
     v = p.add_argument_group("export and verification")
     v.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
@@ -139,6 +144,8 @@ def _run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     if args.model.endswith(".onnx"):
         manifest = _from_onnx(args, specs, generator)
+    elif args.model.startswith("hf:"):
+        manifest = _from_hf(args, specs)
     else:
         if not specs:
             raise InputSpecError("--input NAME:SHAPE:DTYPE is required for a PyTorch model (once per input).")
@@ -215,18 +222,55 @@ def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> An
     return generate_from_onnx(args.model, args.out, example_inputs=example, fd_tolerances=fd, **_shared(args))
 
 
+def _lora(args: argparse.Namespace, rank: int | None) -> Any:
+    from .lora import Lora
+
+    if rank is None and args.memory_budget is None:
+        return None
+    rank = rank if rank is not None else 8
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * rank
+    return Lora(rank=rank, alpha=alpha, targets=targets)
+
+
+def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
+    """A pretrained encoder + head by name; without a choice of what trains, LoRA r8 + the head (the
+    intents sample's proven setting: a phone-sized step)."""
+    from .build import generate
+    from .errors import InputSpecError
+    from .hf import hf_model
+
+    if specs or args.tokenizer or args.weights or args.fd_atol is not None or args.fd_rtol is not None:
+        raise InputSpecError("an hf: model brings its inputs (ids, mask) and tokenizer: drop --input, --tokenizer, "
+                             "--weights and --fd-atol/--fd-rtol.")  # fmt: skip
+    labels = list(_labels(args.labels))
+    spec = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64, seed=args.seed)
+    chosen = args.lora is not None or args.lora_from or args.trainable or args.freeze or args.train_last or \
+        args.bias_only or args.memory_budget  # fmt: skip
+    shared = _shared(args)
+    if not chosen:
+        shared["trainable"] = ["head"]
+    return generate(
+        spec.model,
+        spec.example,
+        args.out,
+        dynamic_axes=spec.dynamic_axes,
+        opset=args.opset,
+        lora=_lora(args, args.lora if chosen else 8),
+        lora_from=args.lora_from,
+        memory_budget=args.memory_budget,
+        batch_size=args.batch_size,
+        tokenizer=spec.tokenizer,
+        **shared,
+    )
+
+
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
     from .build import generate
     from .loading import dynamic_axes_of
-    from .lora import Lora
 
     axes = dynamic_axes_of([spec for spec, _ in specs])
-    lora = None
-    if args.lora is not None or args.memory_budget is not None:
-        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-        rank = args.lora if args.lora is not None else 8
-        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * rank
-        lora = Lora(rank=rank, alpha=alpha, targets=targets)
+    lora = _lora(args, args.lora)
     return generate(
         model,
         example,

