@@ -34,6 +34,27 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "optimizer": {"kind": manifest.optimizer.kind, "lr": manifest.optimizer.lr, **manifest.optimizer.options},
         "versions": dict(manifest.versions),
         "files": {name: (Path(directory) / name).stat().st_size for name in manifest.files},
+        "labels": list(manifest.labels),
+        "tokenizer": None
+        if manifest.tokenizer is None
+        else {
+            "file": manifest.tokenizer.file,
+            "ids": manifest.tokenizer.ids,
+            "mask": manifest.tokenizer.mask,
+            "max_length": manifest.tokenizer.max_length,
+        },
+        "adapters": [{"weight": a.weight, "rank": _rank(manifest, a), "scale": a.scale} for a in manifest.adapters],
+        "trainable_tensors": [{"name": t.name, "shape": list(t.shape)} for t in manifest.trainable],
+        "padding_rows": dict(manifest.padding),
+        "index_limits": dict(manifest.index_limits),
+        "buffers": [b.name for b in manifest.buffers],
+        "plan": None if manifest.plan is None else dict(manifest.plan),
+        "transformers": None
+        if manifest.hf_config is None
+        else {
+            "architecture": (manifest.hf_config["config"].get("architectures") or ["?"])[0],
+            "prefix": manifest.hf_config["prefix"],
+        },
         "verification": None
         if verification is None
         else {
@@ -43,6 +64,10 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "note": verification.note,
         },
     }
+
+
+def _rank(manifest: Manifest, adapter: Any) -> int:
+    return next(p.shape[0] for p in (*manifest.trainable, *manifest.frozen) if p.name == adapter.a)
 
 
 def _tensor(spec: Any) -> dict[str, Any]:
@@ -77,4 +102,24 @@ def describe(summary: dict[str, Any]) -> str:
         "files:    " + ", ".join(f"{n} {size / 1024:.1f} KiB" for n, size in summary["files"].items()),
         f"verified: {verdict}",
     ]
+    labels = summary["labels"]
+    if labels:
+        lines.append(f"labels:   {len(labels)}: " + ", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""))
+    if summary["tokenizer"]:
+        t = summary["tokenizer"]
+        lines.append(f"text:     {t['file']} fills {t['ids']}" + (f" and {t['mask']}" if t["mask"] else "")
+                     + f", up to {t['max_length']} tokens")  # fmt: skip
+    if summary["adapters"]:
+        a = summary["adapters"]
+        layers = ", ".join(x["weight"].removesuffix(".weight") for x in a[:6]) + (", ..." if len(a) > 6 else "")
+        lines.append(f"LoRA:     rank {a[0]['rank']}, scale {a[0]['scale']:g} on {len(a)} layers: {layers}")
+    names = [t["name"] for t in summary["trainable_tensors"]]
+    lines.append("trains:   " + ", ".join(names[:8]) + (f", ... ({len(names)} tensors)" if len(names) > 8 else ""))
+    if summary["transformers"]:
+        hf = summary["transformers"]
+        lines.append(f"hf:       {hf['architecture']} under '{hf['prefix'] or '(the model)'}' (odt export --format hf)")
+    if summary["plan"]:
+        lines.append(
+            f"plan:     chosen {summary['plan'].get('chosen')!r} for a {summary['plan'].get('budget')} byte budget"
+        )
     return "\n".join(lines)

@@ -194,3 +194,15 @@ def test_generation_starts_from_a_peft_adapter(lora_trained, tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     with pytest.raises(SelectionError, match="differs from the adapter"):
         generate(base, {"x": torch.randn(8, 8)}, tmp_path / "c", lora=Lora(8), lora_from=tmp_path / "adapter")
+
+
+def test_inspect_shows_adapters_and_what_trains(lora_trained, capsys):
+    root, _, trainer = lora_trained
+    assert main(["inspect", str(root / "a")]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA:     rank 4, scale 2 on 2 layers: query, value" in text
+    assert "trains:   " in text and "head.weight" in text and "query.lora_A" in text
+    assert main(["inspect", str(root / "a"), "--json"]) == 0
+    summary = __import__("json").loads(capsys.readouterr().out)
+    assert [a["rank"] for a in summary["adapters"]] == [4, 4]
+    assert [t["name"] for t in summary["trainable_tensors"]] == [p.name for p in trainer.manifest.trainable]

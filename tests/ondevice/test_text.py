@@ -189,3 +189,11 @@ def test_an_exported_text_model_predicts_text_on_its_own(text_artifacts, tmp_pat
     assert main(["predict", str(tmp_path / "m.onnx"), "--text", "turn on the lights", "--text", "set a timer"]) == 0
     alone = capsys.readouterr().out
     assert alone == from_artifacts and alone.split("\t")[1] in LABELS
+
+
+def test_inspect_shows_labels_and_the_tokenizer(text_artifacts, capsys):
+    from ondevice.cli import main
+
+    assert main(["inspect", str(text_artifacts)]) == 0
+    text = capsys.readouterr().out
+    assert "labels:   3: on, off, timer" in text and "tokenizer.json fills ids and mask, up to 12 tokens" in text
