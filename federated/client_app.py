@@ -8,6 +8,7 @@ bridge registers ``bridge``), so this app never imports the bridge.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Callable
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -15,6 +16,8 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+from ondevice.formats import save_tensors
 
 from .buffers import split_state
 from .codec import encode
@@ -95,8 +98,11 @@ def train(msg: Message, context: Context) -> Message:
     )
     state = {**trainer.get_weights(), **trainer.get_buffers()}  # running statistics travel too
     personal = personal_names(trainer.manifest, settings.personal)
-    if personal:  # they never leave the node: kept in its own state for the next round
-        context.state[PERSONAL] = to_arrays({name: state.pop(name) for name in personal})
+    if personal:  # they never leave the node: kept in its own state for the next round, and on its disk
+        mine = {name: state.pop(name) for name in personal}
+        context.state[PERSONAL] = to_arrays(mine)
+        partition = int(context.node_config.get("partition-id", -1))
+        save_tensors(Path(settings.output) / "personal" / f"client-{partition}.safetensors", mine)
     payload = encode(state, global_weights, str(config.get("codec", "none")))
     last = history.last()
     return train_reply(

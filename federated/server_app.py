@@ -89,6 +89,11 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
             evaluator.set_buffers(buffers)
 
     out = Path(settings.output)
+    if settings.personal:
+        print(f"odt: tensors {settings.personal} stay on each client and are never averaged: the global model's "
+              "copies of them are untrained, so its accuracy below is not the run's result; each client's "
+              "accuracy with its own is (clients' validation accuracy with their personal tensors). Each node "
+              f"keeps them in {out / 'personal'}/client-PARTITION.safetensors.", flush=True)  # fmt: skip
     try:
         initial = union_of(
             [{**evaluator.get_weights(), **evaluator.get_buffers()}, *(t.get_weights() for t in tiers.values())]

@@ -25,7 +25,10 @@ from .manifest import Adapter, Manifest
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "save_hf", "FORMATS"]
+__all__ = [
+    "fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "save_hf", "save_tensors",
+    "FORMATS",
+]  # fmt: skip
 
 FORMATS = ("onnx", "safetensors", "peft", "hf")
 PEFT_PREFIX = "base_model.model."
@@ -143,6 +146,11 @@ def save_hf(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
     if manifest.tokenizer is not None:
         shutil.copyfile(Path(trainer.directory) / manifest.tokenizer.file, directory / "tokenizer.json")
     return directory
+
+
+def save_tensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarray]) -> Path:
+    """Named arrays as one ``.safetensors`` file, written atomically (e.g. a client's personal tensors)."""
+    return _write(Path(path), tensors)
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:

@@ -136,7 +136,7 @@ def test_a_tier_may_send_only_what_it_trains(tiers):
         GuardedStrategy(FedProx(), main.manifest, main.manifest_sha256, codec="none", max_examples=9, partial=True)
 
 
-def test_personal_tensors_never_leave_and_persist_between_rounds(tiers):
+def test_personal_tensors_never_leave_and_persist_between_rounds(tiers, tmp_path):
     trainers, root = tiers
     main = trainers["r4"]
     strategy = GuardedStrategy(
@@ -144,12 +144,16 @@ def test_personal_tensors_never_leave_and_persist_between_rounds(tiers):
     )
     global_weights = main.get_weights()
     strategy._global = global_weights
-    context = _context(root, "r4", 0, personal="head.*")
+    context = _context(root, "r4", 0, personal="head.*", output=str(tmp_path))
     reply = client_app(_task(strategy, global_weights, 0), context)
     sent = from_arrays(reply.content["arrays"])
     assert not [k for k in sent if k.startswith("head.")] and "query.lora_B" in sent
     kept = from_arrays(context.state.array_records[PERSONAL])
     assert set(kept) == {"head.weight", "head.bias"}
+    from safetensors.numpy import load_file  # the node keeps its personal head on its own disk, too
+
+    on_disk = load_file(tmp_path / "personal" / "client-0.safetensors")
+    assert sorted(on_disk) == sorted(kept) and all(np.array_equal(on_disk[k], kept[k]) for k in kept)
     assert not np.allclose(kept["head.weight"], global_weights["head.weight"])  # trained locally
     arrays, _ = strategy.aggregate_train(1, [reply])
     np.testing.assert_array_equal(from_arrays(arrays)["head.weight"], global_weights["head.weight"])  # untouched
