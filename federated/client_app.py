@@ -112,6 +112,7 @@ def train(msg: Message, context: Context) -> Message:
         trainer.manifest_sha256,  # its own artifacts (in a mixed-tier run, its tier)
         **{
             "train-loss": float(last.get("loss", float("nan"))),
+            "client": int(context.node_config.get("partition-id", -1)),
             "train-accuracy": float(last.get("accuracy", 0.0)),
             "skipped-steps": trainer.skipped_steps,
         },

@@ -24,9 +24,12 @@ def round_row(server_round: int, central: dict[str, Any], seen: Any, seconds: fl
         row.update({f"clients_eval.{k}": v for k, v in seen.eval_metrics.items()})
         row["bytes_down"] = seen.bytes_down
         row["bytes_up"] = sum(seen.bytes_up.values())
-        row["bytes_up_per_client"] = {str(k): v for k, v in seen.bytes_up.items()}
-        row["excluded"] = {str(k): v for k, v in seen.excluded.items()}
-        row["clipped"] = {str(k): v for k, v in seen.clipped.items()}
+        # every per-client figure is keyed alike: the partition id, else "node-ID" (RoundLog.key)
+        row["bytes_up_per_client"] = {seen.key(k): v for k, v in seen.bytes_up.items()}
+        row["excluded"] = {seen.key(k): v for k, v in seen.excluded.items()}
+        row["clipped"] = {seen.key(k): v for k, v in seen.clipped.items()}
+        if seen.tiers:
+            row["tier_per_client"] = {seen.key(k): v for k, v in seen.tiers.items()}
         if seen.eval_by_client:
             row["clients"] = {str(k): v for k, v in sorted(seen.eval_by_client.items())}
         if seen.dp_sampled is not None:

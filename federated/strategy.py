@@ -104,6 +104,13 @@ class RoundLog:
     buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
     eval_by_client: dict[int, dict[str, float]] = field(default_factory=dict)  # partition id -> its eval metrics
     accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
+    partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition id its train reply named
+    tiers: dict[int, str] = field(default_factory=dict)  # node -> the name of the tier it trained (mixed tiers)
+
+    def key(self, node: int) -> str:
+        """How the report names a client: its partition id (as evaluation does), else its node id."""
+        partition = self.partitions.get(node, -1)
+        return str(partition) if partition >= 0 else f"node-{node}"
 
 
 class GuardedStrategy(Strategy):
@@ -274,10 +281,15 @@ class GuardedStrategy(Strategy):
             return "a train reply needs exactly one ArrayRecord and one MetricRecord"
         (arrays_key,), (metrics_key,) = content.array_records.keys(), content.metric_records.keys()
         metrics = content[metrics_key]
+        partition = metrics.get("client")
+        if "client" in metrics:  # who it is, for the report; not a metric to average
+            del metrics["client"]
+        if isinstance(partition, int) and not isinstance(partition, bool):
+            record.partitions[message.metadata.src_node_id] = partition
         payload = from_arrays(content[arrays_key])
         record.bytes_up[message.metadata.src_node_id] = payload_bytes(payload)
         if self.partial:
-            return self._admit_partial(message, payload, metrics)
+            return self._admit_partial(message, payload, metrics, record)
         try:
             weights = decode(payload, self._global, self.codec)
         except CodecError as exc:
@@ -302,12 +314,15 @@ class GuardedStrategy(Strategy):
                 record.accepted[node] = (count, {**ordered, **buffers})
         return problem
 
-    def _admit_partial(self, message: Message, payload: dict[str, np.ndarray], metrics: MetricRecord) -> str | None:
+    def _admit_partial(
+        self, message: Message, payload: dict[str, np.ndarray], metrics: MetricRecord, record: RoundLog
+    ) -> str | None:
         """A partial update: a known tier, only tensors that tier trains, each a slice of the global one."""
         tiers = {hash_tag(sha): manifest for sha, manifest in self.tiers.items()}
         manifest = tiers.get(metrics.get("manifest-tag"))  # type: ignore[arg-type]
         if manifest is None:
             return "trained on artifacts of no tier of this run (manifest hash differs)"
+        record.tiers[message.metadata.src_node_id] = manifest.name
         count = metrics.get("num-examples")
         if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= self.max_examples:
             return f"example count {count!r} is outside 1..{self.max_examples}"

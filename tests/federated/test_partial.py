@@ -193,6 +193,10 @@ def test_three_tiers_in_a_real_simulation(tiers, tmp_path):
         assert row["excluded"] == {}
         sizes = sorted(row["bytes_up_per_client"].values())
         assert sizes == [4 * 27, 4 * (27 + 2 * (2 * 8 + 8 * 2)), 4 * (27 + 2 * (4 * 8 + 8 * 4))]  # head, r2, r4
+        # every per-client figure is keyed by partition id, and the report names each client's tier
+        assert set(row["bytes_up_per_client"]) == set(row["tier_per_client"]) == set(row["clients"]) == {"0", "1", "2"}
+        by_tier = {row["tier_per_client"][k]: v for k, v in row["bytes_up_per_client"].items()}
+        assert by_tier == {"head": 4 * 27, "r2": sizes[1], "r4": sizes[2]}
     final = dict(np.load(tmp_path / "out" / "global_weights.npz"))
     assert final["query.lora_A"].shape == (4, 8)
     # a LoRA run ends with a PEFT adapter of the global model too: PEFT loads it
