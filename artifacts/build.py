@@ -25,6 +25,7 @@ from .losses import CrossEntropy, Loss
 from .optimizers import SGD, AdamW
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
+from .recurrent import unroll_recurrent
 from .verify import Tolerances, verify_batches
 
 __all__ = ["generate"]
@@ -90,6 +91,7 @@ def generate(
     _check_finite(model)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
+    model = unroll_recurrent(model, axes)  # LSTM/GRU/RNN as gates ORT 1.19 can differentiate
     plan_record = None
     if memory_budget is not None:
         from .planner import chosen_options, format_plan, plan

@@ -43,9 +43,9 @@ NO_GRADIENT = {
     "ReduceMax": "a mean or LogSumExp reduction",
     "Einsum": "matmul/bmm",
     "CumSum": "a matmul with a triangular matrix",
-    "RNN": "a Linear-based recurrence or a transformer layer",
-    "LSTM": "a transformer layer or a GRU-free recurrence built from Linear",
-    "GRU": "a transformer layer or a recurrence built from Linear",
+    "RNN": "generating from the PyTorch model: its nn.RNN is unrolled into gates that train",
+    "LSTM": "generating from the PyTorch model: its nn.LSTM is unrolled into gates that train",
+    "GRU": "generating from the PyTorch model: its nn.GRU is unrolled into gates that train",
     "Attention": "nn.MultiheadAttention exported without fusion",
     "ConvTranspose": "Upsample (nearest) + Conv",
     "Resize": "ConvTranspose-free upsampling such as repeat_interleave",
@@ -236,8 +236,10 @@ def torch_module(node_name: str, model: nn.Module) -> tuple[str, str]:
             module = model.get_submodule(scope)
         except AttributeError:
             continue
-        # a leaf module exported as one op (GRU, LSTM) may have no scope of its own: find it below
-        below = [(f"{scope}.{n}", m) for n, m in module.named_modules() if n and type(m).__name__.lower() == op]
+        # a leaf module exported as one op (ConvTranspose1d -> ConvTranspose) may have no scope of its own
+        below = [
+            (f"{scope}.{n}", m) for n, m in module.named_modules() if n and type(m).__name__.lower().startswith(op)
+        ]
         path, module = below[0] if len(below) == 1 else (scope, module)
         return path, type(module).__name__
     return "", type(model).__name__

@@ -100,19 +100,19 @@ def hardswish_head() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3))
 
 
-class _LastStep(nn.Module):
+class _Upsample(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.up = nn.ConvTranspose1d(2, 2, 2, stride=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gru(x)[0][:, -1]
+        return self.up(x.reshape(x.shape[0], 2, 4)).flatten(1)
 
 
-def gru_head() -> nn.Module:
-    """A recurrent layer (no ORT gradient, no exact rewrite) nested two modules deep."""
+def upsample_head() -> nn.Module:
+    """A ConvTranspose (no CPU gradient kernel in ORT 1.19, no exact rewrite yet) nested two modules deep."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), _LastStep(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(8, 8), _Upsample(), nn.Linear(16, 3))
 
 
 def not_a_module() -> str:

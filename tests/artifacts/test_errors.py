@@ -51,8 +51,8 @@ def _odt(capsys, *args: str) -> tuple[int, str]:
         (["--model", f"{MODELS}:no_bias", "--input", "x:4x4:float32", "--bias-only"], "no parameter is left to train"),
         # operator without a gradient (or exact rewrite) on the trained path: innermost module, op, remedy
         (
-            ["--model", f"{MODELS}:gru_head", "--input", "x:4x5x8:float32"],
-            "layer '1.gru' (GRU) exports as ONNX GRU",
+            ["--model", f"{MODELS}:upsample_head", "--input", "x:4x8:float32"],
+            "layer '1.up' (ConvTranspose1d) exports as ONNX ConvTranspose",
         ),
         # an optimizer option ORT cannot express
         (
@@ -86,12 +86,13 @@ def test_cli_usage_error_exits_2(capsys):
 def test_unsupported_op_error_suggests_freeze_and_replacement():
     with pytest.raises(UnsupportedOperatorError) as caught:
         generate(
-            models.gru_head(),
-            torch.randn(2, 5, 8),
+            models.upsample_head(),
+            torch.randn(2, 8),
             Path("/tmp/never-written"),
         )
     text = str(caught.value)
-    assert "layer '1.gru' (GRU)" in text and "--freeze '0.*' --freeze '1.gru.*'" in text and "replace it" in text
+    assert "layer '1.up' (ConvTranspose1d)" in text and "--freeze '0.*' --freeze '1.up.*'" in text
+    assert "replace it" in text
     assert not Path("/tmp/never-written").exists()
 
 
