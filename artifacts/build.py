@@ -26,6 +26,7 @@ from .optimizers import SGD, AdamW
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .recurrent import unroll_recurrent
+from .upsampling import rewrite_conv_transpose
 from .verify import Tolerances, verify_batches
 
 __all__ = ["generate"]
@@ -91,7 +92,8 @@ def generate(
     _check_finite(model)
     names, example = _examples(model, example_inputs, input_names)
     axes = resolve_axes(names, example, dynamic_axes or {})
-    model = unroll_recurrent(model, axes)  # LSTM/GRU/RNN as gates ORT 1.19 can differentiate
+    # Layers ORT 1.19 cannot train, as the same computation over the same parameters in ops it can
+    model = rewrite_conv_transpose(unroll_recurrent(model, axes))
     plan_record = None
     if memory_budget is not None:
         from .planner import chosen_options, format_plan, plan

@@ -47,8 +47,8 @@ NO_GRADIENT = {
     "LSTM": "generating from the PyTorch model: its nn.LSTM is unrolled into gates that train",
     "GRU": "generating from the PyTorch model: its nn.GRU is unrolled into gates that train",
     "Attention": "nn.MultiheadAttention exported without fusion",
-    "ConvTranspose": "Upsample (nearest) + Conv",
-    "Resize": "ConvTranspose-free upsampling such as repeat_interleave",
+    "ConvTranspose": "generating from the PyTorch model: its nn.ConvTranspose is rewritten as a Conv that trains",
+    "Resize": "nn.Upsample(scale_factor=INTEGER, mode='nearest') (rewritten into ops that train)",
 }
 
 

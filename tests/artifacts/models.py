@@ -100,19 +100,19 @@ def hardswish_head() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 3))
 
 
-class _Upsample(nn.Module):
+class _Scan(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.ConvTranspose1d(2, 2, 2, stride=2)
+        self.proj = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(x.reshape(x.shape[0], 2, 4)).flatten(1)
+        return torch.cumsum(self.proj(x), dim=1)
 
 
-def upsample_head() -> nn.Module:
-    """A ConvTranspose (no CPU gradient kernel in ORT 1.19, no exact rewrite yet) nested two modules deep."""
+def cumsum_head() -> nn.Module:
+    """A CumSum (no gradient in ORT 1.19, no exact rewrite) nested two modules deep."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), _Upsample(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(8, 8), _Scan(), nn.Linear(8, 3))
 
 
 def not_a_module() -> str:

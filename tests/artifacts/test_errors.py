@@ -51,8 +51,8 @@ def _odt(capsys, *args: str) -> tuple[int, str]:
         (["--model", f"{MODELS}:no_bias", "--input", "x:4x4:float32", "--bias-only"], "no parameter is left to train"),
         # operator without a gradient (or exact rewrite) on the trained path: innermost module, op, remedy
         (
-            ["--model", f"{MODELS}:upsample_head", "--input", "x:4x8:float32"],
-            "layer '1.up' (ConvTranspose1d) exports as ONNX ConvTranspose",
+            ["--model", f"{MODELS}:cumsum_head", "--input", "x:4x8:float32"],
+            "layer '1' (_Scan) exports as ONNX CumSum",
         ),
         # an optimizer option ORT cannot express
         (
@@ -86,12 +86,12 @@ def test_cli_usage_error_exits_2(capsys):
 def test_unsupported_op_error_suggests_freeze_and_replacement():
     with pytest.raises(UnsupportedOperatorError) as caught:
         generate(
-            models.upsample_head(),
+            models.cumsum_head(),
             torch.randn(2, 8),
             Path("/tmp/never-written"),
         )
     text = str(caught.value)
-    assert "layer '1.up' (ConvTranspose1d)" in text and "--freeze '0.*' --freeze '1.up.*'" in text
+    assert "layer '1' (_Scan)" in text and "--freeze '0.*' --freeze '1.proj.*'" in text
     assert "replace it" in text
     assert not Path("/tmp/never-written").exists()
 

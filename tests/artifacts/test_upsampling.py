@@ -1,0 +1,117 @@
+"""ConvTranspose as an ordinary Conv ORT 1.19 can train: exact against PyTorch's layers, then verified."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from artifacts import generate
+from artifacts.upsampling import ConvTransposeAsConv
+
+LAYERS = [  # each row: a layer and an input; strides, paddings, output paddings, groups and dilations mixed
+    (lambda: nn.ConvTranspose1d(4, 6, 3), (2, 4, 9)),
+    (lambda: nn.ConvTranspose1d(4, 6, 4, stride=3, padding=2, output_padding=1), (2, 4, 9)),
+    (lambda: nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, groups=2, dilation=2, bias=False), (2, 4, 9)),
+    (lambda: nn.ConvTranspose2d(3, 4, 2, stride=2), (2, 3, 5, 6)),
+    (lambda: nn.ConvTranspose2d(4, 8, (3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2)), (2, 4, 5, 4)),
+    (lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=3, dilation=(2, 1), groups=4), (1, 4, 6, 6)),
+    (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2, padding=1), (1, 2, 3, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("make, shape", LAYERS, ids=[f"row{i}" for i in range(len(LAYERS))])
+def test_the_conv_form_equals_pytorchs_transposed_convolution(make, shape):
+    torch.manual_seed(0)
+    original = make()
+    rewritten = ConvTransposeAsConv(copy.deepcopy(original))
+    assert [n for n, _ in rewritten.named_parameters()] == [n for n, _ in original.named_parameters()]
+    x = torch.randn(shape)
+    results = []
+    for layer in (original, rewritten):
+        x_ = x.clone().requires_grad_(True)
+        out = layer(x_)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), x_.grad, [p.grad.clone() for p in layer.parameters()]))
+        layer.zero_grad()
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_b, dx_a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+class Decoder(nn.Module):
+    """A small upsampling decoder: Linear -> reshape -> two strided ConvTranspose2d layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seed = nn.Linear(6, 4 * 4 * 4)
+        self.up1 = nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1)
+        self.up2 = nn.ConvTranspose2d(4, 1, 2, stride=2)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.seed(z).reshape(z.shape[0], 4, 4, 4)
+        return self.up2(torch.relu(self.up1(x))).flatten(1)
+
+
+def test_an_upsampling_decoder_generates_verifies_and_trains(tmp_path):
+    import numpy as np
+
+    from artifacts import MSE, AdamW
+    from ondevice import Trainer
+
+    torch.manual_seed(0)
+    manifest = generate(Decoder(), {"z": torch.randn(8, 6)}, tmp_path / "a", loss=MSE(), optimizer=AdamW(lr=0.01))
+    assert manifest.verification.passed and {"up1.weight", "up2.bias"} <= {p.name for p in manifest.trainable}
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(32, 6)).astype(np.float32)
+    target = np.tile(np.linspace(0, 1, 256, dtype=np.float32), (32, 1))
+    trainer = Trainer.load(tmp_path / "a")
+    before = trainer.evaluate({"z": z, "target": target})["loss"]
+    trainer.fit({"z": z, "target": target}, epochs=20, batch_size=8, progress=False)
+    assert trainer.evaluate({"z": z, "target": target})["loss"] < before * 0.5
+
+
+class Head(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).flatten(1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("row", [1, 2, 4, 5], ids=["stride-pad-outpad", "groups-dilation", "2d-rect", "2d-crop"])
+def test_every_kind_of_transposed_convolution_verifies_in_ort(tmp_path, row):
+    """Crops (padding over the kernel's reach), groups, dilations and output padding through ORT's gradients."""
+    from artifacts import MSE
+
+    make, shape = LAYERS[row]
+    torch.manual_seed(0)
+    manifest = generate(Head(make()), {"x": torch.randn(shape)}, tmp_path / "a", loss=MSE())
+    assert manifest.verification.passed
+
+
+class Upsampler(nn.Module):
+    def __init__(self, scale) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.conv, self.up = nn.Conv2d(2, 3, 3, padding=1), nn.Upsample(scale_factor=scale)
+        self.out = nn.Conv2d(3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.up(torch.relu(self.conv(x)))).flatten(1).mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [2, (2, 3)], ids=["x2", "x2-x3"])
+def test_nearest_upsampling_equals_pytorchs_and_verifies(tmp_path, scale):
+    from artifacts import MSE
+    from artifacts.upsampling import NearestUpsample
+
+    x = torch.randn(2, 3, 4, 5)
+    torch.testing.assert_close(NearestUpsample(nn.Upsample(scale_factor=scale))(x), nn.Upsample(scale_factor=scale)(x))
+    torch.manual_seed(0)
+    manifest = generate(Upsampler(scale), {"x": torch.randn(4, 2, 4, 5)}, tmp_path / "a", loss=MSE())
+    assert manifest.verification.passed
