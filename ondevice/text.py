@@ -67,9 +67,15 @@ class TextEncoder:
                 self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
         except Exception as exc:
             raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
-        padding = self._tokenizer.padding or {}  # keep the tokenizer's pad token, pad to the longest text
-        self._tokenizer.enable_padding(pad_id=padding.get("pad_id", 0), pad_token=padding.get("pad_token", "[PAD]"))
-        self._tokenizer.enable_truncation(spec.max_length)
+        # The tokenizer's own pad token, side and fixed length if it has one (a recurrent model reads
+        # a fixed length, left-padded); else pad to the longest text given. Cut at max_length tokens.
+        padding = self._tokenizer.padding or {}
+        self._tokenizer.enable_padding(
+            pad_id=padding.get("pad_id", 0), pad_token=padding.get("pad_token", "[PAD]"),
+            direction=padding.get("direction", "right"), length=padding.get("length"),
+        )  # fmt: skip
+        truncation = self._tokenizer.truncation or {}
+        self._tokenizer.enable_truncation(spec.max_length, direction=truncation.get("direction", "right"))
         self.spec = spec
 
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
