@@ -134,8 +134,10 @@ def generate(
             load_peft(model, start)  # the adapters (and saved modules) start where that adapter ended
         trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
     options = Options(
-        output_names, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes, tuple(adapters), tuple(labels), tokenizer, plan_record, hf_config=_hf_config(model),
+        output_names=output_names, loss=loss, loss_output=loss_output, optimizer=optimizer,
+        trainable=tuple(trainable), freeze=tuple(freeze), train_last=train_last, bias_only=bias_only, opset=opset,
+        ort_format=ort_format, dynamic_axes=axes, adapters=tuple(adapters), labels=tuple(labels),
+        tokenizer=tokenizer, plan=plan_record, hf_config=_hf_config(model),
     )  # fmt: skip
 
     def source() -> Source:

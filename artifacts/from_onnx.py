@@ -89,8 +89,9 @@ def generate_from_onnx(
     axes = resolve_axes(names, tensors, _named_axes(original))
     opset = next((o.version for o in original.opset_import if o.domain in ("", "ai.onnx")), 17)
     options = Options(
-        None, loss, loss_output, optimizer, tuple(trainable), tuple(freeze), train_last, bias_only, opset,
-        ort_format, axes, labels=tuple(labels),
+        output_names=None, loss=loss, loss_output=loss_output, optimizer=optimizer, trainable=tuple(trainable),
+        freeze=tuple(freeze), train_last=train_last, bias_only=bias_only, opset=opset, ort_format=ort_format,
+        dynamic_axes=axes, labels=tuple(labels),
     )  # fmt: skip
     floats = [i.name for i in original.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims]
     statistics = {n.input[i] for n in original.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}

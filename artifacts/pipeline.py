@@ -151,9 +151,10 @@ def resolve_axes(
     return axes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
-    """The export options of one `generate` call, as `_build` needs them."""
+    """The export options of one `generate` call, as `_build` needs them (by keyword only: two
+    swapped booleans must not pass unnoticed)."""
 
     output_names: Sequence[str] | None
     loss: Loss
