@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test check bench clean chromium wheel
+.PHONY: demo test check bench clean chromium wheel nextword
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 	   $(ORT_DIST)/ort-training-wasm-simd-threaded.wasm $(WEB)/ort/
 	cp $(WEB)/node_modules/onnxruntime-web/package.json $(WEB)/ort/onnxruntime-web.package.json  # version, MIT licence
 	touch $@
+
+# The next-word sample (LSTM per home, federated with a personal output layer): a few minutes, not in `make demo`.
+nextword: $(STAMP)
+	$(PY) -m samples.nextword.run --out $(OUT)/nextword --federated 3
 
 demo: $(STAMP)
 	$(PY) -m samples.digits.run --out $(OUT)/digits

@@ -184,3 +184,33 @@ def test_signed_bundle_loads_in_the_browser(digits_artifacts, site, tmp_path):
     make_bundle(digits_artifacts, root / "bundle", sign_key=private)
     result = _browser(url, {"publicKeyPem": public.read_text(), "steps": []}, tmp_path)
     assert result["ok"], result
+
+
+def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
+    """The next-word sample's LSTM (rewritten into gates) in onnxruntime-web: the same losses and
+    weights as Python ORT, token ids as int64."""
+    import torch
+
+    from artifacts import AdamW, generate
+    from samples.nextword.model import NextWord
+
+    root, url = site
+    torch.manual_seed(0)
+    manifest = generate(NextWord(30, dim=8, hidden=12), {"ids": torch.randint(1, 30, (8, 5))}, tmp_path / "lstm",
+                        optimizer=AdamW(lr=0.01))  # fmt: skip
+    assert manifest.verification.passed
+    make_bundle(tmp_path / "lstm", root / "bundle")
+    rng = np.random.default_rng(0)
+    steps = [{"size": 8, "ids": rng.integers(0, 30, 40).tolist(), "labels": rng.integers(0, 30, 8).tolist()}
+             for _ in range(4)]  # fmt: skip
+    result = _browser(url, {"steps": steps}, tmp_path)
+    assert result["ok"], result
+    session = OrtTraining(root / "bundle")
+    losses = []
+    for step in steps:
+        ids = np.asarray(step["ids"], np.int64).reshape(8, 5)
+        losses.append(float(session.train_step([ids, np.asarray(step["labels"], np.int64)])[0]))
+        session.optimizer_step()
+        session.reset_grad()
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], session.get_flat(), atol=1e-5)

@@ -25,6 +25,7 @@ def test_the_sample_trains_an_lstm_that_beats_the_most_common_word(tmp_path, cap
     assert run.main(["--out", str(tmp_path), "--homes", "3", "--per-home", "150", "--epochs", "6"]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["accuracy"] > metrics["most_common_word_accuracy"] + 0.15
+    assert metrics["top3_accuracy"] > metrics["accuracy"] and metrics["perplexity"] < 50
     encoder = TextEncoder(tmp_path / "artifacts")  # left-padded to exactly 6 ids, the last words kept
     ids = encoder(["on the", "one two three four five six seven eight"])["ids"]
     assert ids.shape == (2, 6) and (ids[0, :4] == 0).all() and (ids[0, 4:] != 0).all() and (ids[1] != 0).all()
