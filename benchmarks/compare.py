@@ -287,10 +287,14 @@ def process_figures(case: Case, row: dict[str, Any], work: Path, threads: int, r
     )
 
 
-def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
+def run(out: Path, *, quick: bool = False, threads: int = 2, only: str = "", name: str = "bench") -> dict[str, Any]:
+    """Measure the cases (``only``: those whose name contains one of these comma-separated words) and
+    write ``NAME.json``/``NAME.md`` (and the charts for the full run) to ``out``."""
     work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
     try:
         chosen = [c for c in cases() if not quick or c.name in ("digits sample", "MLP 784-256-128-10")]
+        words = [w.strip() for w in only.split(",") if w.strip()]
+        chosen = [c for c in chosen if not words or any(w in c.name for w in words)]
         blocks, max_blocks, steps, repeat = (3, 3, 5, 1) if quick else (9, 18, 20, 3)
         peak = matmul_gflops(threads)
         rows = []
@@ -305,9 +309,10 @@ def run(out: Path, *, quick: bool = False, threads: int = 2) -> dict[str, Any]:
             rows.append(row)
         result = {"machine": machine(), "threads": threads, "matmul_gflops": peak, "quick": quick, "rows": rows}
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(result, indent=2))
-        (out / "bench.md").write_text(markdown(result))
-        charts(result, out)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+        (out / f"{name}.md").write_text(markdown(result))
+        if name == "bench":
+            charts(result, out)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)

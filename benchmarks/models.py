@@ -68,6 +68,36 @@ def _cnn(batchnorm: bool) -> nn.Module:
     )  # fmt: skip
 
 
+class _NextWord(nn.Module):
+    """Issue 27's size: an LSTM language model (vocab 5k, hidden 256) reading 20 tokens."""
+
+    def __init__(self, vocab: int = 5000) -> None:
+        super().__init__()
+        self.embed, self.lstm, self.head = (
+            nn.Embedding(vocab, 128),
+            nn.LSTM(128, 256, batch_first=True),
+            nn.Linear(256, vocab),
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(ids))[0][:, -1])
+
+
+class _UNet(nn.Module):
+    """A U-Net-style block: a strided Conv down, a ConvTranspose up, a skip connection, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.down = nn.Conv2d(1, 16, 3, padding=1), nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.up, self.fuse = nn.ConvTranspose2d(32, 16, 2, stride=2), nn.Conv2d(32, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.relu(self.stem(x))
+        merged = torch.cat([skip, torch.relu(self.up(torch.relu(self.down(skip))))], dim=1)
+        return self.head(torch.relu(self.fuse(merged)).mean(dim=(2, 3)))
+
+
 def _ids(vocab: int, seq: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return lambda b: {"ids": torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(0))}
 
@@ -120,6 +150,8 @@ def cases() -> list[Case]:
         Case("encoder (last layer + head)", small, _ids(1000, 128), 16, 2, ("encoder.layers.1", "head"), 1000),
         Case("BERT-shaped encoder", bert, _ids(30522, 128), 8, 2, vocab=30522),
         Case("digits sample", lambda: load_factory(f"{sample}:build"), _pixels(64), 32, 10),
+        Case("LSTM next-word (seq 20, hidden 256, vocab 5k)", _seeded(_NextWord), _ids(5000, 20), 32, 5000, vocab=5000),
+        Case("U-Net-style (ConvTranspose)", _seeded(_UNet), _pixels(1, 28, 28), 32, 10),
         *(
             Case(
                 name,

@@ -24,3 +24,10 @@ def test_bench_quick_writes_well_formed_results(tmp_path, capsys):
     assert (tmp_path / "bench_steps.png").stat().st_size > 5_000
     assert (tmp_path / "bench_losses.png").stat().st_size > 5_000
     assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_runs_chosen_rows_into_their_own_file(tmp_path, capsys):
+    assert main(["--quick", "--only", "digits", "--name", "bench_digits", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_digits.json").read_text())
+    assert [r["model"] for r in result["rows"]] == ["digits sample"]
+    assert not (tmp_path / "bench.json").exists() and not (tmp_path / "bench_steps.png").exists()
