@@ -52,10 +52,30 @@ def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> d
             f"({path.stat().st_size:,} bytes on disk). Split the data, or raise ODT_MAX_DATA_BYTES if it is genuine."
         )
     try:
+        _check_headers(path, members)
         with np.load(path, allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
         raise DataError(f"data file {path} is not a readable .npz archive: {exc}") from exc
+
+
+def _check_headers(path: Path, members: list) -> None:  # type: ignore[type-arg]
+    """Each .npy header's shape must fit the bytes the member holds: a header claiming 4 TiB in a small
+    file would otherwise make numpy allocate it (MemoryError) before reading anything."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        for member in members:
+            with archive.open(member) as handle:
+                major, _ = np.lib.format.read_magic(handle)
+                read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(handle)
+                needed = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+                if needed > member.file_size:
+                    raise DataError(
+                        f"data file {path}: array {member.filename[:-4]!r} claims shape {shape} ({needed:,} bytes) "
+                        f"but holds {member.file_size:,} bytes: the file is damaged or forged."
+                    )
 
 
 def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bool = True) -> dict[str, np.ndarray]:

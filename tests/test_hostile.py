@@ -139,3 +139,18 @@ def test_decompression_bomb_is_refused_before_reading(files, tmp_path, monkeypat
 def test_json_mode_reports_hostile_input_as_json(files, capsys):
     assert main(["evaluate", files["art"], "--data", files["zero"], "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["error"]["type"] == "DataError"
+
+
+def test_an_npy_header_that_claims_terabytes_is_refused_before_allocating(files, tmp_path, capsys):
+    """An .npz of a few hundred bytes whose header says (2**40,) float32: a DataError, not a MemoryError."""
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (2**40,)})
+    with zipfile.ZipFile(tmp_path / "forged.npz", "w") as archive:
+        archive.writestr("input.npy", header.getvalue() + b"\0" * 64)
+        archive.writestr("labels.npy", header.getvalue())
+    assert main(["train", files["art"], "--data", str(tmp_path / "forged.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "claims shape (1099511627776,)" in err and "damaged or forged" in err
