@@ -403,7 +403,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return 0
     trainer, note = _load_trained(args.directory, args.checkpoint)
-    metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size)
+    metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size,
+                               progress=not args.json)  # fmt: skip
     print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     _note(note)
     return 0

@@ -320,18 +320,26 @@ class Trainer:
             self.step += 1
         self._session.reset_grad()
 
-    def evaluate(self, data: Mapping[str, np.ndarray], *, batch_size: int = 256) -> dict[str, float]:
-        """Mean loss over ``data`` (and accuracy for classification) with the eval graph."""
+    def evaluate(
+        self, data: Mapping[str, np.ndarray], *, batch_size: int = 256, progress: bool = False
+    ) -> dict[str, float]:
+        """Mean loss over ``data`` (and accuracy for classification) with the eval graph; ``progress``
+        shows a bar on a terminal."""
+        from ._progress import progress_bar
+
         self._check_evaluation("evaluate")
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
         meter = Meter(self.manifest)
         scores = self._fetch_index(meter.scores) if meter.labels in checked else None
-        for batch in batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0):
-            fetched = self._session.eval_step(list(batch.values()))
-            count = len(next(iter(batch.values())))
-            held = None if scores is None else fetched[scores]
-            meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
+        parts = batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0)
+        with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
+            for batch in parts:
+                fetched = self._session.eval_step(list(batch.values()))
+                count = len(next(iter(batch.values())))
+                held = None if scores is None else fetched[scores]
+                meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
+                bar.update(1)
         return meter.result()
 
     def _check_evaluation(self, what: str) -> None:
