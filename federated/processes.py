@@ -148,7 +148,11 @@ class ProcessGroup:
             handle.close()
         if self._reaper is not None:  # nothing left to reap: it sees its pipe close and exits
             self._reaper.stdin.close()  # type: ignore[union-attr]
-            self._reaper.wait(timeout=30)
+            try:
+                self._reaper.wait(timeout=40)
+            except subprocess.TimeoutExpired:  # it gives up after 30 s itself; never let it outlive us
+                self._reaper.kill()
+                self._reaper.wait()
 
     def __enter__(self) -> ProcessGroup:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
