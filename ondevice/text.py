@@ -70,9 +70,10 @@ class TextEncoder:
         # The tokenizer's own pad token, side and fixed length if it has one (a recurrent model reads
         # a fixed length, left-padded); else pad to the longest text given. Cut at max_length tokens.
         padding = self._tokenizer.padding or {}
+        fixed = padding.get("length")  # MiniLM's file says 128: only a length within max_length is kept
         self._tokenizer.enable_padding(
             pad_id=padding.get("pad_id", 0), pad_token=padding.get("pad_token", "[PAD]"),
-            direction=padding.get("direction", "right"), length=padding.get("length"),
+            direction=padding.get("direction", "right"), length=fixed if fixed and fixed <= spec.max_length else None,
         )  # fmt: skip
         truncation = self._tokenizer.truncation or {}
         self._tokenizer.enable_truncation(spec.max_length, direction=truncation.get("direction", "right"))
