@@ -144,14 +144,17 @@ class BodyGuard:
         scope.setdefault("state", {})["device"] = verdict
         if int(headers.get("content-length") or 0) > self.limit:
             return await _json(send, 413, f"request body over {self.limit} bytes")
-        seen, started = 0, False
+        seen, started, complete = 0, False, False
 
         async def counted() -> dict[str, Any]:
-            nonlocal seen
+            nonlocal seen, complete
+            if complete:  # the body is in; what follows is waiting for a disconnect (a long download)
+                return await receive()
             try:  # a body that stops short of its Content-Length must not hold a connection for ever
                 message = await asyncio.wait_for(receive(), self.read_timeout)
             except asyncio.TimeoutError:
                 raise _Stalled() from None
+            complete = message.get("type") != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise _TooLarge()

@@ -274,3 +274,39 @@ def test_the_rate_limiter_forgets_quiet_addresses():
     limit.allow("b", now=120.0)  # ...a minute later only the recent ones are held
     assert set(limit.events) == {"b"}
     assert limit.allow("a", now=121.0)
+
+
+def test_the_body_timeout_ends_with_the_body():
+    """BodyGuard times out a stalled request body, but not an app that, the body read, waits for the
+    client's disconnect while it streams a long response (as Starlette's StreamingResponse does)."""
+    import asyncio
+
+    from mobile_bridge.server import BodyGuard
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        assert (await receive())["body"] == b"{}"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert (await receive())["type"] == "http.disconnect"  # arrives 0.3 s later: over the 0.1 s limit
+        await send({"type": "http.response.body", "body": b"done"})
+
+    async def client() -> list[dict]:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(0.3)
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        guard = BodyGuard(app, limit=1000, authorized=lambda *a: None, read_timeout=0.1)
+        await guard({"type": "http", "method": "POST", "path": "/v1/x", "headers": []}, receive, send)
+        return sent
+
+    sent = asyncio.run(client())
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [200]
+    assert sent[-1]["body"] == b"done"
