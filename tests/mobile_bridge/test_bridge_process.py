@@ -166,4 +166,3 @@ def test_bridge_deploy_stops_with_the_cause_when_its_bridge_dies(digits_artifact
     out, err = capsys.readouterr()
     assert "the bridge exited with code" in err and "open http" not in out
     assert started_by(str(tmp_path / "out" / "logs" / "flwr-home")) == []
-
