@@ -30,8 +30,8 @@ def resolve(source: str | os.PathLike[str]) -> Path:
     path = Path(source)
     if (path / "config.json").is_file():
         return path
-    spec = importlib.util.find_spec(str(source).replace("-", "_")) if str(source).replace("-", "_").isidentifier() \
-        else None  # fmt: skip
+    module = str(source).replace("-", "_")  # a PyPI name as its import name
+    spec = importlib.util.find_spec(module) if module.isidentifier() else None
     if spec is not None and spec.origin is not None:
         package = Path(spec.origin).parent
         for folder in (package / "model", package):

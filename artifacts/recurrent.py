@@ -11,11 +11,10 @@ gradients) is tested; the generated artifacts are verified like any other.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
+from ._modules import replace_modules
 from .errors import InputSpecError, UnsupportedOperatorError
 
 __all__ = ["UnrolledRNN", "unroll_recurrent", "RECURRENT"]
@@ -117,11 +116,4 @@ def unroll_recurrent(model: nn.Module, dynamic_axes: dict[str, dict[int, str]]) 
             f"but {sorted(named)} have dynamic axes besides the batch. Give the length as a fixed size "
             "(--input ids:32x20:int64, no AXIS=SIZE), and pad or cut sequences to it."
         )
-    if found == [""]:  # the model is the recurrent layer itself
-        return UnrolledRNN(copy.deepcopy(model))
-    unrolled = copy.deepcopy(model)
-    for name in found:
-        parent_name, _, attr = name.rpartition(".")
-        parent = unrolled.get_submodule(parent_name) if parent_name else unrolled
-        setattr(parent, attr, UnrolledRNN(getattr(parent, attr)))
-    return unrolled
+    return replace_modules(model, lambda module: isinstance(module, RECURRENT), UnrolledRNN)

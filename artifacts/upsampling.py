@@ -11,12 +11,11 @@ original model's. Exactness against PyTorch's layers (outputs and gradients) is 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ._modules import replace_modules
 from .errors import UnsupportedOperatorError
 
 __all__ = ["ConvTransposeAsConv", "NearestUpsample", "rewrite_conv_transpose", "CONV_TRANSPOSE"]
@@ -116,24 +115,12 @@ def _nearest_integer(module: nn.Module) -> bool:
     return all(float(s).is_integer() and s >= 1 for s in scales)
 
 
-def _rewrite(module: nn.Module) -> nn.Module | None:
-    if isinstance(module, CONV_TRANSPOSE):
-        return ConvTransposeAsConv(module)
-    return NearestUpsample(module) if _nearest_integer(module) else None  # type: ignore[arg-type]
+def _rewritten(module: nn.Module) -> nn.Module:
+    return ConvTransposeAsConv(module) if isinstance(module, CONV_TRANSPOSE) else NearestUpsample(module)  # type: ignore[arg-type]
 
 
 def rewrite_conv_transpose(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every ConvTranspose1d/2d/3d as a Conv and every integer-factor nearest
     ``nn.Upsample`` as Expand + Reshape (``model`` itself when it has neither). Other upsampling
     (linear modes, ``F.interpolate`` calls) still stops at generation with ORT's Resize named."""
-    found = [name for name, module in model.named_modules() if _rewrite(module) is not None]
-    if not found:
-        return model
-    if found == [""]:
-        return _rewrite(model)  # type: ignore[return-value]
-    rewritten = copy.deepcopy(model)
-    for name in found:
-        parent_name, _, attr = name.rpartition(".")
-        parent = rewritten.get_submodule(parent_name) if parent_name else rewritten
-        setattr(parent, attr, _rewrite(getattr(parent, attr)))
-    return rewritten
+    return replace_modules(model, lambda m: isinstance(m, CONV_TRANSPOSE) or _nearest_integer(m), _rewritten)

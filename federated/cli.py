@@ -129,13 +129,12 @@ def _check_paths(config: dict[str, Any]) -> None:
     from ondevice.errors import OdtError
     from ondevice.manifest import Manifest
 
-    try:
-        Manifest.load(config["artifacts"])
-    except OdtError as exc:
-        raise RunConfigError(f"run config 'artifacts': {exc}") from exc
     from .partial import personal_names, tier_problem
 
-    base = Manifest.load(config["artifacts"], check_files=False)
+    try:
+        base = Manifest.load(config["artifacts"])
+    except OdtError as exc:
+        raise RunConfigError(f"run config 'artifacts': {exc}") from exc
     for tier in (t.strip() for t in str(config.get("tiers", "")).split(",") if t.strip()):
         try:
             problem = tier_problem(base, Manifest.load(tier))

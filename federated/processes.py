@@ -135,15 +135,7 @@ class ProcessGroup:
         for process in self.processes.values():  # what is left of each group
             _signal_group(process.pid, signal.SIGKILL)
         # Descendants that started sessions of their own still carry this run's FLWR_HOME.
-        home = self.env.get("FLWR_HOME", "")
-        deadline = time.monotonic() + 10
-        while (stray := started_by(home)) and time.monotonic() < deadline:
-            for pid in stray:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.05)
+        _kill_started_by(self.env.get("FLWR_HOME", ""), seconds=10)
         for handle in self._logs:
             handle.close()
         if self._reaper is not None:  # nothing left to reap: it sees its pipe close and exits
@@ -203,7 +195,12 @@ def _reap(flwr_home: str) -> None:
     """Wait until the process that started a run ends (its pipe closes, however it ended), then kill
     every process left with the run's FLWR_HOME: SuperLink, SuperNodes, `flwr run` and their apps."""
     sys.stdin.buffer.read()
-    deadline = time.monotonic() + 30
+    _kill_started_by(flwr_home, seconds=30)
+
+
+def _kill_started_by(flwr_home: str, *, seconds: float) -> None:
+    """SIGKILL every process with this FLWR_HOME until none is left, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
     while (stray := started_by(flwr_home)) and time.monotonic() < deadline:
         for pid in stray:
             try:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Iterator, Mapping
 
 import numpy as np
 
 from .errors import DataError
 from .manifest import Manifest, TensorSpec
+
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = ["check_data", "batches", "load_npz", "MAX_DATA_BYTES"]
 
@@ -35,47 +38,48 @@ def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> d
     import zipfile  # here, not at the top: only reading data needs it (cold start)
 
     try:
-        with zipfile.ZipFile(path) as archive:
-            members = archive.infolist()
+        archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise DataError(
             f"data file {path} is not an .npz archive ({exc or type(exc).__name__}). odt reads .npz (named arrays: "
             "numpy.savez(path, input=..., labels=...); a single .npy array has no names) and .jsonl of "
             '{"text": ..., "label": ...} lines for artifacts with a tokenizer; convert other formats to one of them.'
         ) from None
-    if not members or not all(m.filename.endswith(".npy") for m in members):
-        raise DataError(f"data file {path} holds no .npy arrays: save named arrays with numpy.savez.")
-    size = sum(m.file_size for m in members)
-    if size > limit:
-        raise DataError(
-            f"data file {path} decompresses to {size:,} bytes, over the limit of {limit:,} "
-            f"({path.stat().st_size:,} bytes on disk). Split the data, or raise ODT_MAX_DATA_BYTES if it is genuine."
-        )
-    try:
-        _check_headers(path, members)
-        with np.load(path, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
-        raise DataError(f"data file {path} is not a readable .npz archive: {exc}") from exc
+    with archive:  # opened once: sizes, headers and arrays (what numpy.load would do, with the checks first)
+        members = archive.infolist()
+        if not members or not all(m.filename.endswith(".npy") for m in members):
+            raise DataError(f"data file {path} holds no .npy arrays: save named arrays with numpy.savez.")
+        size = sum(m.file_size for m in members)
+        if size > limit:
+            raise DataError(
+                f"data file {path} decompresses to {size:,} bytes, over the limit of {limit:,} "
+                f"({path.stat().st_size:,} bytes on disk). Split the data, or raise ODT_MAX_DATA_BYTES "
+                "if it is genuine."
+            )
+        try:
+            arrays = {}
+            for member in members:
+                with archive.open(member) as handle:
+                    _check_header(path, member, handle)
+                with archive.open(member) as handle:
+                    arrays[member.filename[:-4]] = np.lib.format.read_array(handle, allow_pickle=False)
+            return arrays
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+            raise DataError(f"data file {path} is not a readable .npz archive: {exc}") from exc
 
 
-def _check_headers(path: Path, members: list) -> None:  # type: ignore[type-arg]
-    """Each .npy header's shape must fit the bytes the member holds: a header claiming 4 TiB in a small
+def _check_header(path: Path, member: zipfile.ZipInfo, handle: IO[bytes]) -> None:
+    """An .npy header's shape must fit the bytes the member holds: a header claiming 4 TiB in a small
     file would otherwise make numpy allocate it (MemoryError) before reading anything."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        for member in members:
-            with archive.open(member) as handle:
-                major, _ = np.lib.format.read_magic(handle)
-                read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read(handle)
-                needed = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
-                if needed > member.file_size:
-                    raise DataError(
-                        f"data file {path}: array {member.filename[:-4]!r} claims shape {shape} ({needed:,} bytes) "
-                        f"but holds {member.file_size:,} bytes: the file is damaged or forged."
-                    )
+    major, _ = np.lib.format.read_magic(handle)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(handle)
+    needed = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    if needed > member.file_size:
+        raise DataError(
+            f"data file {path}: array {member.filename[:-4]!r} claims shape {shape} ({needed:,} bytes) "
+            f"but holds {member.file_size:,} bytes: the file is damaged or forged."
+        )
 
 
 def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bool = True) -> dict[str, np.ndarray]:

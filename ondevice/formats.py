@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import CheckpointError
-from .files import atomic_write_bytes, fsync_dir, public_mode
+from .files import atomic_write_bytes
 from .manifest import Adapter, Manifest
 
 if TYPE_CHECKING:
@@ -113,11 +112,7 @@ def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
     ``PeftModel.from_pretrained(base_model, directory)`` loads."""
     tensors, config = peft_weights(trainer.manifest, model_weights(trainer, fold=False))
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create {directory}: {exc.strerror}. Choose a writable --out.") from None
+    directory = Path(directory)  # _write creates it
     _write(directory / "adapter_model.safetensors", tensors)
     atomic_write_bytes(directory / "adapter_config.json", json.dumps(config, indent=2).encode())
     return directory
@@ -134,11 +129,7 @@ def save_hf(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
             "these artifacts were not generated from a transformers model (the manifest has no hf_config): "
             "export --format safetensors and load it with artifacts.load_into."
         )
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create {directory}: {exc.strerror}. Choose a writable --out.") from None
+    directory = Path(directory)  # _write creates it
     prefix = str(manifest.hf_config["prefix"])
     weights = {name[len(prefix) :]: value for name, value in model_weights(trainer).items() if name.startswith(prefix)}
     _write(directory / "model.safetensors", weights)
@@ -154,21 +145,13 @@ def save_tensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarray]) -
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    from safetensors.numpy import save_file
+    """Tensors as a .safetensors file, written atomically; "pt" metadata is what from_pretrained expects."""
+    from safetensors.numpy import save
 
+    data = save({name: np.ascontiguousarray(value) for name, value in tensors.items()}, metadata={"format": "pt"})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        atomic_write_bytes(path, data)
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror}. Choose a writable --out.") from None
-    try:
-        contiguous = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
-        save_file(contiguous, tmp, metadata={"format": "pt"})  # "pt": what transformers' from_pretrained expects
-        os.chmod(tmp, public_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
     return path

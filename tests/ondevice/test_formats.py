@@ -133,20 +133,11 @@ def test_a_transformers_model_exports_as_a_folder_from_pretrained_loads(tmp_path
     --format hf, loaded by AutoModelForSequenceClassification: the logits of ORT's exported model."""
     transformers = pytest.importorskip("transformers")  # in requirements/lock.txt: never skipped under make test
     from artifacts import generate
+    from tests.artifacts.test_text_models import bert  # BertForSequenceClassification (ids, mask) -> logits
 
-    class Classifier(nn.Module):
-        def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids, attention_mask=mask).logits
-
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64, num_labels=3)  # fmt: skip
     torch.manual_seed(0)
     example = {"ids": torch.randint(1, 100, (4, 12)), "mask": torch.ones(4, 12, dtype=torch.int64)}
-    generate(Classifier(transformers.BertForSequenceClassification(config)), example, tmp_path / "a", verify=False)
+    generate(bert(), example, tmp_path / "a", verify=False)
     rng = np.random.default_rng(0)
     data = {
         "ids": rng.integers(1, 100, (64, 12)),
