@@ -137,16 +137,14 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     Falls back to the model as it is when the inference cannot handle it, with a warning: the
     verification against PyTorch then decides whether such a broadcast gradient came out wrong.
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            inferred = SymbolicShapeInference.infer_shapes(copy.deepcopy(model), auto_merge=True)
+            inferred = _symbolic_shapes(copy.deepcopy(model))
     except Exception as exc:  # an op it does not know: ORT's own inference still runs
         inferred, reason = None, f"{type(exc).__name__}: {exc}"
     else:
-        reason = "it returned no model"
+        reason = "Incomplete symbolic shape inference"
     if inferred is None:
         log.warning(
             "symbolic shape inference failed (%s); where a broadcast dimension stays unknown, ORT 1.19 may "
@@ -155,6 +153,22 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         )
         return model
     return inferred
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``SymbolicShapeInference.infer_shapes`` of ORT 1.19 without its failure path, which saves the
+    half-inferred model as ``sym_shape_infer_temp.onnx`` into the working directory (the user's)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
+
+    if (get_opset(model) or 0) < 7:
+        return None
+    inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess_output_rank, verbose
+    complete = False
+    inference._preprocess(model)
+    while inference.run_:
+        complete = inference._infer_impl()
+    inference._update_output_from_vi()
+    return inference.out_mp_ if complete else None
 
 
 def dropout_to_inference(model: onnx.ModelProto) -> None:

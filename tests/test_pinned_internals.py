@@ -44,6 +44,21 @@ def test_ort_1_19_private_bindings_the_runtime_uses(digits_artifacts):
     np.testing.assert_array_equal(trainer.get_flat_weights(), flat + 1.0)
 
 
+def test_ort_1_19_symbolic_shape_inference_internals():
+    """artifacts.export runs SymbolicShapeInference's own steps (its infer_shapes saves a file into
+    the working directory when it gives up): the constructor's arguments and the step methods."""
+    import inspect
+
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    assert list(inspect.signature(SymbolicShapeInference.__init__).parameters)[1:] == [
+        "int_max", "auto_merge", "guess_output_rank", "verbose", "prefix"]  # fmt: skip
+    for name in ("_preprocess", "_infer_impl", "_update_output_from_vi"):
+        assert callable(getattr(SymbolicShapeInference, name, None)), f"SymbolicShapeInference.{name} is gone"
+    source = inspect.getsource(SymbolicShapeInference.infer_shapes)
+    assert "while symbolic_shape_inference.run_:" in source and "out_mp_" in source
+
+
 def test_flower_1_41_internals_the_apps_use():
     """federated.strategy recalibrates Flower's DP noise through DifferentialPrivacyFixedClippingBase's
     attributes, averages metrics with strategy_utils.aggregate_metricrecords, and reseeds the global

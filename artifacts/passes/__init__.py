@@ -25,6 +25,7 @@ from .avgpool import average_pool_to_conv
 from .batchnorm import expose_batchnorm_updates
 from .finite import FINITE_CHECK, add_finite_check
 from .gathergrad import rewrite_gather_grad
+from .linear import linear_to_gemm
 from .outputs import complete_gradient_outputs
 from .padding import mask_padding_gradients, padding_rows
 from .relugrad import rewrite_relu_grad
@@ -74,6 +75,11 @@ REGISTRY: tuple[Pass, ...] = (
          "GatherGrad (a locked scatter) took half of an encoder's step for q/k/v and x[:, 0] picks",
          "Squeeze(Slice(x, k, k + 1)) selects the same element; its gradient is a copy",
          "tests/artifacts/test_generate.py::test_constant_index_gathers_become_slices"),
+    Pass("linear-gemm", "export", lambda m, c: linear_to_gemm(m),
+         "nn.Linear on 3-D input exports as Transpose(W) + MatMul: the transposed copy of every weight stays "
+         "alive for the backward (85 MB on MiniLM) and is recomputed each step",
+         "Gemm with transB reads the same weight transposed; the Reshapes only fold leading dimensions into rows",
+         "tests/artifacts/test_generate.py::test_linear_layers_become_gemm_with_pytorchs_gradients"),
     Pass("pool-before-relu", "export", lambda m, c: pool_before_relu(m),
          "ReLU and its gradient ran on every element before a 2x2 max pooling",
          "ReLU is monotonic: MaxPool(Relu(x)) == Relu(MaxPool(x)) bit for bit, gradients included",
