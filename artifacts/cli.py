@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     if manifest.plan is not None:
         from .planner import Plan, format_plan
 
-        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory")
+        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory", "micro_batch_size")
         print(format_plan(Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})))
     total = manifest.trainable_size + manifest.frozen_size
     print(

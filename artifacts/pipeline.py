@@ -45,6 +45,7 @@ from .export import (
     on_trained_path,
     reaching,
 )
+from .frozen import FROZEN_FILE, externalize_frozen
 from .losses import Loss
 from .optimizers import SGD, AdamW
 from .selection import select_trainable
@@ -222,11 +223,15 @@ def _build(
     )
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
-    if o.ort_format:
+    order = _parameter_order(work / "training_model.onnx")
+    if o.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
+        offsets = {}
+    else:
+        in_order = [n for n in order if n in set(frozen)]
+        offsets = externalize_frozen(work, trainable, in_order, list(updates), initializers)
     tokenizer = _attach_tokenizer(o.tokenizer, input_names, work)
 
-    order = _parameter_order(work / "training_model.onnx")
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
     trainable_specs, offset = [], 0
     for param in [n for n in order if n in set(trainable)]:
@@ -259,6 +264,7 @@ def _build(
         plan=o.plan,
         index_limits=_index_limits(original, input_names),
         hf_config=o.hf_config,
+        frozen_file={"file": FROZEN_FILE, "offsets": offsets} if offsets else None,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,

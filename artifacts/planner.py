@@ -4,8 +4,11 @@ Candidates are trainable sets of one model (last-N modules, biases only, LoRA ra
 targets, everything). Each is estimated from its parameter counts, then the promising ones,
 largest first, are built (unverified) and MEASURED: a fresh torch-free process loads the
 artifacts and runs training steps on a batch of the requested size, and its peak RSS is read
-from the kernel. The first that fits is chosen. Estimates only order and prune the work; a
-choice always rests on a measurement.
+from the kernel. A candidate over the budget at the whole batch is measured again at smaller
+micro-batches (halving, down to 1): the runtime then trains the same effective batch with
+gradient accumulation, so activations shrink and the result is the same. The first candidate
+that fits at some micro-batch is chosen, with its largest micro-batch that fits. Estimates only
+order and prune the work; a choice always rests on a measurement.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Candidate:
     trainable: int
     estimate: int
     """Estimated peak bytes: runtime + weights + gradients and AdamW moments of what trains + activations."""
+    floor: int = 0
+    """The estimate without activations: what no micro-batch size can take away."""
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Plan:
     rows: list[dict[str, Any]] = field(default_factory=list)
     lean_memory: bool = False
     """The choice fits only with ORT's memory arena off: the runtime then loads it that way."""
+    micro_batch_size: int | None = None
+    """The chosen micro-batch: ``Trainer.fit`` accumulates ``batch_size / micro_batch_size`` of them per
+    optimizer step unless told otherwise (None: the whole batch fits)."""
 
     def record(self) -> dict[str, Any]:
         """What the manifest keeps: the budget, the choice and every candidate's figures."""
@@ -88,17 +96,23 @@ def candidates(
     owners = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
     activations = 4 * sum(t.numel() for t in example) * 64  # a guess: 64 floats per input value
 
-    def estimate(trainable: int) -> int:
-        return RUNTIME_BYTES + 4 * total + 16 * trainable + activations  # weights; grad + 2 moments + update
+    def floor(trainable: int) -> int:
+        return RUNTIME_BYTES + 4 * total + 16 * trainable  # weights; grad + 2 moments + update
 
-    found: list[Candidate] = [Candidate("everything", {}, total, estimate(total))]
+    def estimate(trainable: int) -> int:
+        return floor(trainable) + activations
+
+    def candidate(name: str, options: Mapping[str, Any], trainable: int) -> Candidate:
+        return Candidate(name, options, trainable, estimate(trainable), floor(trainable))
+
+    found: list[Candidate] = [candidate("everything", {}, total)]
     for n in (1, 2, 4, 8, 16, 32):
         if n < len(owners):
             size = sum(p.numel() for name, p in params.items() if name.rsplit(".", 1)[0] in owners[-n:])
-            found.append(Candidate(f"last {n} module{'s' if n > 1 else ''}", {"train_last": n}, size, estimate(size)))
+            found.append(candidate(f"last {n} module{'s' if n > 1 else ''}", {"train_last": n}, size))
     biases = sum(p.numel() for name, p in params.items() if name.endswith("bias"))
     if biases:
-        found.append(Candidate("biases only", {"bias_only": True}, biases, estimate(biases)))
+        found.append(candidate("biases only", {"bias_only": True}, biases))
     if lora is not None:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targeted = [m for n, m in linears.items() if any(n == t or n.endswith("." + t) for t in lora.targets)]
@@ -107,9 +121,7 @@ def candidates(
             size = sum(rank * (m.in_features + m.out_features) for m in targeted) + heads
             if targeted:
                 options = {"lora": Lora(rank, lora.alpha / lora.rank * rank, lora.targets), "trainable": list(head)}
-                found.append(
-                    Candidate(f"LoRA rank {rank}" + (" + head" if head else ""), options, size, estimate(size))
-                )
+                found.append(candidate(f"LoRA rank {rank}" + (" + head" if head else ""), options, size))
     unique = {c.trainable: c for c in sorted(found, key=lambda c: -c.trainable)}  # same size: keep one
     return sorted(unique.values(), key=lambda c: -c.trainable)
 
@@ -149,7 +161,7 @@ def plan(
             if result.chosen is not None:
                 row["fits"] = None  # larger ones were measured first; this one was not needed
                 continue
-            if candidate.estimate > 1.5 * budget:
+            if candidate.floor > 1.5 * budget:  # over even when micro-batches leave no activations to speak of
                 row["fits"] = False
                 row["note"] = "estimate over budget, not measured"
                 continue
@@ -157,19 +169,22 @@ def plan(
             options = {**generate_options, **candidate.options}
             with _quiet_logs():
                 manifest = generate(model, example_inputs, directory, verify=False, **options)
-            batch = _batch(manifest, example_inputs, batch_size, work / "batch.npz")
-            measured = measure(directory, batch, steps)
-            row.update(measured, fits=measured["peak_rss"] <= budget)
-            if not row["fits"]:  # the arena's doubling chunks may be all that is over: try without it
-                lean = measure(directory, batch, steps, lean_memory=True)
-                if lean["peak_rss"] <= budget:
-                    row.update(lean, fits=True, lean_memory=True, peak_rss_arena=measured["peak_rss"])
+            over: dict[str, int] = {}  # micro-batch -> measured peak, for those that did not fit
+            for micro in _micro_batches(batch_size):
+                measured = _fit(directory, _batch(manifest, example_inputs, micro, work / "batch.npz"), steps, budget)
+                if measured["fits"] or micro == 1:
+                    break
+                over[str(micro)] = measured["peak_rss"]
+            row.update(measured, micro_batch_size=micro, **({"over_at": over} if over else {}))
             if progress:
-                verdict = ("fits with lean memory" if row.get("lean_memory") else "fits") if row["fits"] else "over"
+                lean = " with lean memory" if row.get("lean_memory") else ""
+                micro = f" in micro-batches of {row['micro_batch_size']}" if row["micro_batch_size"] < batch_size else ""
+                verdict = f"fits{micro}{lean}" if row["fits"] else "over, even in micro-batches of 1"
                 print(f"   measured {candidate.name}: peak {_mb(row['peak_rss'])}, {verdict}", flush=True)
             if row["fits"]:
                 result.chosen = candidate.name
                 result.lean_memory = bool(row.get("lean_memory"))
+                result.micro_batch_size = row["micro_batch_size"] if row["micro_batch_size"] < batch_size else None
                 result.rows[-1]["options"] = {k: _plain(v) for k, v in candidate.options.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -186,6 +201,26 @@ def plan(
             "Raise the budget or lower the batch size.\n" + format_plan(result)
         )
     return result
+
+
+def _micro_batches(batch_size: int) -> list[int]:
+    """The whole batch, then the largest divisor of it up to half the last size, down to 1:
+    16 -> 16, 8, 4, 2, 1; 12 -> 12, 6, 3, 1 (micro-batches must tile the batch)."""
+    sizes = [batch_size]
+    while sizes[-1] > 1:
+        sizes.append(max(d for d in range(1, sizes[-1] // 2 + 1) if batch_size % d == 0))
+    return sizes
+
+
+def _fit(directory: Path, batch: Path, steps: int, budget: int) -> dict[str, Any]:
+    """One measurement at one micro-batch, and again without ORT's arena when that alone is over."""
+    measured: dict[str, Any] = {**measure(directory, batch, steps), "lean_memory": False}
+    measured["fits"] = measured["peak_rss"] <= budget
+    if not measured["fits"]:  # the arena's doubling chunks may be all that is over: try without it
+        lean = measure(directory, batch, steps, lean_memory=True)
+        if lean["peak_rss"] <= budget:
+            measured.update(lean, fits=True, lean_memory=True, peak_rss_arena=measured["peak_rss"])
+    return measured
 
 
 def chosen_options(result: Plan) -> dict[str, Any]:
@@ -227,14 +262,16 @@ def _batch(manifest: Any, example: Mapping[str, torch.Tensor], size: int, path: 
 
 def format_plan(result: Plan) -> str:
     lean = " (lean memory: ORT's arena off)" if result.lean_memory else ""
-    lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}{lean}",
-             f"   {'candidate':<22} {'trainable':>12}  {'peak RSS':>10}  {'ms/step':>8}  fits"]  # fmt: skip
+    micro = f", in micro-batches of {result.micro_batch_size}" if result.micro_batch_size else ""
+    lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}{micro}{lean}",
+             f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'peak RSS':>10}  {'ms/step':>8}  fits"]  # fmt: skip
     for row in result.rows:
         peak = _mb(row["peak_rss"]) if "peak_rss" in row else f"~{_mb(row['estimate'])}"
         step = f"{row['step_ms']:8.1f}" if "step_ms" in row else f"{'-':>8}"
+        size = str(row.get("micro_batch_size", "-"))
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits")] + (" (lean)" if row.get("lean_memory") else "")
         mark = "  <- chosen" if row["candidate"] == result.chosen else ""
-        lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {peak:>10}  {step}  {fits}{mark}")
+        lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {peak:>10}  {step}  {fits}{mark}")
     return "\n".join(lines)
 
 

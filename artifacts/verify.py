@@ -20,6 +20,7 @@ from ondevice.session import OrtTraining, ort_error_message
 
 from .errors import ToleranceError, VerificationError
 from .export import zero_dropout
+from .frozen import FROZEN_FILE
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 
@@ -305,13 +306,14 @@ def _without_dropout(model: nn.Module) -> nn.Module:
 
 
 def _dropout_free_twin(directory: Path, tmp: Path) -> tuple[Path, int]:
-    training = onnx.load(directory / "training_model.onnx")
+    training = onnx.load(directory / "training_model.onnx", load_external_data=False)
     count = zero_dropout(training)
     if not count:
         return directory, 0
     onnx.save(training, tmp / "training_model.onnx")
-    for name in ("eval_model.onnx", "optimizer_model.onnx", "checkpoint"):
-        os.symlink((directory / name).resolve(), tmp / name)
+    for name in ("eval_model.onnx", "optimizer_model.onnx", "checkpoint", FROZEN_FILE):
+        if (directory / name).exists():
+            os.symlink((directory / name).resolve(), tmp / name)
     return tmp, count
 
 

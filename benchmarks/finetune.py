@@ -61,6 +61,20 @@ def build(config: dict[str, Any], classes: int) -> tuple[nn.Module, list[str]]:
     return model, [n for n in names if ".pooler." not in n]
 
 
+def build_peft(classes: int) -> tuple[nn.Module, list[str]]:
+    """What a PyTorch user runs instead: Hugging Face PEFT's LoRA (same rank, alpha, targets, no
+    dropout) injected into the same model, the head trained beside it."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from samples.intents.model import IntentClassifier
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=list(LORA["targets"]),
+                        lora_dropout=0.0)  # fmt: skip
+    model = inject_adapter_in_model(config, IntentClassifier(classes))
+    return model, [n for n, _ in model.named_parameters() if "lora_" in n or n.startswith("head.")]
+
+
 def generate_config(config: dict[str, Any], classes: int, labels: list[str], out: Path, lr: float) -> Path:
     from artifacts import AdamW, Lora, generate
     from ondevice.manifest import TokenizerSpec
@@ -91,10 +105,10 @@ def batches(classes: int, count: int, seq: int, batch: int) -> list[dict[str, np
 
 TORCH_RSS = """
 import sys, json, numpy as np, torch
-from benchmarks.finetune import build, CONFIGS
+from benchmarks.finetune import build, build_peft, CONFIGS
 from benchmarks.compare import HFAdamW
 torch.set_num_threads(int(sys.argv[3]))
-model, names = build(CONFIGS[sys.argv[1]], int(sys.argv[4]))
+model, names = build_peft(int(sys.argv[4])) if sys.argv[1] == "peft" else build(CONFIGS[sys.argv[1]], int(sys.argv[4]))
 model.train()
 for n, p in model.named_parameters():
     p.requires_grad_(n in set(names))
@@ -141,7 +155,7 @@ def step_and_memory(
             trainer.train_step(data[i % len(data)])
         return (time.perf_counter() - start) / n
 
-    def eager(n: int) -> float:
+    def eager(n: int, model: nn.Module = model, optimizer: Any = optimizer) -> float:
         start = time.perf_counter()
         for i in range(n):
             b = tensors[i % len(tensors)]
@@ -150,26 +164,34 @@ def step_and_memory(
             optimizer.zero_grad()
         return (time.perf_counter() - start) / n
 
-    sdk(2), eager(2)  # warm-up
-    ours, theirs = [], []
+    def torch_rss(which: str) -> float:
+        def once() -> int:
+            done = subprocess.run(
+                [sys.executable, "-c", TORCH_RSS, which, str(work / "batch.npz"), str(THREADS), str(classes)],
+                capture_output=True, text=True, check=True, cwd=ROOT,  # the child imports `benchmarks` and `samples`
+            )  # fmt: skip
+            return int(done.stdout.split()[-1])
+
+        return statistics.median(once() for _ in range(2))
+
+    sides = {"sdk": sdk, "torch": eager}
+    if "lora" in config:  # Hugging Face PEFT on the same adapters, the PyTorch user's way
+        peft_model, peft_names = build_peft(classes)
+        peft_model.train()
+        for n, p in peft_model.named_parameters():
+            p.requires_grad_(n in set(peft_names))
+        peft_optimizer = HFAdamW([p for n, p in peft_model.named_parameters() if n in set(peft_names)])
+        sides["peft"] = lambda n: eager(n, peft_model, peft_optimizer)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for run in sides.values():
+        run(2)  # warm-up
     for _ in range(blocks):
-        ours.append(sdk(steps))
-        theirs.append(eager(steps))
+        for side, run in sides.items():
+            times[side].append(run(steps))
+    ours, theirs = times["sdk"], times["torch"]
     sdk_rss = statistics.median(measure(directory, work / "batch.npz")["peak_rss"] for _ in range(2))
     lean = [measure(directory, work / "batch.npz", lean_memory=True) for _ in range(2)]
-    torch_rss = statistics.median(
-        int(
-            subprocess.run(
-                [sys.executable, "-c", TORCH_RSS, name, str(work / "batch.npz"), str(THREADS), str(classes)],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=ROOT,  # the child imports `benchmarks` and `samples` as packages
-            ).stdout.split()[-1]
-        )
-        for _ in range(2)
-    )
-    return {
+    result = {
         "config": name,
         "seq": shape[0],
         "batch": shape[1],
@@ -182,8 +204,33 @@ def step_and_memory(
         "sdk_rss_mb": sdk_rss / 1e6,
         "sdk_lean_rss_mb": statistics.median(m["peak_rss"] for m in lean) / 1e6,
         "sdk_lean_step_ms": statistics.median(m["step_ms"] for m in lean),
-        "torch_rss_mb": torch_rss / 1e6,
+        "torch_rss_mb": torch_rss(name) / 1e6,
     }
+    if "peft" in times:
+        trained = sum(p.numel() for n, p in peft_model.named_parameters() if n in set(peft_names))
+        result.update(peft_step_ms=1e3 * statistics.median(times["peft"]), peft_rss_mb=torch_rss("peft") / 1e6,
+                      peft_trainable=trained)  # fmt: skip
+        result["speedup_vs_peft"] = statistics.median(times["peft"]) / statistics.median(ours)
+    return result
+
+
+def micro_batch_memory(config: dict[str, Any], classes: int, labels: list[str], work: Path) -> list[dict[str, Any]]:
+    """Peak RSS of the SDK at an effective batch of 16 x seq 64 trained as micro-batches (fresh processes)."""
+    from artifacts.planner import measure
+
+    directory = work / "micro"
+    if not directory.exists():
+        generate_config(config, classes, labels, directory, lr=1e-4)
+    rows = []
+    for micro in (16, 8, 4, 2, 1):
+        np.savez(work / "micro.npz", **batches(classes, 1, 64, micro)[0])
+        for lean in (False, True):
+            runs = [measure(directory, work / "micro.npz", lean_memory=lean) for _ in range(2)]
+            rows.append({"micro_batch": micro, "accumulate": 16 // micro, "lean_memory": lean,
+                         "peak_rss_mb": statistics.median(r["peak_rss"] for r in runs) / 1e6,
+                         "step_ms": statistics.median(r["step_ms"] for r in runs)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def accuracy(
@@ -232,7 +279,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer blocks, 1 epoch, 1 round (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument(
-        "--parts", default="step,accuracy,federated", help="which parts to run; the others keep their last results"
+        "--parts",
+        default="step,memory,accuracy,federated",
+        help="which parts to run; the others keep their last results",
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -249,11 +298,14 @@ def main() -> int:
     previous = args.out / "finetune.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.is_file() else {}
     result.update({"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d")})
-    result.update({part: [] for part in ("step", "accuracy", "federated") if part in parts or part not in result})
+    result.update({part: [] for part in ("step", "memory", "accuracy", "federated")
+                   if part in parts or part not in result})  # fmt: skip
     for shape in SHAPES if "step" in parts else ():
         for name, config in CONFIGS.items():
             result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps, shape))
             print(json.dumps(result["step"][-1]), flush=True)
+    if "memory" in parts:
+        result["memory"] = micro_batch_memory(CONFIGS["LoRA r8 (query, value) + head"], len(labels), labels, work)
     lrs = {"full fine-tuning": 1e-4, "LoRA r8 (query, value) + head": 2e-3}
     for name, lr in lrs.items() if "accuracy" in parts else ():
         result["accuracy"].append(accuracy(name, CONFIGS[name], lr, data, labels, work, epochs))
@@ -276,13 +328,26 @@ def table(result: dict[str, Any]) -> str:
              "One training step (ms: median of interleaved blocks in one process; peak RSS: a fresh process "
              "each, median of 2; lean = ORT's memory arena off):", "",
              "| seq x batch | trainable set | trainable | SDK ms/step | PyTorch ms/step | speed-up | SDK peak RSS "
-             "| SDK lean: peak RSS, ms/step | PyTorch peak RSS |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| SDK lean: peak RSS, ms/step | PyTorch peak RSS | PyTorch + PEFT: ms/step, speed-up, peak RSS |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["step"]:
+        peft = (f"{r['peft_step_ms']:.0f}, {r['speedup_vs_peft']:.2f}x, {r['peft_rss_mb']:.0f} MB"
+                if "peft_step_ms" in r else "-")  # fmt: skip
         lines.append(f"| {r['seq']} x {r['batch']} | {r['config']} | {r['trainable']:,} | {r['sdk_step_ms']:.0f} | "
                      f"{r['torch_step_ms']:.0f} | {r['speedup']:.2f}x | {r['sdk_rss_mb']:.0f} MB | "
                      f"{r['sdk_lean_rss_mb']:.0f} MB, {r['sdk_lean_step_ms']:.0f} | "
-                     f"{r['torch_rss_mb']:.0f} MB |")  # fmt: skip
+                     f"{r['torch_rss_mb']:.0f} MB | {peft} |")  # fmt: skip
+    if result.get("memory"):
+        lines += ["", "LoRA r8 + head at an effective batch of 16 x seq 64, trained as micro-batches with gradient "
+                  "accumulation (peak RSS of a fresh process, median of 2; ms per micro-batch):", "",
+                  "| micro-batch x accumulate | peak RSS | ms/micro-step | lean: peak RSS | lean: ms/micro-step |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        rows = {(r["micro_batch"], r["lean_memory"]): r for r in result["memory"]}
+        for micro in sorted({m for m, _ in rows}, reverse=True):
+            arena, lean = rows[(micro, False)], rows[(micro, True)]
+            cells = [f"{micro} x {arena['accumulate']}", f"{arena['peak_rss_mb']:.0f} MB", f"{arena['step_ms']:.0f}",
+                     f"{lean['peak_rss_mb']:.0f} MB", f"{lean['step_ms']:.0f}"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Intents (test = 2 unseen homes), trained on device:", "",
               "| trainable set | epochs | train time | test accuracy |", "|---|---:|---:|---:|"]  # fmt: skip
     for r in result["accuracy"]:

@@ -91,17 +91,22 @@ def make_bundle(
             "warmup": curve.warmup,
             "min_lr": curve.min_lr,
         }
-        for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
-            shutil.copy2(source / name, work / name)
         import onnx
 
+        from .frozen import internalize_frozen
         from .learning_rate import bake_learning_rate
+
+        if manifest.frozen_file is None:
+            for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
+                shutil.copy2(source / name, work / name)
+        else:
+            internalize_frozen(source, work, manifest)
 
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         _to_ort_format(work)
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)")
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None)
         bundled.save(work)
         artifacts_sha = sha256_file(source / MANIFEST_NAME)
         description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)

@@ -231,12 +231,19 @@ def writer_lock(path: Path) -> Iterator[None]:
 
 
 def export_inference(
-    session: OrtTraining, outputs: list[str], path: Path, adapters: tuple = (), metadata: dict[str, str] | None = None
+    session: OrtTraining,
+    outputs: list[str],
+    path: Path,
+    adapters: tuple = (),
+    metadata: dict[str, str] | None = None,
+    external: Path | None = None,
 ) -> Path:
     """The eval graph with the current weights and the loss removed, as one ONNX file.
 
     LoRA ``adapters`` are folded into their base weights (a plain model); ``metadata`` goes into
-    the model's ``metadata_props`` (the manifest and tokenizer, so the file describes itself).
+    the model's ``metadata_props`` (the manifest and tokenizer, so the file describes itself);
+    frozen weights the graph reads from ``external`` (the artifact directory's ``frozen.bin``)
+    are written into the file.
     """
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
@@ -244,12 +251,16 @@ def export_inference(
     tmp = _temp_beside(path)
     try:
         session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
-        if adapters or metadata:
+        if adapters or metadata or external:
             import onnx
+            from onnx.external_data_helper import load_external_data_for_model
 
             from .lora import fold_adapters
 
-            model = fold_adapters(onnx.load(tmp), adapters)
+            model = onnx.load(tmp, load_external_data=False)
+            if external is not None:
+                load_external_data_for_model(model, os.fspath(external))
+            model = fold_adapters(model, adapters)
             for key, value in (metadata or {}).items():
                 entry = model.metadata_props.add()
                 entry.key, entry.value = key, value

@@ -165,6 +165,7 @@ def validate_manifest(data: dict[str, Any]) -> None:
         and isinstance(hf["config"].get("model_type"), str)
     ):  # fmt: skip
         _fail("hf_config", 'null or {"config": a transformers config with model_type, "prefix": a string}', hf)
+    _frozen_file(data.get("frozen_file"), files, frozen)
     if data.get("plan") is not None and not isinstance(data["plan"], dict):
         _fail("plan", "an object", data["plan"])
 
@@ -185,6 +186,23 @@ def _adapters(value: Any, trainable: dict[str, tuple[int, ...]], frozen: dict[st
         scale = adapter.get("scale")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
             _fail(f"{at}.scale", "a finite number", scale)
+
+
+def _frozen_file(value: Any, files: dict[str, Any], frozen: dict[str, tuple[int, ...]]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("file") not in files:
+        _fail("frozen_file.file", "a file listed in files", value)
+    offsets = value.get("offsets")
+    if not isinstance(offsets, dict) or not offsets:
+        _fail("frozen_file.offsets", "an object of frozen parameter -> offset", offsets)
+    expected = 0
+    for name, offset in offsets.items():
+        if name not in frozen:
+            _fail(f"frozen_file.offsets[{name!r}]", "a frozen parameter", name)
+        if _int(f"frozen_file.offsets[{name!r}]", offset) != expected:
+            _fail(f"frozen_file.offsets[{name!r}]", f"{expected} (the tensors tile the file in order)", offset)
+        expected += math.prod(frozen[name])
 
 
 def _tokenizer(value: Any, files: dict[str, Any], inputs: list[dict[str, Any]]) -> None:

@@ -141,7 +141,12 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
     )
     p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        help="micro-batches of --batch-size per optimizer step (default: --batch-size examples per step, in the "
+        "memory plan's micro-batches when the artifacts have one, else whole)",
+    )
     p.add_argument("--lr", type=float, help="peak learning rate (default: the manifest's)")
     p.add_argument(
         "--schedule",
@@ -313,7 +318,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if not named:  # never throw the trained weights away
         args.checkpoint = _default_checkpoint_dir(args.directory)
     size = len(next(iter(train.values()))) if train else 0
-    steps = args.epochs * math.ceil(math.ceil(size / max(args.batch_size, 1)) / max(args.accumulate, 1))
+    micro, accumulate = (
+        trainer.micro_batches(max(args.batch_size, 1)) if args.accumulate is None else (args.batch_size, args.accumulate)
+    )
+    steps = args.epochs * math.ceil(math.ceil(size / max(micro, 1)) / max(accumulate, 1))
     schedule = None  # resuming: the checkpoint's schedule continues
     if trainer.schedule is None or (args.schedule, args.lr, args.warmup) != (None, None, None):
         base = trainer.manifest.optimizer.lr if args.lr is None else args.lr

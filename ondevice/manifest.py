@@ -173,6 +173,10 @@ class Manifest:
     hf_config: Mapping[str, Any] | None = None
     """``{"config": config.json, "prefix": "model."}`` when the model is (or wraps, under ``prefix``)
     a ``transformers`` model, so that ``odt export --format hf`` writes a folder ``from_pretrained`` loads."""
+    frozen_file: Mapping[str, Any] | None = None
+    """``{"file": "frozen.bin", "offsets": {name: offset}}``: frozen weights kept out of the checkpoint,
+    as float32 tensors tiling that file (offsets in elements) which ONNX Runtime memory-maps; frozen
+    parameters not named there (BatchNorm statistics, other types) are in the checkpoint."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
@@ -325,6 +329,7 @@ def _from_dict(data: Any) -> Manifest:
             plan=data.get("plan"),
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
             hf_config=data.get("hf_config"),
+            frozen_file=data.get("frozen_file"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

@@ -208,13 +208,15 @@ class Trainer:
         seed: int | None = None,
         val_data: Mapping[str, np.ndarray] | None = None,
         schedule: Schedule | None = None,
-        accumulate: int = 1,
+        accumulate: int | None = None,
         checkpoint: str | os.PathLike[str] | None = None,
         progress: bool = True,
     ) -> History:
         """Train until ``epochs`` epochs are complete (a resumed trainer continues where it stopped).
 
-        Each optimizer step averages ``accumulate`` micro-batches of ``batch_size``; the learning
+        Each optimizer step averages ``accumulate`` micro-batches of ``batch_size``. Without
+        ``accumulate``, each step takes ``batch_size`` examples, in the micro-batches of the memory
+        plan when the artifacts have one (see :meth:`micro_batches`); the learning
         rate follows ``schedule`` by optimizer step (default: the schedule of the checkpoint this
         trainer resumed from, else the current constant rate). A schedule that ends before the
         run does is refused up front. ``seed`` sets the data order and dropout (default: the
@@ -224,8 +226,12 @@ class Trainer:
         from ._progress import progress_bar
 
         for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", accumulate)):
+            if name == "accumulate" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        if accumulate is None:
+            batch_size, accumulate = self.micro_batches(batch_size)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32):
             raise ConfigError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
         if val_data is not None:
@@ -262,6 +268,20 @@ class Trainer:
                 if checkpoint is not None:
                     self._save(Path(checkpoint))
         return history
+
+    def micro_batches(self, batch_size: int) -> tuple[int, int]:
+        """``(micro-batch, accumulate)`` for optimizer steps of ``batch_size`` examples.
+
+        The memory plan (``odt generate --memory-budget``) records the micro-batch it measured
+        within budget; a batch is split into the largest micro-batches up to that size that
+        tile it (the step is the same, up to float rounding: gradients are averaged). Without a
+        plan, or when the batch fits whole: ``(batch_size, 1)``.
+        """
+        planned = (self.manifest.plan or {}).get("micro_batch_size")
+        if not isinstance(planned, int) or planned >= batch_size:
+            return batch_size, 1
+        micro = max(d for d in range(1, planned + 1) if batch_size % d == 0)
+        return micro, batch_size // micro
 
     def _epoch(
         self,
@@ -370,6 +390,11 @@ class Trainer:
         """A copy of one parameter, trainable or frozen, by its manifest (``state_dict``) name."""
         if name not in {p.name for p in (*self.manifest.trainable, *self.manifest.frozen)}:
             raise WeightsError(f"{name!r} is not a parameter of these artifacts; `odt inspect` lists them.")
+        stored = self.manifest.frozen_file
+        if stored is not None and name in stored["offsets"]:
+            shape = next(p.shape for p in self.manifest.frozen if p.name == name)
+            offset = 4 * int(stored["offsets"][name])
+            return np.fromfile(self.directory / stored["file"], "<f4", math.prod(shape), offset=offset).reshape(shape)
         return self._session.get_parameter(name)
 
     def get_buffers(self) -> dict[str, np.ndarray]:
@@ -463,4 +488,5 @@ class Trainer:
         metadata = {METADATA_MANIFEST: self.manifest.to_json()}
         if self.manifest.tokenizer is not None:
             metadata[METADATA_TOKENIZER] = (self.directory / self.manifest.tokenizer.file).read_text()
-        return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata)
+        external = None if self.manifest.frozen_file is None else self.directory
+        return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata, external)

@@ -370,3 +370,30 @@ def test_a_gradient_buffer_ort_has_not_allocated_shifts_no_other_parameter(digit
     for name in names[1:]:
         np.testing.assert_array_equal(steps[True][name], steps[False][name], err_msg=name)
     assert not np.array_equal(steps[True][names[0]], steps[False][names[0]])  # it alone missed its term
+
+
+def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(digits_no_dropout, digits_data, tmp_path):
+    """A plan's micro-batch splits each batch into accumulated micro-batches: ORT never sees more
+    rows than the plan measured, and the weights match training on the whole batches."""
+    import json
+    import shutil
+
+    directory, _ = digits_no_dropout
+    planned = tmp_path / "planned"
+    shutil.copytree(directory, planned)
+    manifest = json.loads((planned / "manifest.json").read_text())
+    manifest["plan"] = {"budget": 10**9, "batch_size": 32, "chosen": "everything", "rows": [], "micro_batch_size": 5}
+    (planned / "manifest.json").write_text(json.dumps(manifest))
+    data = {k: v[:200] for k, v in digits_data["train"].items()}
+
+    whole, split = Trainer.load(directory), Trainer.load(planned)
+    assert split.micro_batches(32) == (4, 8)  # the largest size up to the plan's 5 that tiles 32
+    assert whole.micro_batches(32) == (32, 1)
+    rows: list[int] = []
+    step = split._session.train_step
+    split._session.train_step = lambda feeds: rows.append(len(feeds[0])) or step(feeds)
+    whole.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
+    split.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
+    assert max(rows) == 4 and split.step == whole.step == 2 * 7
+    for name, value in whole.get_weights().items():
+        np.testing.assert_allclose(split.get_weights()[name], value, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -1,0 +1,73 @@
+"""Frozen weights in a file of their own, memory-mapped by ONNX Runtime, instead of in the checkpoint.
+
+ORT 1.19 loads a checkpoint by reading the whole file into a buffer and then copying every
+tensor out of it: the weights are held twice while loading (MiniLM: peak 225 MB, 139 MB after).
+Every checkpoint a device saves carries them again (91 MB for 338 KB of LoRA adapters), and
+the ``.previous`` copy doubles that. Weights that never change need none of this: here they
+become initializers of the training and eval graphs whose data is ONNX external data in
+``frozen.bin`` (float32, C order, one tensor after the other). ORT maps that file into memory
+and both sessions read the same pages (measured: RSS of the file mapping, nothing copied); the
+checkpoint keeps only what training changes (trainable tensors, BatchNorm statistics, and later
+the optimizer state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ondevice.session import C
+
+__all__ = ["FROZEN_FILE", "externalize_frozen"]
+
+FROZEN_FILE = "frozen.bin"
+_GRAPHS = ("training_model.onnx", "eval_model.onnx")
+
+
+def externalize_frozen(
+    work: Path,
+    trainable: Sequence[str],
+    frozen: Sequence[str],
+    buffers: Sequence[str],
+    initializers: Mapping[str, onnx.TensorProto],
+) -> dict[str, int]:
+    """Move the float32 tensors of ``frozen`` (but not ``buffers``, which the train step updates)
+    from ORT's checkpoint into ``frozen.bin`` and rewrite the checkpoint without them.
+
+    Returns name -> offset in float32 elements (the tensors tile the file in ``frozen`` order);
+    an empty dict when nothing moved.
+    """
+    moving = [n for n in frozen if n not in buffers and initializers[n].data_type == onnx.TensorProto.FLOAT]
+    if not moving:
+        return {}
+    offsets: dict[str, int] = {}
+    position = 0
+    with open(work / FROZEN_FILE, "wb") as out:
+        for name in moving:
+            array = np.ascontiguousarray(numpy_helper.to_array(initializers[name]), dtype="<f4")
+            offsets[name] = position
+            out.write(array.tobytes())
+            position += array.size
+    for graph in _GRAPHS:
+        model = onnx.load(work / graph, load_external_data=False)
+        inputs = [i for i in model.graph.input if i.name not in offsets]
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+        for name in moving:
+            tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=initializers[name].dims)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            size = 4 * int(np.prod(initializers[name].dims, dtype=np.int64))
+            for key, value in (("location", FROZEN_FILE), ("offset", str(4 * offsets[name])), ("length", str(size))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            model.graph.initializer.append(tensor)
+        onnx.save(model, work / graph)
+    trained = [initializers[n].SerializeToString() for n in trainable]
+    rest = [initializers[n].SerializeToString() for n in frozen if n not in offsets]
+    (work / "checkpoint").unlink()
+    C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
+    return offsets

@@ -1,0 +1,51 @@
+"""Frozen weights back into the checkpoint, for runtimes that cannot memory-map ``frozen.bin``.
+
+Artifacts keep frozen weights in ``frozen.bin`` as ONNX external data (see ``artifacts.frozen``).
+onnxruntime-web and the mobile packages load graphs and checkpoints from bytes, and an ORT-format
+graph would hold its initializers itself (twice: training and eval). A bundle therefore carries
+them as ORT always did: frozen parameters in the checkpoint, graph inputs in both graphs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ondevice import Manifest
+from ondevice.session import C
+
+__all__ = ["internalize_frozen"]
+
+
+def internalize_frozen(source: Path, work: Path, manifest: Manifest) -> None:
+    """Write ``training_model.onnx``, ``eval_model.onnx`` and ``checkpoint`` of ``source`` into ``work``
+    with every frozen weight of ``frozen.bin`` back in the checkpoint."""
+    stored = manifest.frozen_file or {"file": "", "offsets": {}}
+    shapes = {p.name: p.shape for p in manifest.frozen}
+    offsets = stored["offsets"]
+    for graph in ("training_model.onnx", "eval_model.onnx"):
+        model = onnx.load(source / graph, load_external_data=False)
+        kept = [i for i in model.graph.initializer if i.name not in offsets]
+        used = {name for node in model.graph.node for name in node.input}
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        model.graph.input.extend(
+            helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shapes[n]) for n in offsets if n in used
+        )
+        onnx.save(model, work / graph)
+    state = C.load_checkpoint(str(source / "checkpoint"))
+    trainable = {p.name for p in manifest.trainable}
+
+    def proto(name: str, value: np.ndarray) -> bytes:
+        return numpy_helper.from_array(np.ascontiguousarray(value), name).SerializeToString()
+
+    trained = [proto(n, state.get_parameter(n).data.numpy()) for n in state.parameter_names() if n in trainable]
+    frozen = [proto(n, state.get_parameter(n).data.numpy()) for n in state.parameter_names() if n not in trainable]
+    path = source / stored["file"]
+    for name, offset in offsets.items():
+        count = int(np.prod(shapes[name], dtype=np.int64))
+        frozen.append(proto(name, np.fromfile(path, "<f4", count, offset=4 * int(offset)).reshape(shapes[name])))
+    C.save_checkpoint(trained, frozen, str(work / "checkpoint"), False)
