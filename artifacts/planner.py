@@ -178,7 +178,8 @@ def plan(
             row.update(measured, micro_batch_size=micro, **({"over_at": over} if over else {}))
             if progress:
                 lean = " with lean memory" if row.get("lean_memory") else ""
-                micro = f" in micro-batches of {row['micro_batch_size']}" if row["micro_batch_size"] < batch_size else ""
+                split = row["micro_batch_size"] < batch_size
+                micro = f" in micro-batches of {row['micro_batch_size']}" if split else ""
                 verdict = f"fits{micro}{lean}" if row["fits"] else "over, even in micro-batches of 1"
                 print(f"   measured {candidate.name}: peak {_mb(row['peak_rss'])}, {verdict}", flush=True)
             if row["fits"]:
@@ -264,7 +265,8 @@ def format_plan(result: Plan) -> str:
     lean = " (lean memory: ORT's arena off)" if result.lean_memory else ""
     micro = f", in micro-batches of {result.micro_batch_size}" if result.micro_batch_size else ""
     lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}{micro}{lean}",
-             f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'peak RSS':>10}  {'ms/step':>8}  fits"]  # fmt: skip
+             f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'peak RSS':>10}  {'ms/step':>8}  "
+             "fits"]  # fmt: skip
     for row in result.rows:
         peak = _mb(row["peak_rss"]) if "peak_rss" in row else f"~{_mb(row['estimate'])}"
         step = f"{row['step_ms']:8.1f}" if "step_ms" in row else f"{'-':>8}"
