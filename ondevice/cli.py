@@ -318,8 +318,9 @@ def _run_train(args: argparse.Namespace) -> int:
     if not named:  # never throw the trained weights away
         args.checkpoint = _default_checkpoint_dir(args.directory)
     size = len(next(iter(train.values()))) if train else 0
-    planned = args.accumulate is None
-    micro, accumulate = trainer.micro_batches(max(args.batch_size, 1)) if planned else (args.batch_size, args.accumulate)
+    micro, accumulate = (args.batch_size, args.accumulate)
+    if args.accumulate is None:  # the memory plan's micro-batches, if any
+        micro, accumulate = trainer.micro_batches(max(args.batch_size, 1))
     steps = args.epochs * math.ceil(math.ceil(size / max(micro, 1)) / max(accumulate, 1))
     schedule = None  # resuming: the checkpoint's schedule continues
     if trainer.schedule is None or (args.schedule, args.lr, args.warmup) != (None, None, None):
