@@ -305,12 +305,12 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
+    # Without --val nothing evaluates: the eval graph's session is not loaded (less memory on a device).
+    options = {"threads": args.threads, "lean_memory": args.lean_memory, "evaluation": bool(args.val)}
     trainer = (
-        _load_checkpoint(
-            args.directory, Path(_checkpoint_file(args.checkpoint)), threads=args.threads, lean_memory=args.lean_memory
-        )
+        _load_checkpoint(args.directory, Path(_checkpoint_file(args.checkpoint)), **options)
         if args.resume
-        else Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
+        else Trainer.load(args.directory, **options)
     )
     train = load_data(args.data, args.directory)
     val = load_data(args.val, args.directory) if args.val else None

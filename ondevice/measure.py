@@ -1,8 +1,8 @@
 """Measure what training costs on this machine: peak RSS and step time of one artifact directory.
 
 Run as ``python -m ondevice.measure DIR --data BATCH.npz`` in a fresh process (the memory planner
-does), so the peak is this training alone: imports, ONNX Runtime's sessions, weights, gradients,
-optimizer state and activations. Prints one JSON object.
+does), so the peak is this training alone: imports, ONNX Runtime's training session (not the eval
+graph's), weights, gradients, optimizer state and activations. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     from .data import load_npz
     from .trainer import Trainer
 
-    trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
+    # A training process: the eval graph's session is not loaded (odt train loads it only for --val).
+    trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory, evaluation=False)
     batch = load_npz(args.data)
     times = []
     for _ in range(max(args.steps, 2)):

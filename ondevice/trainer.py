@@ -225,9 +225,7 @@ class Trainer:
         """
         from ._progress import progress_bar
 
-        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", accumulate)):
-            if name == "accumulate" and value is None:
-                continue
+        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", 1 if accumulate is None else accumulate)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
         if accumulate is None:
