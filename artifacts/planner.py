@@ -68,6 +68,8 @@ class Candidate:
     """Estimated peak bytes: runtime + weights + gradients and AdamW moments of what trains + activations."""
     floor: int = 0
     """The estimate without activations: what no micro-batch size can take away."""
+    layers: str = ""
+    """Which layers train, in words (the first and last module of a last-N set, LoRA's targets)."""
 
 
 @dataclass
@@ -102,14 +104,15 @@ def candidates(
     def estimate(trainable: int) -> int:
         return floor(trainable) + activations
 
-    def candidate(name: str, options: Mapping[str, Any], trainable: int) -> Candidate:
-        return Candidate(name, options, trainable, estimate(trainable), floor(trainable))
+    def candidate(name: str, options: Mapping[str, Any], trainable: int, layers: str = "") -> Candidate:
+        return Candidate(name, options, trainable, estimate(trainable), floor(trainable), layers)
 
     found: list[Candidate] = [candidate("everything", {}, total)]
     for n in (1, 2, 4, 8, 16, 32):
         if n < len(owners):
             size = sum(p.numel() for name, p in params.items() if name.rsplit(".", 1)[0] in owners[-n:])
-            found.append(candidate(f"last {n} module{'s' if n > 1 else ''}", {"train_last": n}, size))
+            span = owners[-1] if n == 1 else f"{owners[-n]} ... {owners[-1]}"
+            found.append(candidate(f"last {n} module{'s' if n > 1 else ''}", {"train_last": n}, size, span))
     biases = sum(p.numel() for name, p in params.items() if name.endswith("bias"))
     if biases:
         found.append(candidate("biases only", {"bias_only": True}, biases))
@@ -117,11 +120,12 @@ def candidates(
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targeted = [m for n, m in linears.items() if any(n == t or n.endswith("." + t) for t in lora.targets)]
         heads = sum(p.numel() for name, p in params.items() if any(name.startswith(h + ".") for h in head))
+        where = f"{', '.join(lora.targets)} in {len(targeted)} layers" + "".join(f" + {h}" for h in head)
         for rank in ranks:
             size = sum(rank * (m.in_features + m.out_features) for m in targeted) + heads
             if targeted:
                 options = {"lora": Lora(rank, lora.alpha / lora.rank * rank, lora.targets), "trainable": list(head)}
-                found.append(candidate(f"LoRA rank {rank}" + (" + head" if head else ""), options, size))
+                found.append(candidate(f"LoRA rank {rank}" + (" + head" if head else ""), options, size, where))
     unique = {c.trainable: c for c in sorted(found, key=lambda c: -c.trainable)}  # same size: keep one
     return sorted(unique.values(), key=lambda c: -c.trainable)
 
@@ -156,7 +160,7 @@ def plan(
     try:
         for candidate in found:
             row: dict[str, Any] = {"candidate": candidate.name, "trainable": candidate.trainable,
-                                   "estimate": candidate.estimate}  # fmt: skip
+                                   "estimate": candidate.estimate, "layers": candidate.layers}  # fmt: skip
             result.rows.append(row)
             if result.chosen is not None:
                 row["fits"] = None  # larger ones were measured first; this one was not needed
@@ -169,6 +173,9 @@ def plan(
             options = {**generate_options, **candidate.options}
             with _quiet_logs():
                 manifest = generate(model, example_inputs, directory, verify=False, **options)
+            if manifest.trainable_size != candidate.trainable:  # the generator froze what cannot reach the loss
+                row["trainable"] = manifest.trainable_size
+                row["note"] = f"{candidate.trainable - manifest.trainable_size:,} parameters do not reach the loss"
             over: dict[str, int] = {}  # micro-batch -> measured peak, for those that did not fit
             for micro in _micro_batches(batch_size):
                 measured = _fit(directory, _batch(manifest, example_inputs, micro, work / "batch.npz"), steps, budget)
@@ -219,6 +226,7 @@ def _fit(directory: Path, batch: Path, steps: int, budget: int) -> dict[str, Any
     measured["fits"] = measured["peak_rss"] <= budget
     if not measured["fits"]:  # the arena's doubling chunks may be all that is over: try without it
         lean = measure(directory, batch, steps, lean_memory=True)
+        measured["peak_rss_lean"] = lean["peak_rss"]
         if lean["peak_rss"] <= budget:
             measured.update(lean, fits=True, lean_memory=True, peak_rss_arena=measured["peak_rss"])
     return measured
@@ -274,7 +282,11 @@ def format_plan(result: Plan) -> str:
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits")] + (" (lean)" if row.get("lean_memory") else "")
         mark = "  <- chosen" if row["candidate"] == result.chosen else ""
         lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {peak:>10}  {step}  {fits}{mark}")
-    return "\n".join(lines)
+    notes = [f"   {row['candidate']}: {row['layers']}" + (f"; {row['note']}" if row.get("note") else "")
+             for row in result.rows if row.get("layers") or row.get("note")]  # fmt: skip
+    lean_tried = any("peak_rss_lean" in row for row in result.rows)
+    tail = ["   over-budget rows were measured again without ORT's arena (lean memory)" if lean_tried else ""]
+    return "\n".join(lines + notes + [t for t in tail if t])
 
 
 def _mb(size: float) -> str:

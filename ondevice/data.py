@@ -19,7 +19,7 @@ from .manifest import Manifest, TensorSpec
 if TYPE_CHECKING:
     import zipfile
 
-__all__ = ["check_data", "batches", "load_npz", "MAX_DATA_BYTES"]
+__all__ = ["check_data", "batches", "load_npz", "padding_trimmer", "trim_padding", "MAX_DATA_BYTES"]
 
 
 MAX_DATA_BYTES = 1 << 30
@@ -210,3 +210,47 @@ def batch_indices(size: int, batch_size: int, *, shuffle: bool, seed: int, epoch
     """The example indices of each batch of :func:`batches` (the order depends on (seed, epoch) only)."""
     order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
     return [order[start : start + batch_size] for start in range(0, size, batch_size)]
+
+
+def padding_trimmer(manifest: Manifest) -> tuple[int, int] | None:
+    """Feed positions ``(ids, mask)`` whose trailing all-padding columns a batch may drop, or None.
+
+    A batch of texts is padded to the longest text of the whole data; a shorter batch carries
+    columns that every row masks out. Dropping them changes no value the model returns when the
+    sequence axis is dynamic and appears in no other input, target or output (a pooled sequence
+    classifier): attention gives masked tokens weight 0 and pooling skips them. Only trailing
+    columns are dropped, so left-padded data (fixed-length recurrent models) is never touched.
+    """
+    spec = manifest.tokenizer
+    if spec is None or spec.mask is None:
+        return None
+    tensors = {t.name: t for t in (*manifest.inputs, *manifest.targets)}
+    ids, mask = tensors.get(spec.ids), tensors.get(spec.mask)
+    if (
+        ids is None
+        or mask is None
+        or len(ids.shape) != 2
+        or ids.shape != mask.shape
+        or not isinstance(ids.shape[1], str)
+    ):
+        return None
+    others = [
+        t for t in (*manifest.inputs, *manifest.targets, *manifest.outputs) if t.name not in (ids.name, mask.name)
+    ]
+    if any(ids.shape[1] in t.shape for t in others):
+        return None
+    names = list(manifest.feed_names)
+    return names.index(ids.name), names.index(mask.name)
+
+
+def trim_padding(feeds: list[np.ndarray], positions: tuple[int, int]) -> list[np.ndarray]:
+    """``feeds`` without the trailing columns that the mask zeroes in every row (see padding_trimmer)."""
+    ids, mask = positions
+    used = np.flatnonzero(feeds[mask].any(axis=0))
+    width = int(used[-1]) + 1 if len(used) else 1
+    if width == feeds[mask].shape[1]:
+        return feeds
+    trimmed = list(feeds)
+    for index in positions:
+        trimmed[index] = np.ascontiguousarray(feeds[index][:, :width])
+    return trimmed

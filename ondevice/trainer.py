@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ._metrics import Meter, flatten_weights
-from .data import batch_indices, batches, check_data
+from .data import batch_indices, batches, check_data, padding_trimmer, trim_padding
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
@@ -67,6 +67,7 @@ class Trainer:
         session.set_learning_rate(self._lr)
         self._train_names = [o.name for o in manifest.outputs]
         self._buffers = [b.name for b in manifest.buffers]
+        self._trim = padding_trimmer(manifest)  # texts: a batch drops the padding columns all its rows share
         self._grad_views: dict[int, np.ndarray] | None = None
         self._proximal: tuple[float, list[np.ndarray]] | None = None
 
@@ -154,7 +155,7 @@ class Trainer:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
-        fetched = self._session.eval_step(feeds)
+        fetched = self._session.eval_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
     def _micro_step(self, feeds: list[np.ndarray], micro: int) -> tuple[float, list[np.ndarray], bool]:
@@ -163,7 +164,7 @@ class Trainer:
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         C.set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
-        fetched = self._session.train_step(feeds)
+        fetched = self._session.train_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
@@ -225,7 +226,8 @@ class Trainer:
         """
         from ._progress import progress_bar
 
-        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", 1 if accumulate is None else accumulate)):
+        steps = 1 if accumulate is None else accumulate
+        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("accumulate", steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
         if accumulate is None:
@@ -353,7 +355,8 @@ class Trainer:
         parts = batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0)
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
-                fetched = self._session.eval_step(list(batch.values()))
+                feeds = list(batch.values())
+                fetched = self._session.eval_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
                 count = len(next(iter(batch.values())))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))

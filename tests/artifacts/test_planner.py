@@ -50,6 +50,8 @@ def test_the_pick_fits_a_budget_between_two_candidates(tmp_path):
     assert plan["budget"] == budget and plan["batch_size"] == 32
     rows = {row["candidate"]: row for row in plan["rows"]}
     assert rows["everything"]["fits"] is False and rows["everything"]["peak_rss"] > budget
+    assert rows["everything"]["peak_rss_lean"] > budget  # lean memory was tried, and said so
+    assert rows["last 1 module"]["layers"] == "4" and rows["last 2 modules"]["layers"] == "2 ... 4"
     chosen = rows[plan["chosen"]]
     assert chosen["fits"] is True and chosen["peak_rss"] <= budget
     assert manifest.trainable_size == chosen["trainable"] < rows["everything"]["trainable"]
@@ -93,3 +95,21 @@ def test_micro_batches_make_the_whole_model_fit_at_the_users_batch(tmp_path):
     assert micro == plan["micro_batch_size"] and micro * accumulate == 512
     lean = plan["lean_memory"]
     assert _peak(tmp_path / "planned", tmp_path, batch=micro, lean_memory=lean) <= budget  # again, fresh process
+
+
+class _Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare = nn.Linear(256, 10), nn.Linear(256, 256)  # spare never runs (like BERT's pooler)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_the_plan_counts_only_what_trains(tmp_path):
+    torch.manual_seed(0)
+    manifest = generate(_Unused(), EXAMPLE, tmp_path / "a", memory_budget="2GB", batch_size=8, verify=False)
+    row = manifest.plan["rows"][0]
+    assert row["candidate"] == "everything" and row["fits"] is True
+    assert row["trainable"] == manifest.trainable_size == 256 * 10 + 10
+    assert row["note"] == f"{256 * 256 + 256:,} parameters do not reach the loss"

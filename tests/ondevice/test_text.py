@@ -197,3 +197,29 @@ def test_inspect_shows_labels_and_the_tokenizer(text_artifacts, capsys):
     assert main(["inspect", str(text_artifacts)]) == 0
     text = capsys.readouterr().out
     assert "labels:   3: on, off, timer" in text and "tokenizer.json fills ids and mask, up to 12 tokens" in text
+
+
+def test_a_batch_drops_the_padding_columns_all_its_rows_share_and_computes_the_same(text_artifacts, tmp_path):
+    """Texts are padded to the longest one in the data; a batch of short ones reaches ORT only as
+    wide as its own longest text (trailing columns every row masks out are dropped), with the
+    same loss, outputs and update as the padded batch."""
+    import numpy as np
+
+    rows = [("turn on the lights", "on"), ("switch off the fan", "off")] * 4 + [(COMMANDS[3][0], "on")]
+    data = load_jsonl(_jsonl(tmp_path / "t.jsonl", rows), text_artifacts)
+    short = {k: v[:8] for k, v in data.items()}  # the long command (last row) set the padded width
+    assert short["mask"].shape[1] == 12 and short["mask"].sum(1).max() < 12
+
+    trimmed, padded = Trainer.load(text_artifacts), Trainer.load(text_artifacts)
+    padded._trim = None  # what every batch was before: all columns
+    widths: list[int] = []
+    step = trimmed._session.train_step
+    trimmed._session.train_step = lambda feeds: widths.append(feeds[0].shape[1]) or step(feeds)
+    for _ in range(3):
+        a, b = trimmed.train_step(short), padded.train_step(short)
+        assert a.loss == pytest.approx(b.loss, rel=1e-6)
+        np.testing.assert_allclose(a.outputs["output"], b.outputs["output"], rtol=1e-5, atol=1e-6)
+    assert widths == [int(short["mask"].sum(1).max())] * 3
+    for name, value in padded.get_weights().items():
+        np.testing.assert_allclose(trimmed.get_weights()[name], value, rtol=1e-5, atol=1e-7)
+    assert trimmed.evaluate(data)["loss"] == pytest.approx(padded.evaluate(data)["loss"], rel=1e-6)
