@@ -214,6 +214,104 @@ def step_and_memory(
     return result
 
 
+RACE_PEFT = """
+import json, sys, time
+start = float(sys.argv[1])
+import numpy as np, torch
+from tokenizers import Tokenizer
+from benchmarks.finetune import build_peft
+from samples.intents.model import minilm_path
+torch.set_num_threads(int(sys.argv[2]))
+epochs, lr, batch = int(sys.argv[3]), float(sys.argv[4]), 32
+labels = json.load(open(sys.argv[7]))
+def read(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r["text"] for r in rows], np.array([labels.index(r["label"]) for r in rows])
+tokenizer = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
+tokenizer.enable_truncation(32)
+tokenizer.enable_padding()  # each batch pads to its own longest text, as DataCollatorWithPadding does
+def encode(texts):
+    done = tokenizer.encode_batch(texts)
+    return torch.tensor([e.ids for e in done]), torch.tensor([e.attention_mask for e in done])
+(train_x, train_y), (test_x, test_y) = read(sys.argv[5]), read(sys.argv[6])
+model, names = build_peft(len(labels))
+for n, p in model.named_parameters():
+    p.requires_grad_(n in set(names))
+params = [p for n, p in model.named_parameters() if n in set(names)]
+optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # the SDK's AdamW default: no decay
+per_epoch = -(-len(train_y) // batch)
+total, warmup = epochs * per_epoch, epochs * per_epoch // 10
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
+                                             0.5 * (1 + np.cos(np.pi * (s - warmup) / max(total - warmup, 1))))
+paused = 0.0
+for epoch in range(epochs):
+    model.train()
+    order = np.random.default_rng([0, epoch]).permutation(len(train_y))
+    for i in range(0, len(order), batch):
+        index = order[i:i + batch]
+        ids, mask = encode([train_x[j] for j in index])
+        loss = torch.nn.functional.cross_entropy(model(ids, mask), torch.from_numpy(train_y[index]))
+        loss.backward(); optimizer.step(); optimizer.zero_grad(); schedule.step()
+    trained = time.time() - start - paused
+    t0 = time.time()
+    model.eval()
+    with torch.no_grad():
+        right = 0
+        for i in range(0, len(test_y), 128):
+            ids, mask = encode(test_x[i:i + 128])
+            right += int((model(ids, mask).argmax(1).numpy() == test_y[i:i + 128]).sum())
+    paused += time.time() - t0
+    print(json.dumps({"epoch": epoch + 1, "seconds": trained, "accuracy": right / len(test_y)}), flush=True)
+"""
+
+RACE_SDK = """
+import json, sys, time
+start = float(sys.argv[1])
+from ondevice import Schedule, Trainer
+from ondevice.text import load_jsonl
+directory, epochs, lr, target = sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[8])
+trainer = Trainer.load(directory, threads=int(sys.argv[2]))
+train, test = load_jsonl(sys.argv[6], directory), load_jsonl(sys.argv[7], directory)
+total = epochs * -(-len(train["labels"]) // 32)
+schedule = Schedule("cosine", lr, total=total, warmup=total // 10)
+paused = 0.0
+for epoch in range(1, epochs + 1):
+    trainer.fit(train, epochs=epoch, batch_size=32, schedule=schedule, progress=False)
+    trained = time.time() - start - paused
+    t0 = time.time()
+    accuracy = trainer.evaluate(test, progress=False)["accuracy"]
+    paused += time.time() - t0
+    print(json.dumps({"epoch": epoch, "seconds": trained, "accuracy": accuracy}), flush=True)
+    if accuracy >= target:
+        break
+"""
+
+
+def race(data: dict[str, Path], labels: list[str], work: Path, epochs: int) -> dict[str, Any]:
+    """Time from process start to the unseen homes' accuracy that PyTorch + PEFT reaches after
+    ``epochs`` epochs (both sides in fresh processes, evaluation time excluded, same batch 32, cosine
+    schedule with 10 % warm-up): the SDK on the identical recipe, and on its own (last 2 layers + head)."""
+    lr = 2e-3
+
+    def run(script: str, *args: Any) -> list[dict[str, Any]]:
+        done = subprocess.run([sys.executable, "-c", script, str(time.time()), str(THREADS), *map(str, args)],
+                              capture_output=True, text=True, check=True, cwd=ROOT)  # fmt: skip
+        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+    peft = run(RACE_PEFT, epochs, lr, data["train"], data["test"], data["labels"])
+    target = peft[-1]["accuracy"]
+    result: dict[str, Any] = {"epochs": epochs, "lr": lr, "target": target, "peft": peft, "sdk": {}}
+    lora = CONFIGS["LoRA r8 (query, value) + head"]
+    recipes = {"LoRA r8 (query, value) + head (identical)": (lora, lr), "LoRA r8 (query, value) + head": (lora, 5e-3),
+               "last 2 layers + head": (CONFIGS["last 2 layers + head"], 1e-4)}  # fmt: skip
+    for name, (config, rate) in recipes.items():
+        directory = generate_config(config, len(labels), labels, work / f"race-{len(result['sdk'])}", lr=rate)
+        result["sdk"][name] = {"lr": rate, "epochs": run(RACE_SDK, directory, epochs, rate, data["train"],
+                                                         data["test"], target)}  # fmt: skip
+        print(json.dumps({name: result["sdk"][name]}), flush=True)
+    return result
+
+
 def micro_batch_memory(config: dict[str, Any], classes: int, labels: list[str], work: Path) -> list[dict[str, Any]]:
     """Peak RSS of the SDK at an effective batch of 16 x seq 64 trained as micro-batches (fresh processes)."""
     from artifacts.planner import measure
@@ -280,7 +378,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument(
         "--parts",
-        default="step,memory,accuracy,federated",
+        default="step,memory,race,accuracy,federated",
         help="which parts to run; the others keep their last results",
     )
     args = parser.parse_args()
@@ -300,6 +398,8 @@ def main() -> int:
     result.update({"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d")})
     result.update({part: [] for part in ("step", "memory", "accuracy", "federated")
                    if part in parts or part not in result})  # fmt: skip
+    if "race" in parts:
+        result["race"] = race(data, labels, work, epochs)
     for shape in SHAPES if "step" in parts else ():
         for name, config in CONFIGS.items():
             result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps, shape))
@@ -348,6 +448,22 @@ def table(result: dict[str, Any]) -> str:
             cells = [f"{micro} x {arena['accumulate']}", f"{arena['peak_rss_mb']:.0f} MB", f"{arena['step_ms']:.0f}",
                      f"{lean['peak_rss_mb']:.0f} MB", f"{lean['step_ms']:.0f}"]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
+    if result.get("race"):
+        r = result["race"]
+        lines += ["", "Time to accuracy on the intents task's unseen homes (fresh processes; seconds from process "
+                  "start, evaluation excluded; batch 32, cosine schedule with 10 % warm-up over the epochs shown): the "
+                  f"target is what PyTorch + PEFT reaches after {r['epochs']} epochs, {r['target']:.4f}.", "",
+                  "| run | learning rate | " + " | ".join(f"epoch {e + 1}: accuracy, time" for e in range(r["epochs"]))
+                  + " | time to the target | of PEFT's |", "|---|---:|" + "---:|" * (r["epochs"] + 2)]  # fmt: skip
+        peft_time = r["peft"][-1]["seconds"]
+        runs = [("PyTorch + PEFT, LoRA r8 (query, value) + head", r["lr"], r["peft"])]
+        runs += [(f"SDK, {name}", run["lr"], run["epochs"]) for name, run in r["sdk"].items()]
+        for name, rate, epochs in runs:
+            cells = [f"{e['accuracy']:.4f}, {e['seconds']:.1f} s" for e in epochs]
+            cells += ["-"] * (r["epochs"] - len(cells))
+            hit = next((e for e in epochs if e["accuracy"] >= r["target"]), None)
+            reached = [f"{hit['seconds']:.1f} s", f"{hit['seconds'] / peft_time:.2f}x"] if hit else ["not reached", "-"]
+            lines.append("| " + " | ".join([name, f"{rate:g}", *cells, *reached]) + " |")
     lines += ["", "Intents (test = 2 unseen homes), trained on device:", "",
               "| trainable set | epochs | train time | test accuracy |", "|---|---:|---:|---:|"]  # fmt: skip
     for r in result["accuracy"]:

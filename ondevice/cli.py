@@ -170,7 +170,13 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         help="lower peak memory: ORT's memory arena off (measured on MiniLM: -19 %% to -32 %% peak RSS, "
         "0-15 %% slower steps)",
     )
-    p.add_argument("--json", action="store_true", help="print the history as JSON")
+    p.add_argument(
+        "--lr-find",
+        action="store_true",
+        help="do not train: run a learning-rate range test (100 steps, 1e-6 to 1) and print the rate it suggests; "
+        "nothing is saved",
+    )
+    p.add_argument("--json", action="store_true", help="print the history (or the --lr-find curve) as JSON")
     p.set_defaults(run=_run_train)
 
 
@@ -241,14 +247,14 @@ def _run_predict(args: argparse.Namespace) -> int:
     if args.model.endswith(".onnx"):
         predictor, encoder = _exported(args.model, args.artifacts)
         data = encoder(args.text) if args.text else load_data(args.data, args.artifacts, labels=False, encoder=encoder)
-        manifest, outputs = predictor.manifest, predictor.predict(data)
+        manifest, outputs = predictor.manifest, predictor.predict(data, progress=not args.json)
     else:
         directory = args.model
         data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
         with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
             trainer, note = _load_trained(args.model, args.checkpoint)
             manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
-            outputs = Predictor(model, manifest).predict(data)
+            outputs = Predictor(model, manifest).predict(data, progress=not args.json)
     if args.out:
         import io
 
@@ -313,6 +319,8 @@ def _run_train(args: argparse.Namespace) -> int:
         else Trainer.load(args.directory, **options)
     )
     train = load_data(args.data, args.directory)
+    if args.lr_find:
+        return _lr_find(trainer, train, args)
     val = load_data(args.val, args.directory) if args.val else None
     named = bool(args.checkpoint)
     if not named:  # never throw the trained weights away
@@ -346,6 +354,21 @@ def _run_train(args: argparse.Namespace) -> int:
         for row in history.epochs:
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
+    return 0
+
+
+def _lr_find(trainer: Any, train: dict[str, Any], args: argparse.Namespace) -> int:
+    from .lr_find import find_lr
+
+    curve = find_lr(trainer, train, batch_size=args.batch_size, seed=args.seed or 0)
+    if args.json:
+        print(json.dumps(curve, indent=2))
+        return 0
+    for rate, loss in list(zip(curve["lr"], curve["loss"]))[::10]:
+        print(f"lr {rate:.2e}  loss {loss:.4f}")
+    found = curve["suggested_lr"]
+    print(f"suggested --lr {found:.2e} (the steepest fall of the loss)" if found is not None else
+          "no suggestion: the loss did not fall over the range (check the data and labels)")  # fmt: skip
     return 0
 
 

@@ -42,8 +42,9 @@ def load_npz(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> d
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise DataError(
             f"data file {path} is not an .npz archive ({exc or type(exc).__name__}). odt reads .npz (named arrays: "
-            "numpy.savez(path, input=..., labels=...); a single .npy array has no names) and .jsonl of "
-            '{"text": ..., "label": ...} lines for artifacts with a tokenizer; convert other formats to one of them.'
+            "numpy.savez(path, input=..., labels=...); a single .npy array has no names), .jsonl of "
+            '{"text": ..., "label": ...} lines for artifacts with a tokenizer, and .csv (a header row, then one '
+            "example per line); convert other formats to one of them."
         ) from None
     with archive:  # opened once: sizes, headers and arrays (what numpy.load would do, with the checks first)
         members = archive.infolist()

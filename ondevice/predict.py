@@ -54,7 +54,21 @@ class Predictor:
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
 
-    def predict(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def predict(
+        self, data: Mapping[str, np.ndarray], *, batch_size: int = 256, progress: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Every output for every example, computed ``batch_size`` examples at a time (so a large
+        file never becomes one huge batch); ``progress`` shows a bar on a terminal."""
+        from ._progress import progress_bar
+
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise OndeviceError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         checked = check_data(self.manifest, data, labels=False)
-        feeds = {name: checked[name] for name in self._inputs}
-        return dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
+        size = len(next(iter(checked.values())))
+        parts: list[list[np.ndarray]] = []
+        with progress_bar(total=-(-size // batch_size), disable=not progress) as bar:
+            for start in range(0, size, batch_size):
+                feeds = {name: checked[name][start : start + batch_size] for name in self._inputs}
+                parts.append(self._session.run(self._outputs, feeds))
+                bar.update(1)
+        return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._outputs)}

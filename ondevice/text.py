@@ -178,8 +178,13 @@ def load_data(
     path: str | os.PathLike[str], directory: str | os.PathLike[str] | None, *, labels: bool = True,
     encoder: TextEncoder | None = None,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """The arrays of an ``.npz`` file, or of a ``.jsonl`` text file tokenized for the artifacts in
-    ``directory`` (or by ``encoder``)."""
-    if Path(path).suffix == ".jsonl":
+    """The arrays of an ``.npz`` file, of a ``.jsonl`` text file tokenized for the artifacts in
+    ``directory`` (or by ``encoder``), or of a ``.csv`` file (see :mod:`ondevice.tables`)."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
         return load_jsonl(path, directory, labels=labels, encoder=encoder)
+    if suffix == ".csv":
+        from .tables import load_csv
+
+        return load_csv(path, directory, labels=labels, encoder=encoder)
     return load_npz(path)

@@ -24,6 +24,7 @@ def files(tmp_path, digits_artifacts, digits_data) -> dict[str, str]:
     np.savez(tmp_path / "good.npz", **good)
     (tmp_path / "zero.npz").write_bytes(b"")
     (tmp_path / "table.csv").write_text("a,b,label\n1,2,0\n")
+    (tmp_path / "data.txt").write_text("1 2 3\n")
     (tmp_path / "truncated.npz").write_bytes((tmp_path / "good.npz").read_bytes()[:300])
     np.save(tmp_path / "array.npy", good["input"])
     os.replace(tmp_path / "array.npy", tmp_path / "array.npz")  # a bare .npy under an .npz name
@@ -43,7 +44,8 @@ def files(tmp_path, digits_artifacts, digits_data) -> dict[str, str]:
 CASES = [
     # data that is not data
     (["train", "{art}", "--data", "{zero}"], 1, "is not an .npz archive"),
-    (["train", "{art}", "--data", "{table}"], 1, "odt reads .npz (named arrays"),  # says which formats it reads
+    (["train", "{art}", "--data", "{table}"], 1, "takes 64 features per example (64,), the file has 2 feature"),
+    (["train", "{art}", "--data", "{tmp}/data.txt"], 1, "odt reads .npz (named arrays"),  # says which formats it reads
     (["train", "{art}", "--data", "{truncated}"], 1, "is not an .npz archive"),
     (["train", "{art}", "--data", "{array}"], 1, "a single .npy array has no names"),
     (["train", "{art}", "--data", "{tmp}/none.npz"], 1, "does not exist"),

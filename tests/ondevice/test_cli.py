@@ -158,3 +158,45 @@ def test_exported_scoring_computes_pytorchs_losses(kind, options):
             )
         )
     assert abs(batch_loss(kind, options, x, y) - float(ref)) < 1e-6
+
+
+def test_predict_runs_a_large_file_in_batches_with_the_same_scores(digits_artifacts, digits_data, tmp_path):
+    exported = Trainer.load(digits_artifacts).export(tmp_path / "m.onnx")
+    test = {"input": digits_data["test"]["input"]}
+    whole = Predictor(exported).predict(test, batch_size=10**6)["output"]
+    predictor = Predictor(exported)
+    rows: list[int] = []
+    run = predictor._session.run
+    predictor._session.run = lambda names, feeds: rows.append(len(feeds["input"])) or run(names, feeds)
+    np.testing.assert_allclose(predictor.predict(test, batch_size=50)["output"], whole, rtol=1e-6, atol=1e-6)
+    assert max(rows) == 50 and sum(rows) == len(test["input"])
+
+
+def test_lr_find_suggests_a_rate_that_trains_and_saves_nothing(
+    digits_no_dropout, data_dir, tmp_path, monkeypatch, capsys
+):
+    directory, _ = digits_no_dropout
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(directory), "--data", str(data_dir / "train.npz"), "--lr-find", "--json"]) == 0
+    curve = json.loads(capsys.readouterr().out)
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no default checkpoint directory
+    rates, losses, found = curve["lr"], curve["loss"], curve["suggested_lr"]
+    assert rates == sorted(rates) and 5 <= len(rates) <= 100 and rates[0] == pytest.approx(1e-6)
+    assert found is not None and rates[0] < found < rates[int(np.argmin(losses))] * 1.0001
+    train = dict(np.load(data_dir / "train.npz"))
+    after = {}
+    for rate in (rates[0], found):
+        trainer = Trainer.load(directory)
+        trainer.set_lr(rate)
+        after[rate] = trainer.fit(train, epochs=1, batch_size=32, progress=False).epochs[-1]["loss"]
+    assert after[found] < 0.7 * after[rates[0]]  # the suggestion trains; the ramp's first rate barely moves
+
+
+def test_the_suggestion_is_the_steepest_fall_before_the_minimum():
+    from ondevice.lr_find import suggest
+
+    rates = list(np.geomspace(1e-5, 1, 50))
+    x = np.log10(rates)
+    losses = list(2 - np.tanh(2 * (x + 3)) + np.where(x > -1, 10 * (x + 1) ** 2, 0))  # falls fastest at 1e-3
+    assert suggest(rates, losses) == pytest.approx(1e-3, rel=0.3)
+    assert suggest(rates, sorted(losses)) is None  # never falls: no suggestion
