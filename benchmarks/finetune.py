@@ -395,7 +395,9 @@ def main() -> int:
     labels = json.loads(data["labels"].read_text())
     previous = args.out / "finetune.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.is_file() else {}
-    result.update({"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d")})
+    dates = result.get("dates") or {part: result.get("date") for part in ("step", "accuracy", "federated")}
+    result.update({"machine": machine(), "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
+                   "dates": {**dates, **{part: time.strftime("%Y-%m-%d") for part in parts}}})  # fmt: skip
     result.update({part: [] for part in ("step", "memory", "accuracy", "federated")
                    if part in parts or part not in result})  # fmt: skip
     if "race" in parts:
@@ -424,6 +426,11 @@ def main() -> int:
 
 def table(result: dict[str, Any]) -> str:
     m = result["machine"]
+    dates = result.get("dates", {})
+
+    def ran(part: str) -> str:  # parts rerun alone keep the others' results: say when each ran
+        return f" (run of {dates[part]})" if dates.get(part) and dates[part] != result["date"] else ""
+
     lines = [f"MiniLM-L6 fine-tuning, {result['date']}, {m['cpu']}, {result['threads']} threads", "",
              "One training step (ms: median of interleaved blocks in one process; peak RSS: a fresh process "
              "each, median of 2; lean = ORT's memory arena off):", "",
@@ -464,11 +471,11 @@ def table(result: dict[str, Any]) -> str:
             hit = next((e for e in epochs if e["accuracy"] >= r["target"]), None)
             reached = [f"{hit['seconds']:.1f} s", f"{hit['seconds'] / peft_time:.2f}x"] if hit else ["not reached", "-"]
             lines.append("| " + " | ".join([name, f"{rate:g}", *cells, *reached]) + " |")
-    lines += ["", "Intents (test = 2 unseen homes), trained on device:", "",
+    lines += ["", f"Intents (test = 2 unseen homes), trained on device{ran('accuracy')}:", "",
               "| trainable set | epochs | train time | test accuracy |", "|---|---:|---:|---:|"]  # fmt: skip
     for r in result["accuracy"]:
         lines.append(f"| {r['config']} | {r['epochs']} | {r['train_s']:.0f} s | {r['test_accuracy']:.4f} |")
-    lines += ["", "Federated over the 8 homes (Flower simulation, FedAvg):", "",
+    lines += ["", f"Federated over the 8 homes (Flower simulation, FedAvg){ran('federated')}:", "",
               "| trainable set | rounds | bytes up per client per round | final accuracy | wall time |",
               "|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["federated"]:
