@@ -248,7 +248,7 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
     chosen = args.lora is not None or args.lora_from or args.trainable or args.freeze or args.train_last or \
         args.bias_only or args.memory_budget  # fmt: skip
     shared = _shared(args)
-    if not chosen:
+    if not chosen or (args.memory_budget and not args.trainable):  # the new head always trains (planner: beside LoRA)
         shared["trainable"] = ["head"]
     return generate(
         spec.model,

@@ -120,7 +120,7 @@ def candidates(
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targeted = [m for n, m in linears.items() if any(n == t or n.endswith("." + t) for t in lora.targets)]
         heads = sum(p.numel() for name, p in params.items() if any(name.startswith(h + ".") for h in head))
-        where = f"{', '.join(lora.targets)} in {len(targeted)} layers" + "".join(f" + {h}" for h in head)
+        where = f"{len(targeted)} {'/'.join(lora.targets)} layers" + "".join(f" + {h}" for h in head)
         for rank in ranks:
             size = sum(rank * (m.in_features + m.out_features) for m in targeted) + heads
             if targeted:
@@ -282,7 +282,7 @@ def format_plan(result: Plan) -> str:
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits")] + (" (lean)" if row.get("lean_memory") else "")
         mark = "  <- chosen" if row["candidate"] == result.chosen else ""
         lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {peak:>10}  {step}  {fits}{mark}")
-    notes = [f"   {row['candidate']}: {row['layers']}" + (f"; {row['note']}" if row.get("note") else "")
+    notes = [f"   {row['candidate']}: " + "; ".join(t for t in (row.get("layers"), row.get("note")) if t)
              for row in result.rows if row.get("layers") or row.get("note")]  # fmt: skip
     lean_tried = any("peak_rss_lean" in row for row in result.rows)
     tail = ["   over-budget rows were measured again without ORT's arena (lean memory)" if lean_tried else ""]
