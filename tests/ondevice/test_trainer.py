@@ -266,6 +266,8 @@ def test_lazy_accuracy_counts_like_an_argmax_per_batch(digits_artifacts, monkeyp
         meter.add(1.0, len(labels), scores, labels)
     hits = sum(int(np.count_nonzero(s.argmax(axis=-1) == y)) for s, y in pairs)
     assert meter.result()["accuracy"] == hits / sum(y.size for _, y in pairs)
+    top3 = sum(int(np.count_nonzero((np.argsort(-s, axis=-1)[..., :3] == y[..., None]).any(-1))) for s, y in pairs)
+    assert meter.result()["top3_accuracy"] == top3 / sum(y.size for _, y in pairs) > meter.result()["accuracy"]
 
 
 def test_batchnorm_statistics_are_updated_by_training(tmp_path):
