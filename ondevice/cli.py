@@ -171,6 +171,11 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         "0-15 %% slower steps)",
     )
     p.add_argument(
+        "--bucket",
+        action="store_true",
+        help="text: put commands of similar length in the same optimizer steps, so each batch pads less",
+    )
+    p.add_argument(
         "--lr-find",
         action="store_true",
         help="do not train: run a learning-rate range test (100 steps, 1e-6 to 1) and print the rate it suggests; "
@@ -344,6 +349,7 @@ def _run_train(args: argparse.Namespace) -> int:
         schedule=schedule,
         checkpoint=_checkpoint_file(args.checkpoint),
         progress=not args.json,
+        bucket=args.bucket,
     )
     if not named:
         print(f"warning: no --checkpoint given; the trained model is in {_checkpoint_file(args.checkpoint)}",

@@ -207,9 +207,40 @@ def batches(
         yield {name: array[index] for name, array in data.items()}
 
 
-def batch_indices(size: int, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> list[np.ndarray]:
-    """The example indices of each batch of :func:`batches` (the order depends on (seed, epoch) only)."""
+BUCKET_POOL = 50
+"""Length buckets sort this many optimizer steps' worth of shuffled examples at a time."""
+
+
+def batch_indices(
+    size: int,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    lengths: np.ndarray | None = None,
+    accumulate: int = 1,
+) -> list[np.ndarray]:
+    """The example indices of each batch of :func:`batches` (the order depends on (seed, epoch) only).
+
+    With ``lengths`` (tokens per example), batches are bucketed by length: the shuffled examples
+    are sorted by length within pools of ``BUCKET_POOL`` optimizer steps, cut into steps of
+    ``batch_size * accumulate`` examples, and the steps are shuffled (a step's micro-batches stay
+    together; a short last step stays last). A batch of texts then pads to its own longest text.
+    """
     order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
+    if lengths is not None:
+        step = batch_size * accumulate
+        pool = step * BUCKET_POOL
+        steps: list[np.ndarray] = []
+        for start in range(0, size, pool):
+            chunk = order[start : start + pool]
+            chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            steps += [chunk[i : i + step] for i in range(0, len(chunk), step)]
+        tail = [steps.pop()] if len(steps[-1]) < step else []
+        if shuffle:
+            steps = [steps[i] for i in np.random.default_rng([seed, epoch, 1]).permutation(len(steps))]
+        order = np.concatenate(steps + tail)
     return [order[start : start + batch_size] for start in range(0, size, batch_size)]
 
 

@@ -212,6 +212,7 @@ class Trainer:
         accumulate: int | None = None,
         checkpoint: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        bucket: bool = False,
     ) -> History:
         """Train until ``epochs`` epochs are complete (a resumed trainer continues where it stopped).
 
@@ -222,7 +223,9 @@ class Trainer:
         trainer resumed from, else the current constant rate). A schedule that ends before the
         run does is refused up front. ``seed`` sets the data order and dropout (default: the
         checkpoint's, else 0). With ``checkpoint``, a checkpoint is saved atomically after every
-        epoch; it holds the seed and the schedule, so a resumed run continues exactly.
+        epoch; it holds the seed and the schedule, so a resumed run continues exactly. ``bucket``
+        groups texts of similar length into the same optimizer steps (artifacts whose batches drop
+        shared padding: a pooled text classifier), so each batch pads to its own longest text.
         """
         from ._progress import progress_bar
 
@@ -258,7 +261,7 @@ class Trainer:
         lock = nullcontext() if checkpoint is None else writer_lock(Path(checkpoint))
         with lock, progress_bar(total=(epochs - self.epoch) * per_epoch, disable=not progress) as bar:
             while self.epoch < epochs:
-                metrics = self._epoch(train, batch_size, shuffle, accumulate, schedule, bar)
+                metrics = self._epoch(train, batch_size, shuffle, accumulate, schedule, bar, bucket)
                 self.epoch += 1
                 if val is not None:
                     metrics.update({f"val_{k}": v for k, v in self.evaluate(val).items()})
@@ -291,13 +294,17 @@ class Trainer:
         accumulate: int,
         schedule: Schedule | None,
         bar: Any,
+        bucket: bool = False,
     ) -> dict[str, float]:
         meter = Meter(self.manifest)
         arrays = list(data.values())  # feeding order (check_data ordered them)
         labels = list(data).index(meter.labels) if meter.labels in data else None
         scores = self._fetch_index(meter.scores) if labels is not None else None
         pending, bad = 0, False
-        for index in batch_indices(len(arrays[0]), batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch):
+        lengths = None if not bucket or self._trim is None else arrays[self._trim[1]].sum(axis=1)
+        order = batch_indices(len(arrays[0]), batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch,
+                              lengths=lengths, accumulate=accumulate)  # fmt: skip
+        for index in order:
             if pending == 0 and schedule is not None:
                 self.set_lr(schedule(self.step))
             feeds = [array[index] for array in arrays]

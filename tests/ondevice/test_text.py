@@ -223,3 +223,42 @@ def test_a_batch_drops_the_padding_columns_all_its_rows_share_and_computes_the_s
     for name, value in padded.get_weights().items():
         np.testing.assert_allclose(trimmed.get_weights()[name], value, rtol=1e-5, atol=1e-7)
     assert trimmed.evaluate(data)["loss"] == pytest.approx(padded.evaluate(data)["loss"], rel=1e-6)
+
+
+def test_length_buckets_cover_every_example_once_keep_steps_together_and_narrow_the_batches():
+    import numpy as np
+
+    from ondevice.data import batch_indices
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 30, 1003)
+    plain = batch_indices(1003, 8, shuffle=True, seed=3, epoch=1)
+    batches = batch_indices(1003, 8, shuffle=True, seed=3, epoch=1, lengths=lengths, accumulate=2)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(1003))
+    assert [b.tolist() for b in batches] == [
+        b.tolist() for b in batch_indices(1003, 8, shuffle=True, seed=3, epoch=1, lengths=lengths, accumulate=2)
+    ]
+    assert [b.tolist() for b in batches] != [
+        b.tolist() for b in batch_indices(1003, 8, shuffle=True, seed=3, epoch=2, lengths=lengths, accumulate=2)
+    ]
+    steps = [np.concatenate(batches[i : i + 2]) for i in range(0, len(batches) - 2, 2)]  # a step's 2 micro-batches
+    assert all((np.diff(lengths[s]) >= 0).all() for s in steps)  # a step is a run of one pool's sorted lengths
+    width = np.mean([lengths[b].max() for b in batches])
+    assert width < 0.7 * np.mean([lengths[b].max() for b in plain])  # what padding to the batch's longest saves
+
+
+def test_fit_with_buckets_feeds_narrower_batches_and_learns(text_artifacts, tmp_path):
+    rows = [(text, label) for text, label in COMMANDS] * 8
+    data = load_jsonl(_jsonl(tmp_path / "t.jsonl", rows), text_artifacts)
+    widths: dict[bool, list[int]] = {}
+    for bucket in (False, True):
+        trainer = Trainer.load(text_artifacts)
+        widths[bucket] = []
+        step = trainer._session.train_step
+        trainer._session.train_step = lambda feeds, seen=widths[bucket], step=step: (
+            seen.append(feeds[0].shape[1]) or step(feeds)
+        )
+        before = trainer.evaluate(data)["loss"]
+        trainer.fit(data, epochs=2, batch_size=4, bucket=bucket, progress=False)
+        assert trainer.evaluate(data)["loss"] < before
+    assert len(widths[True]) == len(widths[False]) and sum(widths[True]) < sum(widths[False])
