@@ -119,7 +119,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, code, message", CASES, ids=[f"{i:02d}-{c[0][0]}" for i, c in enumerate(CASES)])
-def test_hostile_input_is_a_typed_one_line_error(files, capsys, argv, code, message):
+def test_hostile_input_is_a_typed_one_line_error(files, capsys, monkeypatch, argv, code, message):
+    monkeypatch.chdir(files["tmp"])  # `odt train` without --checkpoint makes ./NAME.ckpt/ here, not in the repository
     argv = [a.format(**files) for a in argv]
     assert main(argv) == code
     err = capsys.readouterr().err
