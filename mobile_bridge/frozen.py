@@ -23,8 +23,8 @@ __all__ = ["internalize_frozen"]
 def internalize_frozen(source: Path, work: Path, manifest: Manifest) -> None:
     """Write ``training_model.onnx``, ``eval_model.onnx`` and ``checkpoint`` of ``source`` into ``work``
     with every frozen weight of ``frozen.bin`` back in the checkpoint."""
-    stored = manifest.frozen_file or {"file": "", "offsets": {}}
-    shapes = {p.name: p.shape for p in manifest.frozen}
+    assert manifest.frozen_file is not None, "artifacts without frozen.bin are copied as they are"
+    stored, shapes = manifest.frozen_file, {p.name: p.shape for p in manifest.frozen}
     offsets = stored["offsets"]
     for graph in ("training_model.onnx", "eval_model.onnx"):
         model = onnx.load(source / graph, load_external_data=False)
