@@ -48,7 +48,8 @@ NO_GRADIENT = {
     "GRU": "generating from the PyTorch model: its nn.GRU is unrolled into gates that train",
     "Attention": "nn.MultiheadAttention exported without fusion",
     "ConvTranspose": "generating from the PyTorch model: its nn.ConvTranspose is rewritten as a Conv that trains",
-    "Resize": "nn.Upsample(scale_factor=INTEGER, mode='nearest') (rewritten into ops that train)",
+    "Resize": "nn.Upsample(scale_factor=INTEGER) with mode nearest, linear, bilinear or trilinear "
+    "(rewritten into ops that train)",
 }
 
 

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from ._modules import replace_modules
 from .errors import UnsupportedOperatorError
 
-__all__ = ["ConvTransposeAsConv", "NearestUpsample", "rewrite_conv_transpose", "CONV_TRANSPOSE"]
+__all__ = ["ConvTransposeAsConv", "NearestUpsample", "LinearUpsample", "rewrite_conv_transpose", "CONV_TRANSPOSE"]
 
 CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -108,19 +108,69 @@ class NearestUpsample(nn.Module):
         return x
 
 
-def _nearest_integer(module: nn.Module) -> bool:
-    if not isinstance(module, nn.Upsample) or module.mode != "nearest" or module.scale_factor is None:
+class LinearUpsample(nn.Module):
+    """``nn.Upsample(scale_factor=k, mode="linear" | "bilinear" | "trilinear")`` with integer factors,
+    axis by axis as weighted sums of shifted slices interleaved by Stack + Reshape (ops whose
+    gradients ORT 1.19 has). Output sample ``j`` of an axis reads source position
+    ``(j + 0.5) / k - 0.5`` (``j * (n - 1) / (n * k - 1)`` with ``align_corners``), clamped at the
+    edges, exactly as PyTorch computes it."""
+
+    def __init__(self, layer: nn.Upsample) -> None:
+        super().__init__()
+        self.scale = layer.scale_factor
+        self.align_corners = bool(layer.align_corners)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spatial = x.dim() - 2
+        scales = self.scale if isinstance(self.scale, tuple) else (self.scale,) * spatial
+        for axis, factor in enumerate(int(s) for s in scales):
+            x = self._axis(x, 2 + axis, factor)
+        return x
+
+    def _axis(self, x: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
+        n = x.shape[dim]
+        if factor == 1:
+            return x
+        if self.align_corners:  # output j reads j * (n - 1) / (n * factor - 1): no fixed phase, one gather
+            source = torch.arange(n * factor, dtype=torch.float64) * (n - 1) / max(n * factor - 1, 1)
+            low = source.floor().long().clamp(max=n - 1)
+            high = (low + 1).clamp(max=n - 1)
+            weight = (source - low).to(x.dtype).reshape([-1] + [1] * (x.dim() - 1 - dim))
+            return x.index_select(dim, low) * (1 - weight) + x.index_select(dim, high) * weight
+        first, last = x.narrow(dim, 0, 1), x.narrow(dim, n - 1, 1)
+        padded = torch.cat([first, x, last], dim)  # the clamp at both edges
+        phases = []
+        for k in range(factor):
+            d = (k + 0.5) / factor - 0.5  # offset of phase k from its source sample, in (-0.5, 0.5)
+            if d < 0:
+                phases.append(padded.narrow(dim, 0, n) * -d + padded.narrow(dim, 1, n) * (1 + d))
+            else:
+                phases.append(padded.narrow(dim, 1, n) * (1 - d) + padded.narrow(dim, 2, n) * d)
+        shape = list(x.shape)
+        return torch.stack(phases, dim + 1).reshape(*shape[:dim], n * factor, *shape[dim + 1 :])
+
+
+_LINEAR_MODES = ("linear", "bilinear", "trilinear")
+
+
+def _integer_upsample(module: nn.Module) -> bool:
+    if not isinstance(module, nn.Upsample) or module.scale_factor is None:
+        return False
+    if module.mode not in ("nearest", *_LINEAR_MODES):
         return False
     scales = module.scale_factor if isinstance(module.scale_factor, tuple) else (module.scale_factor,)
     return all(float(s).is_integer() and s >= 1 for s in scales)
 
 
 def _rewritten(module: nn.Module) -> nn.Module:
-    return ConvTransposeAsConv(module) if isinstance(module, CONV_TRANSPOSE) else NearestUpsample(module)  # type: ignore[arg-type]
+    if isinstance(module, CONV_TRANSPOSE):
+        return ConvTransposeAsConv(module)  # type: ignore[arg-type]
+    return LinearUpsample(module) if module.mode in _LINEAR_MODES else NearestUpsample(module)  # type: ignore[arg-type]
 
 
 def rewrite_conv_transpose(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every ConvTranspose1d/2d/3d as a Conv and every integer-factor nearest
-    ``nn.Upsample`` as Expand + Reshape (``model`` itself when it has neither). Other upsampling
-    (linear modes, ``F.interpolate`` calls) still stops at generation with ORT's Resize named."""
-    return replace_modules(model, lambda m: isinstance(m, CONV_TRANSPOSE) or _nearest_integer(m), _rewritten)
+    """A copy of ``model`` with every ConvTranspose1d/2d/3d as a Conv and every integer-factor
+    ``nn.Upsample`` (nearest, linear, bilinear, trilinear) in ops that train (``model`` itself when it
+    has none). Other upsampling (bicubic, fractional factors, ``F.interpolate`` calls) still stops at
+    generation with ORT's Resize named."""
+    return replace_modules(model, lambda m: isinstance(m, CONV_TRANSPOSE) or _integer_upsample(m), _rewritten)

@@ -96,9 +96,10 @@ def test_every_kind_of_transposed_convolution_verifies_in_ort(tmp_path, row):
 
 
 class Upsampler(nn.Module):
-    def __init__(self, scale) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, scale, mode: str = "nearest", align_corners: bool | None = None) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
-        self.conv, self.up = nn.Conv2d(2, 3, 3, padding=1), nn.Upsample(scale_factor=scale)
+        up = nn.Upsample(scale_factor=scale, mode=mode, align_corners=align_corners)
+        self.conv, self.up = nn.Conv2d(2, 3, 3, padding=1), up
         self.out = nn.Conv2d(3, 1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,3 +116,41 @@ def test_nearest_upsampling_equals_pytorchs_and_verifies(tmp_path, scale):
     torch.manual_seed(0)
     manifest = generate(Upsampler(scale), {"x": torch.randn(4, 2, 4, 5)}, tmp_path / "a", loss=MSE())
     assert manifest.verification.passed
+
+
+@pytest.mark.parametrize(
+    "mode, shape", [("linear", (2, 3, 7)), ("bilinear", (2, 3, 4, 5)), ("trilinear", (1, 2, 3, 4, 5))]
+)
+@pytest.mark.parametrize("scale", [2, 3])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_linear_upsampling_equals_pytorchs_values_and_gradients(mode, shape, scale, align_corners):
+    from artifacts.upsampling import LinearUpsample
+
+    reference = nn.Upsample(scale_factor=scale, mode=mode, align_corners=align_corners)
+    x = torch.randn(*shape, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    ours, theirs = LinearUpsample(reference)(x), reference(x)
+    torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+    upstream = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
+    (mine,) = torch.autograd.grad(ours, x, upstream)
+    (pytorchs,) = torch.autograd.grad(theirs, x, upstream)
+    torch.testing.assert_close(mine, pytorchs, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_bilinear_upsampling_generates_and_verifies(tmp_path, align_corners):
+    from artifacts import MSE
+
+    torch.manual_seed(0)
+    model = Upsampler(2, "bilinear", align_corners)
+    manifest = generate(model, {"x": torch.randn(4, 2, 4, 5)}, tmp_path / "a", loss=MSE())
+    assert manifest.verification.passed
+
+
+def test_bicubic_upsampling_still_stops_with_the_layer_the_op_and_the_remedy(tmp_path):
+    from artifacts import MSE, UnsupportedOperatorError
+
+    torch.manual_seed(0)
+    expected = r"layer 'up' .*Resize.*mode nearest, linear, bilinear or trilinear"
+    with pytest.raises(UnsupportedOperatorError, match=expected):
+        generate(Upsampler(2, "bicubic", False), {"x": torch.randn(4, 2, 4, 5)}, tmp_path / "a", loss=MSE())
+    assert not (tmp_path / "a").exists()
