@@ -59,8 +59,8 @@ def externalize_frozen(
         model.graph.input.extend(inputs)
         for name in moving:
             tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=initializers[name].dims)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
             size = 4 * int(np.prod(initializers[name].dims, dtype=np.int64))
+            tensor.data_location = onnx.TensorProto.EXTERNAL  # by hand: onnx's set_external_data wants raw_data first
             for key, value in (("location", FROZEN_FILE), ("offset", str(4 * offsets[name])), ("length", str(size))):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, value

@@ -284,9 +284,9 @@ def format_plan(result: Plan) -> str:
         lines.append(f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {peak:>10}  {step}  {fits}{mark}")
     notes = [f"   {row['candidate']}: " + "; ".join(t for t in (row.get("layers"), row.get("note")) if t)
              for row in result.rows if row.get("layers") or row.get("note")]  # fmt: skip
-    lean_tried = any("peak_rss_lean" in row for row in result.rows)
-    tail = ["   over-budget rows were measured again without ORT's arena (lean memory)" if lean_tried else ""]
-    return "\n".join(lines + notes + [t for t in tail if t])
+    if any("peak_rss_lean" in row for row in result.rows):
+        notes.append("   over-budget rows were measured again without ORT's arena (lean memory)")
+    return "\n".join(lines + notes)
 
 
 def _mb(size: float) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ondevice import Manifest
+from ondevice import Manifest, Trainer
 from ondevice.session import C
 
 __all__ = ["internalize_frozen"]
@@ -24,8 +24,7 @@ def internalize_frozen(source: Path, work: Path, manifest: Manifest) -> None:
     """Write ``training_model.onnx``, ``eval_model.onnx`` and ``checkpoint`` of ``source`` into ``work``
     with every frozen weight of ``frozen.bin`` back in the checkpoint."""
     assert manifest.frozen_file is not None, "artifacts without frozen.bin are copied as they are"
-    stored, shapes = manifest.frozen_file, {p.name: p.shape for p in manifest.frozen}
-    offsets = stored["offsets"]
+    offsets, shapes = manifest.frozen_file["offsets"], {p.name: p.shape for p in manifest.frozen}
     for graph in ("training_model.onnx", "eval_model.onnx"):
         model = onnx.load(source / graph, load_external_data=False)
         kept = [i for i in model.graph.initializer if i.name not in offsets]
@@ -36,16 +35,13 @@ def internalize_frozen(source: Path, work: Path, manifest: Manifest) -> None:
             helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shapes[n]) for n in offsets if n in used
         )
         onnx.save(model, work / graph)
-    state = C.load_checkpoint(str(source / "checkpoint"))
+    trainer = Trainer.load(source, evaluation=False)  # reads the checkpoint's tensors and frozen.bin's alike
     trainable = {p.name for p in manifest.trainable}
+    names = [p.name for p in (*manifest.trainable, *manifest.frozen)]
 
-    def proto(name: str, value: np.ndarray) -> bytes:
-        return numpy_helper.from_array(np.ascontiguousarray(value), name).SerializeToString()
+    def proto(name: str) -> bytes:
+        return numpy_helper.from_array(np.ascontiguousarray(trainer.parameter(name)), name).SerializeToString()
 
-    trained = [proto(n, state.get_parameter(n).data.numpy()) for n in state.parameter_names() if n in trainable]
-    frozen = [proto(n, state.get_parameter(n).data.numpy()) for n in state.parameter_names() if n not in trainable]
-    path = source / stored["file"]
-    for name, offset in offsets.items():
-        count = int(np.prod(shapes[name], dtype=np.int64))
-        frozen.append(proto(name, np.fromfile(path, "<f4", count, offset=4 * int(offset)).reshape(shapes[name])))
+    trained = [proto(n) for n in names if n in trainable]
+    frozen = [proto(n) for n in names if n not in trainable]
     C.save_checkpoint(trained, frozen, str(work / "checkpoint"), False)

@@ -277,7 +277,7 @@ def padding_trimmer(manifest: Manifest) -> tuple[int, int] | None:
 
 def trim_padding(feeds: list[np.ndarray], positions: tuple[int, int]) -> list[np.ndarray]:
     """``feeds`` without the trailing columns that the mask zeroes in every row (see padding_trimmer)."""
-    ids, mask = positions
+    mask = positions[1]
     used = np.flatnonzero(feeds[mask].any(axis=0))
     width = int(used[-1]) + 1 if len(used) else 1
     if width == feeds[mask].shape[1]:

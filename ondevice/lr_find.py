@@ -9,8 +9,9 @@ The trainer is used up by the test: load a fresh one to train.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -42,13 +43,8 @@ def find_lr(
         raise DataError(f"batch size {batch_size} is larger than the dataset ({size} examples).")
     rates = np.geomspace(start, end, steps)
     losses: list[float] = []
-    average, best, epoch = 0.0, math.inf, 0
-    order: list[np.ndarray] = []
-    for step, rate in enumerate(rates):
-        if not order:
-            order = batch_indices(size, batch_size, shuffle=True, seed=seed, epoch=epoch)[::-1]
-            epoch += 1
-        index = order.pop()
+    average, best = 0.0, math.inf
+    for step, (rate, index) in enumerate(zip(rates, _batches(size, batch_size, seed))):
         trainer.set_lr(float(rate))
         loss = trainer.train_step({name: value[index] for name, value in checked.items()}).loss
         if not math.isfinite(loss):
@@ -61,6 +57,12 @@ def find_lr(
             break
     tried = [float(r) for r in rates[: len(losses)]]
     return {"lr": tried, "loss": losses, "suggested_lr": suggest(tried, losses)}
+
+
+def _batches(size: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Shuffled batches, epoch after epoch, for as long as the ramp needs them."""
+    for epoch in itertools.count():
+        yield from batch_indices(size, batch_size, shuffle=True, seed=seed, epoch=epoch)
 
 
 def suggest(rates: list[float], losses: list[float]) -> float | None:

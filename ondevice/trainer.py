@@ -155,7 +155,7 @@ class Trainer:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
-        fetched = self._session.eval_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
+        fetched = self._session.eval_step(self._trimmed(feeds))
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
     def _micro_step(self, feeds: list[np.ndarray], micro: int) -> tuple[float, list[np.ndarray], bool]:
@@ -164,7 +164,7 @@ class Trainer:
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         C.set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
-        fetched = self._session.train_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
+        fetched = self._session.train_step(self._trimmed(feeds))
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
@@ -174,6 +174,9 @@ class Trainer:
             for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
                 self._session.set_parameter(name, value)
         return loss, fetched, finite
+
+    def _trimmed(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
+        return feeds if self._trim is None else trim_padding(feeds, self._trim)
 
     def _fetch_index(self, output: str | None) -> int | None:
         """Where ``output`` sits in a step's fetches (the loss comes first), or None."""
@@ -362,8 +365,7 @@ class Trainer:
         parts = batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0)
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
-                feeds = list(batch.values())
-                fetched = self._session.eval_step(feeds if self._trim is None else trim_padding(feeds, self._trim))
+                fetched = self._session.eval_step(self._trimmed(list(batch.values())))
                 count = len(next(iter(batch.values())))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
