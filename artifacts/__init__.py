@@ -19,6 +19,7 @@ from .errors import (
 # Everything else loads on first use, so `import PACKAGE` (and `odt --help`) stays cheap.
 _LAZY = {
     "generate": ".build",
+    "Spec": ".spec",
     "L1": ".losses",
     "MSE": ".losses",
     "BCEWithLogits": ".losses",
@@ -35,6 +36,7 @@ _LAZY = {
 
 __all__ = [
     "generate",
+    "Spec",
     "load_into",
     "Lora",
     "plan",

@@ -6,13 +6,13 @@ import inspect
 import logging
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import onnx
 import torch
 from torch import nn
 
-from ondevice.manifest import Manifest, TokenizerSpec
+from ondevice.manifest import Manifest
 
 from ._edges import edge_batches, embedding_inputs
 from .errors import InputSpecError, ModelLoadError, SelectionError
@@ -20,14 +20,13 @@ from .export import (
     export_onnx,
     torch_module,
 )
-from .lora import Lora, add_adapters
-from .losses import CrossEntropy, Loss
-from .optimizers import SGD, AdamW
+from .lora import add_adapters
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .recurrent import unroll_recurrent
+from .spec import Spec
 from .upsampling import rewrite_conv_transpose
-from .verify import Tolerances, verify_batches
+from .verify import verify_batches
 
 __all__ = ["generate"]
 
@@ -39,109 +38,82 @@ def generate(
     example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     out_dir: str | os.PathLike[str],
     *,
-    input_names: Sequence[str] | None = None,
-    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
-    output_names: Sequence[str] | None = None,
-    loss: Loss = CrossEntropy(),
-    loss_output: str | None = None,
-    optimizer: AdamW | SGD = AdamW(),
-    trainable: Sequence[str] = (),
-    freeze: Sequence[str] = (),
-    train_last: int | None = None,
-    bias_only: bool = False,
-    lora: Lora | None = None,
-    lora_from: str | os.PathLike[str] | None = None,
-    labels: Sequence[str] = (),
-    tokenizer: TokenizerSpec | None = None,
-    memory_budget: int | str | None = None,
-    batch_size: int = 16,
-    opset: int = 17,
-    ort_format: bool = False,
-    verify: bool = True,
-    tolerances: Tolerances = Tolerances(),
+    spec: Spec = Spec(),
     force: bool = False,
     name: str | None = None,
-    seed: int = 0,
+    **changes: Any,
 ) -> Manifest:
     """Export ``model``, build ORT training artifacts in ``out_dir`` and prove them against PyTorch.
 
+    ``spec`` says what to build (loss, optimizer, what trains, LoRA, tokenizer, memory budget,
+    tolerances: see :class:`artifacts.Spec`); keywords are shorthand for its fields and override
+    them. ``force`` replaces an ``out_dir`` that odt wrote before; ``name`` names the artifacts
+    (default: the directory's name).
+
     ``example_inputs`` are the inputs of ``forward`` in order (or by name); their first dimension
-    is the batch and becomes dynamic, as do the axes named in ``dynamic_axes``
+    is the batch and becomes dynamic, as do the axes named in ``spec.dynamic_axes``
     (``{"ids": {1: "seq"}}``). The directory appears complete or not at all.
 
-    ``lora`` adds low-rank adapters to the target Linear layers (``model`` itself is not changed);
-    then the adapters train, plus whatever ``trainable`` names (e.g. a new head). ``lora_from`` (a
-    PEFT adapter folder) sets rank, alpha and targets from its config and starts the adapters (and
-    its ``modules_to_save``) from its weights instead of random A and zero B. ``labels`` names
-    the classes; ``tokenizer`` (a ``tokenizer.json`` and the inputs it fills) travels with the
-    artifacts so a device can train on text.
+    ``spec.lora`` adds low-rank adapters to the target Linear layers (``model`` itself is not
+    changed); then the adapters train, plus whatever ``spec.trainable`` names (e.g. a new head).
+    ``spec.lora_from`` (a PEFT adapter folder) sets rank, alpha and targets from its config and
+    starts the adapters (and its ``modules_to_save``) from its weights instead of random A and
+    zero B. ``spec.labels`` names the classes; ``spec.tokenizer`` (a ``tokenizer.json`` and the
+    inputs it fills) travels with the artifacts so a device can train on text.
 
-    ``memory_budget`` (``"200MB"``) lets the planner choose what trains: it measures the peak RSS
-    of training steps at ``batch_size`` for candidate trainable sets (LoRA ranks on ``lora``'s
-    targets plus ``trainable``, last-N modules, biases, everything) and keeps the most trainable
-    one that fits; the manifest's ``plan`` records the table.
+    ``spec.memory_budget`` (``"200MB"``) lets the planner choose what trains: it measures the peak
+    RSS of training steps at ``spec.batch_size`` for candidate trainable sets (LoRA ranks on
+    ``lora``'s targets plus ``trainable``, last-N modules, biases, everything) and keeps the most
+    trainable one that fits; the manifest's ``plan`` records the table.
 
     Examples
     --------
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-    >>> manifest = generate(model, torch.randn(16, 64), "out/mlp", input_names=["input"])  # doctest: +SKIP
+    >>> spec = Spec(input_names=["input"], optimizer=AdamW(lr=1e-3))  # doctest: +SKIP
+    >>> manifest = generate(model, torch.randn(16, 64), "out/mlp", spec=spec)  # doctest: +SKIP
     >>> manifest.verification.passed  # doctest: +SKIP
     True
     """
+    spec = spec.but(**changes)
     out_dir = check_output(out_dir, force)
     _check_finite(model)
-    names, example = _examples(model, example_inputs, input_names)
-    axes = resolve_axes(names, example, dynamic_axes or {})
+    names, example = _examples(model, example_inputs, spec.input_names)
+    axes = resolve_axes(names, example, spec.dynamic_axes)
     # Layers ORT 1.19 cannot train, as the same computation over the same parameters in ops it can
     model = rewrite_conv_transpose(unroll_recurrent(model, axes))
     plan_record = None
-    if memory_budget is not None:
-        from .planner import chosen_options, format_plan, plan
+    if spec.memory_budget is not None:
+        from .planner import chosen_changes, format_plan, plan
 
-        result = plan(
-            model,
-            dict(zip(names, example)),
-            budget=memory_budget,
-            batch_size=batch_size,
-            generate_options={"dynamic_axes": dynamic_axes, "output_names": output_names, "loss": loss,
-                              "loss_output": loss_output, "optimizer": optimizer, "freeze": freeze, "opset": opset},
-            generate=generate,
-            lora=lora or Lora(),
-            head=tuple(trainable),
-        )  # fmt: skip
+        result = plan(model, dict(zip(names, example)), spec=spec, generate=generate)
         log.info("%s", format_plan(result))
-        chosen = chosen_options(result)
-        lora, trainable = chosen.get("lora"), chosen.get("trainable", ())
-        train_last, bias_only = chosen.get("train_last"), chosen.get("bias_only", False)
+        spec = spec.but(**chosen_changes(result))
         plan_record = result.record()
     adapters: list = []
     start = None
-    if lora_from is not None:
+    lora = spec.lora
+    if spec.lora_from is not None:
         from .lora import read_peft
 
-        lora_given, (lora, start) = lora, read_peft(lora_from)
-        if lora_given is not None and lora_given != lora:
-            raise SelectionError(f"lora={lora_given} differs from the adapter in {lora_from} ({lora}): give one.")
+        lora, start = read_peft(spec.lora_from)
+        if spec.lora is not None and spec.lora != lora:
+            raise SelectionError(f"lora={spec.lora} differs from the adapter in {spec.lora_from} ({lora}): give one.")
     if lora is not None:
-        if train_last is not None or bias_only:
+        if spec.train_last is not None or spec.bias_only:
             raise SelectionError(
                 "LoRA chooses what trains: combine it with trainable=[...] only, not train_last/bias_only."
             )
-        model, adapters = add_adapters(model, lora, seed)
+        model, adapters = add_adapters(model, lora, spec.seed)
         if start is not None:
             from .lora import load_peft
 
             load_peft(model, start)  # the adapters (and saved modules) start where that adapter ended
-        trainable = [*(n for a in adapters for n in (a.a, a.b)), *trainable]
-    options = Options(
-        output_names=output_names, loss=loss, loss_output=loss_output, optimizer=optimizer,
-        trainable=tuple(trainable), freeze=tuple(freeze), train_last=train_last, bias_only=bias_only, opset=opset,
-        ort_format=ort_format, dynamic_axes=axes, adapters=tuple(adapters), labels=tuple(labels),
-        tokenizer=tokenizer, plan=plan_record, hf_config=_hf_config(model),
-    )  # fmt: skip
+        spec = spec.but(lora=lora, trainable=(*(n for a in adapters for n in (a.a, a.b)), *spec.trainable))
+    options = Options(spec=spec, dynamic_axes=axes, adapters=tuple(adapters), plan=plan_record,
+                      hf_config=_hf_config(model))  # fmt: skip
 
     def source() -> Source:
-        graph, outputs = export_onnx(model, example, names, output_names, opset, axes)
+        graph, outputs = export_onnx(model, example, names, spec.output_names, spec.opset, axes)
         initializers = {i.name for i in graph.graph.initializer}
         states = [n for n, t in model.state_dict().items() if t.is_floating_point() and n in initializers]
         return Source(
@@ -155,9 +127,10 @@ def generate(
 
     def prove(work: Path, manifest: Manifest, original: onnx.ModelProto, loss_index: int):  # type: ignore[no-untyped-def]
         examples = edge_batches(names, example, axes, embedding_inputs(original, manifest.padding))
-        return verify_batches(work, manifest, model, examples, loss, loss_index, optimizer, tolerances, seed)
+        return verify_batches(work, manifest, model, examples, spec.loss, loss_index, spec.optimizer,
+                              spec.tolerances, spec.seed)  # fmt: skip
 
-    return build_artifacts(source, example, names, options, out_dir, name, prove if verify else None)
+    return build_artifacts(source, example, names, options, out_dir, name, prove if spec.verify else None)
 
 
 def _examples(

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from ondevice._schema import LOSSES, OPTIMIZERS
+
 __all__ = ["register"]
 
 
@@ -53,7 +55,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--loss",
         default="cross_entropy",
-        choices=["cross_entropy", "mse", "l1", "bce_with_logits", "model"],
+        choices=[kind for kind in LOSSES if kind != "custom"],  # a custom loss needs Python
         help="loss on the model output (default cross_entropy; 'model': forward returns its loss)",
     )
     g.add_argument("--loss-output", help="which output the loss reads (default: the first)")
@@ -64,7 +66,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--label-smoothing", type=float, default=0.0, help=argparse.SUPPRESS)
 
     o = p.add_argument_group("optimizer")
-    o.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="default adamw")
+    o.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
     o.add_argument("--lr", type=float, help="learning rate (default 1e-3 for adamw, 1e-2 for sgd)")
     o.add_argument("--betas", type=_floats, help="adamw betas (default 0.9,0.999)")
     o.add_argument("--eps", type=float, help="adamw epsilon (default 1e-8)")
@@ -176,27 +178,35 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shared(args: argparse.Namespace) -> dict[str, Any]:
-    """The generate options both starting points take (loss, optimizer, selection, verification)."""
+def _spec(args: argparse.Namespace) -> Any:
+    """The flags as a generation Spec: the one place they are mapped (starting points add what they derive)."""
     from .losses import loss_from_name
     from .optimizers import optimizer_from_name
+    from .spec import FD_TOLERANCES, Spec
     from .verify import Tolerances
 
-    return {
-        "loss": loss_from_name(args.loss, **_loss_options(args)),
-        "loss_output": args.loss_output,
-        "optimizer": optimizer_from_name(args.optimizer, **_optimizer_options(args)),
-        "trainable": args.trainable,
-        "freeze": args.freeze,
-        "train_last": args.train_last,
-        "bias_only": args.bias_only,
-        "ort_format": args.ort_format,
-        "verify": not args.no_verify,
-        "tolerances": Tolerances(atol=args.atol, rtol=args.rtol),
-        "force": args.force,
-        "seed": args.seed,
-        "labels": _labels(args.labels),
-    }
+    return Spec(
+        output_names=args.output_name,
+        opset=args.opset,
+        loss=loss_from_name(args.loss, **_loss_options(args)),
+        loss_output=args.loss_output,
+        optimizer=optimizer_from_name(args.optimizer, **_optimizer_options(args)),
+        trainable=args.trainable,
+        freeze=args.freeze,
+        train_last=args.train_last,
+        bias_only=args.bias_only,
+        lora=_lora(args, args.lora),
+        lora_from=args.lora_from,
+        memory_budget=args.memory_budget,
+        batch_size=args.batch_size,
+        labels=_labels(args.labels),
+        ort_format=args.ort_format,
+        verify=not args.no_verify,
+        tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
+        fd_tolerances=Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,
+                                 FD_TOLERANCES.rtol if args.fd_rtol is None else args.fd_rtol),
+        seed=args.seed,
+    )  # fmt: skip
 
 
 def _labels(text: str | None) -> tuple[str, ...]:
@@ -205,21 +215,18 @@ def _labels(text: str | None) -> tuple[str, ...]:
 
 def _from_onnx(args: argparse.Namespace, specs: list[Any], generator: Any) -> Any:
     from .errors import InputSpecError
-    from .from_onnx import FD_TOLERANCES, generate_from_onnx
+    from .from_onnx import generate_from_onnx
     from .loading import DTYPES
-    from .verify import Tolerances
 
     torch_only = [args.weights, args.output_name, args.opset != 17, args.lora is not None, args.tokenizer,
-                  args.lora_from]  # fmt: skip
+                  args.lora_from, args.memory_budget]  # fmt: skip
     if any(torch_only):
         raise InputSpecError(
-            "--weights, --output-name, --opset, --lora, --lora-from and --tokenizer apply to PyTorch models, "
-            "not to an .onnx file."
+            "--weights, --output-name, --opset, --lora, --lora-from, --tokenizer and --memory-budget apply to "
+            "PyTorch models, not to an .onnx file."
         )
     example = {spec.name: _example(shape, DTYPES[spec.dtype], 2, generator) for spec, shape in specs} or None
-    fd = Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,
-                    FD_TOLERANCES.rtol if args.fd_rtol is None else args.fd_rtol)  # fmt: skip
-    return generate_from_onnx(args.model, args.out, example_inputs=example, fd_tolerances=fd, **_shared(args))
+    return generate_from_onnx(args.model, args.out, example_inputs=example, spec=_spec(args), force=args.force)
 
 
 def _lora(args: argparse.Namespace, rank: int | None) -> Any:
@@ -251,28 +258,20 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
         raise InputSpecError("an hf: model brings its inputs (ids, mask) and tokenizer: drop --input, --tokenizer, "
                              "--weights and --fd-atol/--fd-rtol.")  # fmt: skip
     labels = list(_labels(args.labels))
-    spec = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64, seed=args.seed)
+    model = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64, seed=args.seed)
     chosen = args.lora is not None or args.lora_from or args.trainable or args.freeze or args.train_last or \
         args.bias_only or args.memory_budget  # fmt: skip
     if args.lr is None and args.optimizer == "adamw":  # the rates the intents sample and its benchmark proved
         adapters = args.lora is not None or args.lora_from or not chosen
         args.lr = HF_LORA_LR if adapters else HF_FINETUNE_LR
-    shared = _shared(args)
-    if not chosen or (args.memory_budget and not args.trainable):  # the new head always trains (planner: beside LoRA)
-        shared["trainable"] = ["head"]
-    return generate(
-        spec.model,
-        spec.example,
-        args.out,
-        dynamic_axes=spec.dynamic_axes,
-        opset=args.opset,
+    trainable = ("head",) if not chosen or (args.memory_budget and not args.trainable) else args.trainable
+    spec = _spec(args).but(
+        dynamic_axes=model.dynamic_axes,
         lora=_lora(args, args.lora if chosen else 8),
-        lora_from=args.lora_from,
-        memory_budget=args.memory_budget,
-        batch_size=args.batch_size,
-        tokenizer=spec.tokenizer,
-        **shared,
+        trainable=trainable,  # the new head always trains (under a memory budget: beside LoRA)
+        tokenizer=model.tokenizer,
     )
+    return generate(model.model, model.example, args.out, spec=spec, force=args.force)
 
 
 def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], specs: list[Any]) -> Any:
@@ -280,21 +279,8 @@ def _from_torch(args: argparse.Namespace, model: Any, example: dict[str, Any], s
     from .loading import dynamic_axes_of
 
     axes = dynamic_axes_of([spec for spec, _ in specs])
-    lora = _lora(args, args.lora)
-    return generate(
-        model,
-        example,
-        args.out,
-        dynamic_axes=axes,
-        output_names=args.output_name,
-        opset=args.opset,
-        lora=lora,
-        lora_from=args.lora_from,
-        memory_budget=args.memory_budget,
-        batch_size=args.batch_size,
-        tokenizer=_tokenizer(args, example),
-        **_shared(args),
-    )
+    spec = _spec(args).but(dynamic_axes=axes, tokenizer=_tokenizer(args, example))
+    return generate(model, example, args.out, spec=spec, force=args.force)
 
 
 def _tokenizer(args: argparse.Namespace, example: dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import onnx
@@ -23,17 +23,15 @@ from ondevice.session import OrtTraining, ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
 from .errors import InputSpecError, ModelLoadError
-from .losses import CrossEntropy, Loss
+from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
+from .spec import TORCH_ONLY, Spec
 from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets, merge_reports
 
 __all__ = ["generate_from_onnx", "onnx_example"]
 
 EPSILON = 3e-4
-FD_TOLERANCES = Tolerances(atol=1e-3, rtol=5e-2)
-"""The finite-difference rows' bounds (``--fd-atol/--fd-rtol``), widened per row by twice the
-difference between the estimates at two step sizes (their own error: ReLU kinks, float32)."""
 """Finite-difference step, relative to a tensor's largest value (measured best between float32
 rounding and ReLU kinks on a small CNN)."""
 
@@ -50,49 +48,42 @@ def generate_from_onnx(
     out_dir: str | os.PathLike[str],
     *,
     example_inputs: Mapping[str, torch.Tensor] | None = None,
-    loss: Loss = CrossEntropy(),
-    loss_output: str | None = None,
-    optimizer: AdamW | SGD = AdamW(),
-    trainable: Sequence[str] = (),
-    freeze: Sequence[str] = (),
-    train_last: int | None = None,
-    bias_only: bool = False,
-    labels: Sequence[str] = (),
-    ort_format: bool = False,
-    verify: bool = True,
-    tolerances: Tolerances = Tolerances(),
-    fd_tolerances: Tolerances = FD_TOLERANCES,
+    spec: Spec = Spec(),
     force: bool = False,
     name: str | None = None,
-    seed: int = 0,
+    **changes: Any,
 ) -> Manifest:
     """Build verified ORT training artifacts from the ONNX model at ``path``.
 
     Float initializers with at least one dimension are the parameters (scalars stay constants).
     The first dimension of every input is the batch; other named (symbolic) dimensions stay
     dynamic. ``example_inputs`` default to seeded random data of the input shapes (batch 8),
-    which needs every other dimension fixed. ``fd_tolerances`` bound the finite-difference rows
-    (float32 differences are approximate; the other rows use ``tolerances``).
+    which needs every other dimension fixed. ``spec`` (keywords are shorthand for its fields) says
+    what to build, as for :func:`artifacts.generate`; the fields that shape a PyTorch export
+    (names, axes, opset, LoRA, tokenizer, memory budget) are refused. ``spec.fd_tolerances`` bound
+    the finite-difference rows (float32 differences are approximate; the others use ``tolerances``).
 
     Examples
     --------
     >>> generate_from_onnx("model.onnx", "out/from-onnx", trainable=["classifier.*"])  # doctest: +SKIP
     """
+    spec = spec.but(**changes)
+    torch_only = spec.changed(TORCH_ONLY)
+    if torch_only:
+        raise InputSpecError(
+            f"{', '.join(torch_only)} shape a PyTorch model's export; an .onnx file brings its own graph: drop them."
+        )
     path = Path(path)
     original = _load(path)
     out_dir = check_output(out_dir, force)
-    example = dict(example_inputs) if example_inputs is not None else onnx_example(original, seed)
+    example = dict(example_inputs) if example_inputs is not None else onnx_example(original, spec.seed)
     names = [i.name for i in _inputs(original)]
     if sorted(example) != sorted(names):
         raise InputSpecError(f"example inputs must be named {names}, got {sorted(example)}.")
     tensors = [example[n] for n in names]
     axes = resolve_axes(names, tensors, _named_axes(original))
     opset = next((o.version for o in original.opset_import if o.domain in ("", "ai.onnx")), 17)
-    options = Options(
-        output_names=None, loss=loss, loss_output=loss_output, optimizer=optimizer, trainable=tuple(trainable),
-        freeze=tuple(freeze), train_last=train_last, bias_only=bias_only, opset=opset, ort_format=ort_format,
-        dynamic_axes=axes, labels=tuple(labels),
-    )  # fmt: skip
+    options = Options(spec=spec.but(opset=opset), dynamic_axes=axes)
     floats = [i.name for i in original.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims]
     statistics = {n.input[i] for n in original.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
     params = [n for n in floats if n not in statistics]
@@ -104,7 +95,18 @@ def generate_from_onnx(
     def prove(work: Path, manifest: Manifest, graph: onnx.ModelProto, loss_index: int):  # type: ignore[no-untyped-def]
         examples = edge_batches(names, tensors, axes, embedding_inputs(graph, {}))
         reports = [
-            _prove(work, manifest, original, e, loss, loss_index, optimizer, tolerances, fd_tolerances, seed)
+            _prove(
+                work,
+                manifest,
+                original,
+                e,
+                spec.loss,
+                loss_index,
+                spec.optimizer,
+                spec.tolerances,
+                spec.fd_tolerances,
+                spec.seed,
+            )
             for e in examples
         ]
         report = merge_reports(reports, examples)
@@ -116,7 +118,8 @@ def generate_from_onnx(
             )
         return report, causes
 
-    return build_artifacts(source, tensors, names, options, out_dir, name or out_dir.name, prove if verify else None)
+    return build_artifacts(source, tensors, names, options, out_dir, name or out_dir.name,
+                           prove if spec.verify else None)  # fmt: skip
 
 
 def _load(path: Path) -> onnx.ModelProto:

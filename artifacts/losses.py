@@ -247,13 +247,8 @@ class CustomLoss(Loss):
         return self.reference_fn(output, target)
 
 
-_BY_NAME: dict[str, type[Loss]] = {
-    "cross_entropy": CrossEntropy,
-    "mse": MSE,
-    "l1": L1,
-    "bce_with_logits": BCEWithLogits,
-    "model": ModelLoss,
-}
+_BY_NAME: dict[str, type[Loss]] = {cls.kind: cls for cls in (CrossEntropy, MSE, L1, BCEWithLogits, ModelLoss)}
+"""The losses a name selects (`odt generate --loss`); CustomLoss needs Python. The manifest schema lists the kinds."""
 
 
 def loss_from_name(name: str, **options: Any) -> Loss:

@@ -98,7 +98,7 @@ class SGD:
 
 def optimizer_from_name(name: str, **options: Any) -> AdamW | SGD:
     """Build an optimizer from its CLI name; options ORT cannot run raise OptionError."""
-    kinds: dict[str, type[AdamW] | type[SGD]] = {"adamw": AdamW, "sgd": SGD}
+    kinds: dict[str, type[AdamW] | type[SGD]] = {cls.kind: cls for cls in (AdamW, SGD)}
     if name not in kinds:
         raise OptionError(f"unknown optimizer {name!r}; ONNX Runtime training offers {sorted(kinds)}.")
     try:

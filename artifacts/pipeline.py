@@ -9,7 +9,7 @@ import shutil
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import onnx
 import torch
@@ -46,23 +46,13 @@ from .export import (
     reaching,
 )
 from .frozen import FROZEN_FILE, externalize_frozen
-from .losses import Loss
-from .optimizers import SGD, AdamW
 from .selection import select_trainable
+from .spec import Spec
 from .verify import format_table
 
 __all__ = ["Source", "Options", "build_artifacts", "check_output", "resolve_axes"]
 
 log = logging.getLogger(__name__)
-
-_NP_DTYPES = {
-    onnx.TensorProto.FLOAT: "float32",
-    onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.INT32: "int32",
-    onnx.TensorProto.BOOL: "bool",
-}
 
 
 @dataclass(frozen=True)
@@ -154,24 +144,12 @@ def resolve_axes(
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The export options of one `generate` call, as `_build` needs them (by keyword only: two
-    swapped booleans must not pass unnoticed)."""
+    """What `_build` needs: the spec (with LoRA's adapters among what trains) and what the starting
+    point resolved from it."""
 
-    output_names: Sequence[str] | None
-    loss: Loss
-    loss_output: str | None
-    optimizer: AdamW | SGD
-    trainable: tuple[str, ...]
-    freeze: tuple[str, ...]
-    train_last: int | None
-    bias_only: bool
-    opset: int
-    ort_format: bool
+    spec: Spec
     dynamic_axes: Mapping[str, Mapping[int, str]]
     adapters: tuple[Adapter, ...] = ()
-    labels: tuple[str, ...] = ()
-    tokenizer: TokenizerSpec | None = None
-    """Its ``file`` is the source path; the artifact directory holds a copy named by its base name."""
     plan: Mapping[str, Any] | None = None
     hf_config: Mapping[str, Any] | None = None
 
@@ -179,16 +157,18 @@ class Options:
 def _build(
     source: Source, example: list[torch.Tensor], input_names: list[str], o: Options, work: Path, name: str
 ) -> tuple[Manifest, int, onnx.ModelProto]:
-    loss, optimizer, opset = o.loss, o.optimizer, o.opset
+    spec = o.spec
+    loss, optimizer, opset = spec.loss, spec.optimizer, spec.opset
     onnx_model, outputs = source.graph, source.outputs
     original = copy.deepcopy(onnx_model)
     context = passes.Context(opset=opset)
     passes.run_stage("export", onnx_model, context)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     trainable = select_trainable(
-        source.params, trainable=o.trainable, freeze=o.freeze, train_last=o.train_last, bias_only=o.bias_only
-    )
-    loss_output = o.loss_output or outputs[0]
+        source.params, trainable=spec.trainable, freeze=spec.freeze, train_last=spec.train_last,
+        bias_only=spec.bias_only,
+    )  # fmt: skip
+    loss_output = spec.loss_output or outputs[0]
     if loss_output not in outputs:
         raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
     unreachable = [n for n in trainable if n not in reaching(onnx_model, trainable, loss_output)]
@@ -224,13 +204,13 @@ def _build(
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     order = _parameter_order(work / "training_model.onnx")
-    if o.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
+    if spec.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
         offsets = {}
     else:
         in_order = [n for n in order if n in set(frozen)]
         offsets = externalize_frozen(work, trainable, in_order, list(updates), initializers)
-    tokenizer = _attach_tokenizer(o.tokenizer, input_names, work)
+    tokenizer = _attach_tokenizer(spec.tokenizer, input_names, work)
 
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
     trainable_specs, offset = [], 0
@@ -259,7 +239,7 @@ def _build(
         padding=padding,
         finite_check=passes.FINITE_CHECK,
         adapters=o.adapters,
-        labels=tuple(o.labels),
+        labels=spec.labels,
         tokenizer=tokenizer,
         plan=o.plan,
         index_limits=_index_limits(original, input_names),
@@ -322,7 +302,7 @@ def _loss_output_name(work: Path) -> str:
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     tensor = value.type.tensor_type
     dims: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim]
-    return TensorSpec(value.name, _NP_DTYPES.get(tensor.elem_type, str(tensor.elem_type)), tuple(dims))
+    return TensorSpec(value.name, str(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)), tuple(dims))
 
 
 def _index_limits(model: onnx.ModelProto, inputs: list[str]) -> dict[str, int]:

@@ -33,8 +33,9 @@ from torch import nn
 
 from .errors import OptionError, SelectionError
 from .lora import Lora
+from .spec import Spec
 
-__all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_options", "format_plan", "measure"]
+__all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure"]
 
 
 RUNTIME_BYTES = 80 * 2**20
@@ -134,28 +135,29 @@ def plan(
     model: nn.Module,
     example_inputs: Mapping[str, torch.Tensor],
     *,
-    budget: int | str,
-    batch_size: int,
-    generate_options: Mapping[str, Any],
+    spec: Spec,
     generate: Callable[..., Any],
-    lora: Lora | None = None,
     ranks: Sequence[int] = (4, 8, 16),
-    head: Sequence[str] = (),
     steps: int = 4,
     progress: bool = True,
 ) -> Plan:
-    """Measure candidates (largest first) until one trains within ``budget`` at ``batch_size``.
+    """Measure candidates (largest first) until one trains within ``spec.memory_budget`` at
+    ``spec.batch_size``.
 
-    ``generate_options`` are the other options of the final ``generate`` call (loss, optimizer,
-    dynamic axes...); ``generate`` is :func:`artifacts.generate` (passed in, so the planner does not
-    import the module that calls it). Raises SelectionError, with the smallest measured peak, when
-    nothing fits.
+    LoRA candidates put ranks on ``spec.lora``'s targets (default: query and value) beside what
+    ``spec.trainable`` names (a head); the rest of ``spec`` (loss, optimizer, axes...) builds every
+    candidate. ``generate`` is :func:`artifacts.generate` (passed in, so the planner does not import
+    the module that calls it). Raises SelectionError, with the smallest measured peak, when nothing fits.
     """
-    budget = parse_size(budget)
+    budget = parse_size(spec.memory_budget if spec.memory_budget is not None else "")
+    batch_size = spec.batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
+    head = spec.trainable
     result = Plan(budget=budget, batch_size=batch_size)
-    found = candidates(model, list(example_inputs.values()), lora, ranks, head)
+    found = candidates(model, list(example_inputs.values()), spec.lora or Lora(), ranks, head)
+    base = spec.but(input_names=None, memory_budget=None, verify=False, lora=None, lora_from=None,
+                    trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))
     try:
         for candidate in found:
@@ -170,9 +172,8 @@ def plan(
                 row["note"] = "estimate over budget, not measured"
                 continue
             directory = work / f"c{len(result.rows)}"
-            options = {**generate_options, **candidate.options}
             with _quiet_logs():
-                manifest = generate(model, example_inputs, directory, verify=False, **options)
+                manifest = generate(model, example_inputs, directory, spec=base.but(**candidate.options))
             if manifest.trainable_size != candidate.trainable:  # the generator froze what cannot reach the loss
                 row["trainable"] = manifest.trainable_size
                 row["note"] = f"{candidate.trainable - manifest.trainable_size:,} parameters do not reach the loss"
@@ -232,14 +233,14 @@ def _fit(directory: Path, batch: Path, steps: int, budget: int) -> dict[str, Any
     return measured
 
 
-def chosen_options(result: Plan) -> dict[str, Any]:
-    """The generate options of the chosen candidate (as the planner recorded them)."""
+def chosen_changes(result: Plan) -> dict[str, Any]:
+    """The chosen candidate as Spec changes: what trains, wholly (the planner recorded its options)."""
     row = next(r for r in result.rows if r["candidate"] == result.chosen)
     options = dict(row.get("options", {}))
     if "lora" in options:
         lora = options["lora"]
         options["lora"] = Lora(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]))
-    return options
+    return {"lora": None, "trainable": (), "train_last": None, "bias_only": False, **options}
 
 
 def measure(directory: Path, batch: Path, steps: int = 4, *, lean_memory: bool = False) -> dict[str, float]:

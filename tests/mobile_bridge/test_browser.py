@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mobile_bridge import keygen, make_bundle
+from mobile_bridge import BundleError, keygen, make_bundle, verify_bundle
 from ondevice.session import OrtTraining
 
 pytestmark = pytest.mark.browser
@@ -214,3 +214,32 @@ def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
         session.reset_grad()
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
     np.testing.assert_allclose(result["weights"], session.get_flat(), atol=1e-5)
+
+
+DESCRIPTION_DAMAGE = [
+    lambda d: d["inputs"][0].update(dtype="float99"),
+    lambda d: d["weights"]["tensors"][1].pop("offset"),
+    lambda d: d["inputs"][0]["shape"].__setitem__(0, 16),
+    lambda d: d.update(num_classes=-3),
+    lambda d: d["files"].update({"../escape": d["files"]["checkpoint"]}),
+]
+
+
+@pytest.mark.parametrize("damage", DESCRIPTION_DAMAGE, ids=["dtype", "offset", "batch", "classes", "file-name"])
+def test_browser_and_python_refuse_a_damaged_description_alike(digits_artifacts, site, tmp_path, damage):
+    """One schema, shipped in the bundle: the browser client and verify_bundle name the same place
+    and the same expectation for the same damage to bundle.json."""
+    root, url = site
+    make_bundle(digits_artifacts, root / "bundle")
+    description = json.loads((root / "bundle" / "bundle.json").read_text())
+    damage(description)
+    (root / "bundle" / "bundle.json").write_text(json.dumps(description))
+    with pytest.raises(BundleError) as python:
+        verify_bundle(root / "bundle")
+    result = _browser(url, {"steps": []}, tmp_path)
+    assert not result["ok"] and result["error"].startswith("BundleError: bundle.json: "), result
+    said = str(python.value).split(", found")[0]
+    assert said.startswith("bundle.json: ") and result["error"].removeprefix("BundleError: ").startswith(said), (
+        said,
+        result["error"],
+    )

@@ -102,7 +102,7 @@ def test_artifacts_without_a_tokenizer_say_so(digits_artifacts, tmp_path):
 def test_manifest_tokenizer_must_be_a_hashed_file(text_artifacts, tmp_path):
     data = json.loads((text_artifacts / "manifest.json").read_text())
     data["tokenizer"]["file"] = "../tokenizer.json"
-    with pytest.raises(ManifestError, match="tokenizer.file must be a file listed in files"):
+    with pytest.raises(ManifestError, match="tokenizer.file must be a plain file name inside the artifact directory"):
         Manifest.from_json(json.dumps(data))
 
 

@@ -1,0 +1,100 @@
+"""The generation spec: everything a generation needs besides the model and where the artifacts go.
+
+`generate`, `generate_from_onnx`, the planner and `odt generate` all read this one value; the
+CLI maps its flags onto it in one place. Keywords given to `generate(...)` are shorthand for
+its fields (``generate(model, x, "out", lora=Lora(8))`` is ``spec=Spec(lora=Lora(8))``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from ondevice.manifest import TokenizerSpec
+
+from .errors import InputSpecError
+from .lora import Lora
+from .losses import CrossEntropy, Loss
+from .optimizers import SGD, AdamW
+from .verify import Tolerances
+
+__all__ = ["Spec", "FD_TOLERANCES"]
+
+FD_TOLERANCES = Tolerances(atol=1e-3, rtol=5e-2)
+"""An .onnx model's finite-difference gradient rows (``--fd-atol/--fd-rtol``), widened per row by
+twice the difference between the estimates at two step sizes (their own error: ReLU kinks, float32)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What to build: graph, loss, optimizer, what trains, what travels with the artifacts, the proof."""
+
+    # The graph (a PyTorch model's; an .onnx file brings its own)
+    input_names: tuple[str, ...] | None = None
+    """Names of the example inputs when they are given in order (default: ``forward``'s parameters)."""
+    dynamic_axes: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    """Axes besides the batch that stay dynamic, e.g. ``{"ids": {1: "seq"}}``."""
+    output_names: tuple[str, ...] | None = None
+    opset: int = 17
+
+    # Loss and optimizer
+    loss: Loss = field(default_factory=CrossEntropy)
+    loss_output: str | None = None
+    """Which output the loss reads (default: the first)."""
+    optimizer: AdamW | SGD = field(default_factory=AdamW)
+
+    # What trains (default: every parameter)
+    trainable: tuple[str, ...] = ()
+    """Globs of parameters that train (with ``lora``: what trains beside the adapters, e.g. a head)."""
+    freeze: tuple[str, ...] = ()
+    train_last: int | None = None
+    bias_only: bool = False
+    lora: Lora | None = None
+    lora_from: str | os.PathLike[str] | None = None
+    """A PEFT adapter folder: its rank, alpha, targets and weights start the adapters."""
+    memory_budget: int | str | None = None
+    """``"200MB"``: the planner measures candidates and picks what trains (see `artifacts.planner`)."""
+    batch_size: int = 16
+    """The batch the memory plan is measured at."""
+
+    # What travels with the artifacts
+    labels: tuple[str, ...] = ()
+    tokenizer: TokenizerSpec | None = None
+    ort_format: bool = False
+
+    # The proof
+    verify: bool = True
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    fd_tolerances: Tolerances = FD_TOLERANCES
+    """Only an .onnx model's finite-difference rows."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("input_names", "output_names", "trainable", "freeze", "labels"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                if isinstance(value, str):
+                    raise InputSpecError(f"{name} takes a list of names, got the string {value!r}.")
+                object.__setattr__(self, name, tuple(value))
+
+    def but(self, **changes: Any) -> Spec:
+        """This spec with ``changes`` (field names); an unknown name is an error that lists the fields."""
+        unknown = sorted(set(changes) - FIELDS)
+        if unknown:
+            raise InputSpecError(
+                f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"the options are the fields of artifacts.Spec: {', '.join(sorted(FIELDS))}."
+            )
+        return replace(self, **changes) if changes else self
+
+    def changed(self, names: tuple[str, ...]) -> list[str]:
+        """Which of ``names`` differ from a default Spec (to refuse what a starting point cannot use)."""
+        default = Spec()
+        return [n for n in names if getattr(self, n) != getattr(default, n)]
+
+
+FIELDS = frozenset(f.name for f in fields(Spec))
+TORCH_ONLY = ("input_names", "dynamic_axes", "output_names", "opset", "lora", "lora_from", "tokenizer",
+              "memory_budget")  # fmt: skip
+"""Fields that shape a PyTorch model's export and mean nothing to an existing .onnx file."""
