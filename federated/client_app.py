@@ -15,13 +15,13 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from ondevice.formats import save_tensors
 
 from .buffers import split_state
 from .codec import encode
 from .errors import FederatedError
+from .flower_internals import KEY_CLIPPING_NORM
 from .partial import fit_to, personal_names
 from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, to_arrays, train_reply
 from .task import Settings, local_epochs, node_artifacts, node_data, node_trainer

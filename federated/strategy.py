@@ -1,14 +1,17 @@
-"""Flower strategies by name, wrapped so that every update is decoded and checked before aggregation."""
+"""Flower strategies by name, and the guard that composes the SDK's pieces around one.
+
+The guard (:class:`GuardedStrategy`) stamps tasks and then, per reply: admission
+(:func:`federated.validation.update_problem` / ``partial_update_problem``), norm bounds
+(:func:`federated.validation.bound_updates`), aggregation by Flower's strategy or, for partial
+updates, :func:`federated.partial.aggregate_partial`, DP noise calibrated to the round's sample and
+seeded sampling (:mod:`federated.flower_internals`). Each piece is a small unit with its own tests.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import random
-import re
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -25,8 +28,6 @@ from flwr.serverapp.strategy import (
     Krum,
     Strategy,
 )
-from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from ondevice.manifest import Manifest
 
@@ -34,11 +35,13 @@ from .buffers import average_buffers, split_state
 from .codec import CodecError, decode, payload_bytes
 from .config import STRATEGIES
 from .errors import FederatedError, RoundFailedError
-from .partial import aggregate_partial, leading, slice_problem
+from .flower_internals import OrderedGrid, aggregate_metricrecords, calibrate_dp_noise, seeded_sampling
+from .partial import aggregate_partial
 from .protocol import from_arrays, hash_tag, to_arrays
-from .validation import norm_bounds, update_norm, update_problem
+from .round_log import RoundLog, round_problem
+from .validation import bound_updates, partial_update_problem, update_problem
 
-__all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy"]
+__all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy", "RoundLog", "round_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +90,6 @@ def make_strategy(name: str, *, min_nodes: int, fraction_train: float = 1.0, **o
             strategy, noise_multiplier=dp_noise, clipping_norm=dp_clip, num_sampled_clients=min_nodes
         )
     return strategy
-
-
-@dataclass
-class RoundLog:
-    """What the guard saw in one round: bytes moved and updates it excluded."""
-
-    bytes_down: int = 0
-    bytes_up: dict[int, int] = field(default_factory=dict)
-    excluded: dict[int, str] = field(default_factory=dict)
-    clipped: dict[int, str] = field(default_factory=dict)
-    train_metrics: dict[str, Any] = field(default_factory=dict)  # the strategy's aggregate of client metrics
-    eval_metrics: dict[str, Any] = field(default_factory=dict)
-    dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)
-    dp_noise_std: float | None = None
-    buffers: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> running stats
-    eval_by_client: dict[int, dict[str, float]] = field(default_factory=dict)  # partition id -> its eval metrics
-    accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
-    partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition id its train reply named
-    tiers: dict[int, str] = field(default_factory=dict)  # node -> the name of the tier it trained (mixed tiers)
-
-    def key(self, node: int) -> str:
-        """How the report names a client: its partition id (as evaluation does), else its node id."""
-        partition = self.partitions.get(node, -1)
-        return str(partition) if partition >= 0 else f"node-{node}"
 
 
 class GuardedStrategy(Strategy):
@@ -177,7 +156,7 @@ class GuardedStrategy(Strategy):
         self._global = from_arrays(arrays)
         weights, buffers = split_state(self.manifest, self._global)
         # The strategy sees the weights only; the running statistics ride along in every task.
-        with self._sampling(server_round, "train"):
+        with seeded_sampling(self.seed, server_round, "train"):
             messages = list(
                 self.inner.configure_train(server_round, to_arrays(weights), self._stamp(config), self._grid(grid))
             )
@@ -185,12 +164,9 @@ class GuardedStrategy(Strategy):
             for key, record in list(message.content.array_records.items()):
                 message.content[key] = to_arrays({**from_arrays(record), **buffers})
         record = self.rounds[server_round] = RoundLog(bytes_down=payload_bytes(self._global) * len(messages))
-        if isinstance(self.inner, DifferentialPrivacyFixedClippingBase) and messages:
-            # Flower's noise std is noise_multiplier * clipping_norm / num_sampled_clients: calibrate it to
-            # the nodes the strategy actually sampled this round, not to the configured minimum.
-            self.inner.num_sampled_clients = len(messages)
-            record.dp_sampled = len(messages)
-            record.dp_noise_std = self.inner.noise_multiplier * self.inner.clipping_norm / len(messages)
+        # The noise is calibrated to the nodes actually sampled this round, not to the configured minimum.
+        record.dp_noise_std = calibrate_dp_noise(self.inner, len(messages))
+        record.dp_sampled = len(messages) if record.dp_noise_std is not None else None
         return messages
 
     def aggregate_train(
@@ -248,31 +224,24 @@ class GuardedStrategy(Strategy):
 
     def _bounded(self, server_round: int, kept: list[Message], record: RoundLog) -> list[Message]:
         """Updates whose norm is out of bounds (finite poisoning) are rejected or clipped."""
-        weights = {m.metadata.src_node_id: from_arrays(next(iter(m.content.array_records.values()))) for m in kept}
-        norms = {node: update_norm(w, self._global) for node, w in weights.items()}
-        over = norm_bounds(norms, multiple=self.norm_bound, absolute=self.max_update_norm)
+        updates = {m.metadata.src_node_id: from_arrays(next(iter(m.content.array_records.values()))) for m in kept}
+        bounded = bound_updates(updates, self._global, multiple=self.norm_bound, absolute=self.max_update_norm,
+                                action=self.norm_action)  # fmt: skip
+        for node, reason in {**bounded.clipped, **bounded.excluded}.items():
+            log.warning("round %d: node %s: %s (%s)", server_round, node, reason, self.norm_action)
+        record.clipped.update(bounded.clipped)
+        record.excluded.update(bounded.excluded)
+        for node in bounded.excluded:
+            record.buffers.pop(node, None)
+            record.accepted.pop(node, None)
         result = []
         for message in kept:
             node = message.metadata.src_node_id
-            if node not in over:
-                result.append(message)
-                continue
-            reason = f"update norm {norms[node]:.3g} is over its bound {over[node]:.3g}"
-            if self.norm_action == "clip":
-                scale = over[node] / norms[node]
-                clipped = {}
-                for k, v in weights[node].items():
-                    start = self._global[k][leading(v.shape)]
-                    clipped[k] = start + (v - start) * np.float32(scale)
+            if node in bounded.clipped:
                 (key,) = message.content.array_records.keys()
-                message.content[key] = to_arrays(clipped)
-                record.clipped[node] = reason
+                message.content[key] = to_arrays(bounded.kept[node])
+            if node in bounded.kept:
                 result.append(message)
-            else:
-                record.excluded[node] = reason
-                record.buffers.pop(node, None)
-                record.accepted.pop(node, None)
-            log.warning("round %d: node %s: %s (%s)", server_round, node, reason, self.norm_action)
         return result
 
     def _admit(self, message: Message, record: RoundLog) -> str | None:
@@ -320,45 +289,23 @@ class GuardedStrategy(Strategy):
         """A partial update: a known tier, only tensors that tier trains, each a slice of the global one."""
         tiers = {hash_tag(sha): manifest for sha, manifest in self.tiers.items()}
         manifest = tiers.get(metrics.get("manifest-tag"))  # type: ignore[arg-type]
-        if manifest is None:
-            return "trained on artifacts of no tier of this run (manifest hash differs)"
-        record.tiers[message.metadata.src_node_id] = manifest.name
-        count = metrics.get("num-examples")
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= self.max_examples:
-            return f"example count {count!r} is outside 1..{self.max_examples}"
-        trains = {p.name: p.shape for p in manifest.trainable}
-        for name, array in payload.items():
-            if trains.get(name) != array.shape:
-                return f"tensor {name!r} {array.shape} is not one its tier trains"
-            problem = slice_problem(name, array, self._global)
-            if problem:
-                return problem
-        del metrics["manifest-tag"]
-        return None
+        if manifest is not None:
+            record.tiers[message.metadata.src_node_id] = manifest.name
+        problem = partial_update_problem(payload, manifest, self._global, num_examples=metrics.get("num-examples"),
+                                         max_examples=self.max_examples)  # fmt: skip
+        if problem is None:
+            del metrics["manifest-tag"]
+        return problem
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         server_round += self.offset
-        with self._sampling(server_round, "evaluate"):
+        with seeded_sampling(self.seed, server_round, "evaluate"):
             return list(self.inner.configure_evaluate(server_round, arrays, self._stamp(config), self._grid(grid)))
 
-    @contextmanager
-    def _sampling(self, server_round: int, phase: str) -> Iterator[None]:
-        """Flower samples nodes with the ``random`` module: seed it per round and phase (then
-        restore it), so that a seeded run samples the same nodes each time."""
-        if self.seed is None:
-            yield
-            return
-        state = random.getstate()
-        random.seed(f"odt-{self.seed}-{server_round}-{phase}")
-        try:
-            yield
-        finally:
-            random.setstate(state)
-
     def _grid(self, grid: Grid) -> Grid:
-        return _OrderedGrid(grid, self.node_order) if self.seed is not None else grid
+        return OrderedGrid(grid, self.node_order) if self.seed is not None else grid
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.offset
@@ -384,49 +331,6 @@ class GuardedStrategy(Strategy):
         (metrics,) = message.content.metric_records.values()
         count = metrics.get("num-examples")
         return isinstance(count, int) and 0 < count <= self.max_examples
-
-
-def round_problem(replies: int, kept: int, min_nodes: int, excluded: Mapping[int, str]) -> str | None:
-    """Why a round cannot go on (None when it can): it needs ``min_nodes`` replies and one usable update."""
-    first = next(iter(excluded.items()), None)
-    cause = f" The first: node {first[0]}: {_first_line(first[1])}" if first else ""
-    if replies == 0:
-        return "no client replied within round-timeout. Raise round-timeout or check that the nodes are running."
-    if replies < min_nodes:
-        return f"only {replies} of the {min_nodes} nodes it needs (min-nodes) replied within round-timeout.{cause}"
-    if kept == 0:
-        return f"every one of the {replies} clients failed or was excluded, so nothing was trained.{cause}"
-    return None
-
-
-def _first_line(reason: str, limit: int = 300) -> str:
-    """The client's own error out of Flower's reason (which may hold a Ray or Python traceback)."""
-    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
-    told = [line.split("occurred. Message: ", 1)[1].rstrip("'>") for line in lines if "occurred. Message: " in line]
-    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b: ", line)]
-    if told:
-        line = told[0]
-    elif raised:  # "ondevice.errors.DataError: ..." -> "DataError: ..."
-        name, text = raised[-1].split(": ", 1)
-        line = f"{name.rsplit('.', 1)[-1]}: {text}"
-    else:
-        line = lines[0] if lines else reason
-    return line[:limit] + ("..." if len(line) > limit else "")
-
-
-class _OrderedGrid:
-    """A grid whose node ids come in a fixed order (by ``order``'s keys, then by id) instead of the
-    order Flower registered them in, so that a seeded sample of them repeats; all else is the grid's."""
-
-    def __init__(self, grid: Grid, order: Mapping[int, int]) -> None:
-        self._grid, self._order = grid, order
-
-    def get_node_ids(self) -> list[int]:
-        unknown = max(self._order.values(), default=0) + 1
-        return sorted(self._grid.get_node_ids(), key=lambda node: (self._order.get(node, unknown), node))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
 
 
 def _reply_digest(message: Message) -> bytes:

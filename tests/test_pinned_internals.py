@@ -4,7 +4,6 @@ written for: an upgrade that moves or changes one fails here, by name, instead o
 
 from __future__ import annotations
 
-import random
 from importlib import metadata
 
 import numpy as np
@@ -60,38 +59,40 @@ def test_ort_1_19_symbolic_shape_inference_internals():
 
 
 def test_flower_1_41_internals_the_apps_use():
-    """federated.strategy recalibrates Flower's DP noise through DifferentialPrivacyFixedClippingBase's
-    attributes, averages metrics with strategy_utils.aggregate_metricrecords, and reseeds the global
-    `random` module because Flower samples nodes with it; the client reads KEY_CLIPPING_NORM."""
-    from flwr.app import MetricRecord, RecordDict
+    """federated.flower_internals, the one module that reaches into Flower: DP noise recalibrated
+    through DifferentialPrivacyFixedClippingBase's attributes, metrics averaged with
+    strategy_utils.aggregate_metricrecords, node sampling repeated by seeding the `random` module
+    Flower samples with; the client reads KEY_CLIPPING_NORM."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
-    from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
-    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
-    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from federated.flower_internals import (
+        KEY_CLIPPING_NORM,
+        aggregate_metricrecords,
+        calibrate_dp_noise,
+        seeded_sampling,
+    )
+    from tests.federated.test_statistics_and_dp import Nodes
 
     assert isinstance(KEY_CLIPPING_NORM, str)
     dp = DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=2.0,
                                                     num_sampled_clients=3)  # fmt: skip
-    assert isinstance(dp, DifferentialPrivacyFixedClippingBase)
-    assert (dp.noise_multiplier, dp.clipping_norm, dp.num_sampled_clients) == (1.0, 2.0, 3)
+    assert calibrate_dp_noise(dp, 4) == pytest.approx(0.5) and dp.num_sampled_clients == 4
 
     records = [RecordDict({"m": MetricRecord({"num-examples": n, "loss": v})}) for n, v in ((10, 1.0), (30, 3.0))]
     merged = aggregate_metricrecords(records, "num-examples")
     assert merged["loss"] == pytest.approx(np.average([1.0, 3.0], weights=[10, 30]))
 
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from tests.federated.test_statistics_and_dp import Nodes
-
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what a ServerApp process has
 
-    def sample() -> list[int]:
-        from flwr.app import ArrayRecord, ConfigRecord
-
-        messages = FedAvg(fraction_train=0.5).configure_train(1, ArrayRecord(), ConfigRecord(), Nodes(10))
+    def sample(seed: int) -> list[int]:
+        with seeded_sampling(seed, 1, "train"):
+            messages = FedAvg(fraction_train=0.5).configure_train(1, ArrayRecord(), ConfigRecord(), Nodes(10))
         return sorted(m.metadata.dst_node_id for m in messages)
 
-    random.seed(7)
-    first = sample()
-    random.seed(7)
-    assert sample() == first, "Flower 1.41 sampled nodes with the `random` module; seeding no longer fixes it"
+    samples = {seed: sample(seed) for seed in range(6)}
+    assert all(sample(seed) == nodes for seed, nodes in samples.items()), (
+        "Flower 1.41 sampled nodes with the `random` module; seeding no longer fixes it"
+    )
+    assert len({tuple(nodes) for nodes in samples.values()}) > 1, "the sample no longer depends on the seed"
