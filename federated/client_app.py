@@ -21,9 +21,10 @@ from ondevice.formats import save_tensors
 from .buffers import split_state
 from .codec import encode
 from .errors import FederatedError
-from .flower_internals import KEY_CLIPPING_NORM
+from .flower_internals import KEY_CLIPPING_NORM, SecAgg
 from .partial import fit_to, personal_names
 from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, skip_evaluation, to_arrays, train_reply
+from .secure import secure_mod
 from .task import Settings, local_epochs, node_artifacts, node_data, node_trainer
 
 __all__ = ["app", "RELAY_GROUP"]
@@ -41,7 +42,18 @@ def clipping_when_asked(msg: Message, context: Context, call_next: ClientAppCall
     return call_next(msg, context)
 
 
-app = ClientApp(mods=[clipping_when_asked])
+def secure_unless_relay(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """SecAgg+ (:func:`federated.secure.secure_mod`) for nodes that train themselves. A relay node
+    (a browser behind the bridge) refuses: it would mask an update it has already seen in the clear."""
+    if SecAgg.CONFIGS in msg.content.config_records and any(key in context.node_config for key in RELAY_KEYS):
+        raise FederatedError(
+            "secure aggregation: browser and phone clients behind the bridge cannot join secure rounds yet (they "
+            "would have to mask their own updates); run this round without them or with secure-aggregation=false."
+        )
+    return secure_mod(msg, context, call_next)
+
+
+app = ClientApp(mods=[secure_unless_relay, clipping_when_asked])
 
 
 def _relay(context: Context) -> Callable[[Message, Context], Message] | None:

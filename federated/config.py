@@ -124,6 +124,41 @@ KEYS: tuple[Key, ...] = (
     Key("save-updates", bool, False, "also write every accepted client update to OUTPUT/updates/"),
     Key("personal", str, "", "comma-separated globs of tensors that stay on each client (e.g. head.*)"),
     Key("tiers", str, "", "comma-separated artifact dirs of other tiers (same base, other trainable sets)"),
+    Key("secure-aggregation", bool, False, "SecAgg+: the server learns only the sum of the clients' updates"),
+    Key(
+        "secagg-shares",
+        float,
+        1.0,
+        "share of the sampled nodes each node shares keys with (1: all)",
+        low=0,
+        high=1,
+        low_open=True,
+    ),
+    Key(
+        "secagg-threshold",
+        float,
+        0.5,
+        "share of a node's group that must survive to unmask the sum",
+        low=0,
+        high=1,
+        low_open=True,
+    ),
+    Key(
+        "secagg-clipping-range",
+        float,
+        4.0,
+        "each element of a weighted update is clipped to +/- this",
+        low=0,
+        low_open=True,
+    ),
+    Key(
+        "secagg-quantization",
+        int,
+        0,
+        "quantization levels over the clipping range (0: the most the 2^32 modulus allows for the round's nodes)",
+        low=0,
+        high=2**30,
+    ),
     Key("resume", bool, False, "continue the run in OUTPUT after its last completed round (OUTPUT/run-state.npz)"),
     Key("run-id", str, "", "set by odt fl: the report and any failure are written under this id"),
 )
@@ -160,7 +195,36 @@ def validate(config: Mapping[str, Any]) -> dict[str, Any]:
         raise RunConfigError(
             f"differential privacy needs both dp-noise > 0 and dp-clip > 0, got dp-noise={noise} and dp-clip={clip}."
         )
+    if checked.get("secure-aggregation", False):
+        _check_secure(checked)
     return checked
+
+
+SECURE_STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam")
+"""Strategies that need only the weighted average of the updates (the others look at each update)."""
+
+
+def _check_secure(checked: Mapping[str, Any]) -> None:
+    def value(name: str) -> Any:
+        return checked.get(name, BY_NAME[name].default)
+
+    problems = []
+    if value("strategy") not in SECURE_STRATEGIES:
+        problems.append(f"strategy {value('strategy')!r} looks at each update (use one of {SECURE_STRATEGIES})")
+    if value("codec") != "none":
+        problems.append("codec must be 'none' (the update is quantized inside the protocol)")
+    if value("personal") or value("tiers"):
+        problems.append("personal tensors and tiers send partial updates (one vector shape per round is needed)")
+    if value("dp-noise") > 0 and value("dp-mode") != "client":
+        problems.append(
+            "with differential privacy, dp-mode must be 'client' (the server cannot clip what it cannot see)"
+        )
+    if value("min-nodes") < 2:
+        problems.append("min-nodes must be at least 2 (one node's sum is its update)")
+    if value("save-updates"):
+        problems.append("save-updates has nothing to save (the server never holds a client's update)")
+    if problems:
+        raise RunConfigError("secure-aggregation=true: " + "; ".join(problems) + ".")
 
 
 def app_config_toml() -> str:

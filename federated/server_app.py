@@ -20,6 +20,7 @@ from .partial import fit_to, union_of
 from .protocol import METRICS, from_arrays, to_arrays
 from .report import record_failure, round_row, save_weights, write_report
 from .run_state import load_run_state, save_run_state
+from .secure import SecureGrid, SecureSettings
 from .strategy import GuardedStrategy, make_strategy
 from .task import Settings
 
@@ -61,6 +62,11 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         raise FederatedError(
             "differential privacy with BatchNorm running statistics is not supported: the averaged statistics "
             "would be released without noise. Freeze the statistics (BatchNorm in eval mode) or turn DP off."
+        )
+    if settings.secure_aggregation and evaluator.manifest.buffers:
+        raise FederatedError(
+            "secure aggregation with BatchNorm running statistics is not supported: they are pooled, not summed. "
+            "Freeze the statistics (BatchNorm in eval mode) or turn secure-aggregation off."
         )
     if settings.dp_mode == "client" and settings.dp_clip > 0 and settings.codec != "none":
         raise FederatedError("client-side clipping needs codec 'none': the clipping mod reads full weights.")
@@ -131,6 +137,12 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
     if remaining > 0 and settings.fraction_train < 1:  # sampled rounds: the same sample in every run
         strategy.seed = settings.seed
         strategy.node_order = node_partitions(grid, settings.min_nodes, max(settings.round_timeout, 60.0))
+    if settings.secure_aggregation:  # the strategy trains through SecAgg+ and receives only the sum
+        grid = strategy.secure = SecureGrid(grid, SecureSettings(
+            shares=settings.secagg_shares, threshold=settings.secagg_threshold,
+            clipping_range=settings.secagg_clipping_range, quantization=settings.secagg_quantization,
+            max_weight=float(settings.max_examples),
+        ))  # fmt: skip
     if remaining > 0:
         result = strategy.start(
             grid,

@@ -39,6 +39,7 @@ from .flower_internals import OrderedGrid, aggregate_metricrecords, calibrate_dp
 from .partial import aggregate_partial
 from .protocol import from_arrays, hash_tag, to_arrays
 from .round_log import RoundLog, round_problem
+from .secure import SecureGrid
 from .validation import bound_updates, partial_update_problem, update_problem
 
 __all__ = ["STRATEGIES", "make_strategy", "GuardedStrategy", "RoundLog", "round_problem"]
@@ -135,6 +136,7 @@ class GuardedStrategy(Strategy):
         self.rounds: dict[int, RoundLog] = {}
         self.offset = 0  # rounds already done by the run this one resumes: Flower counts from 1 again
         self._global: dict[str, np.ndarray] = {}
+        self.secure: SecureGrid | None = None  # set when the run aggregates securely: one reply, the sum
         self.seed: int | None = None  # with it, each round's sample of nodes repeats from run to run...
         self.node_order: dict[int, int] = {}  # ...ordered by these keys (node id -> partition id)
 
@@ -193,7 +195,13 @@ class GuardedStrategy(Strategy):
                 kept.append(message)
         # Aggregate in a fixed order (not arrival order) so that a run's float32 sums repeat exactly.
         kept = sorted(self._bounded(server_round, kept, record), key=_reply_digest)
-        problem = round_problem(len(replies), len(kept), self.min_nodes, record.excluded)
+        answered = len(replies)
+        if self.secure is not None and self.secure.rounds:  # one reply stood for every node that survived
+            secure = self.secure.rounds[-1]
+            record.bytes_up, record.bytes_down = dict(secure.bytes_up), sum(secure.bytes_down.values())
+            record.excluded.update({n: f"dropped out in the {stage} stage" for n, stage in secure.dropped.items()})
+            answered = len(secure.sampled) - len(secure.dropped)
+        problem = round_problem(answered, len(kept), self.min_nodes, record.excluded)
         if problem:
             raise RoundFailedError(f"round {server_round}: {problem}")
         if self.partial:
@@ -267,7 +275,7 @@ class GuardedStrategy(Strategy):
             weights,
             self.manifest,
             num_examples=metrics.get("num-examples"),
-            max_examples=self.max_examples,
+            max_examples=self.max_examples * (len(self.secure.rounds[-1].sampled) if self.secure else 1),
             tag=metrics.get("manifest-tag"),
             expected_tag=hash_tag(self.sha256),
         )

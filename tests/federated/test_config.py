@@ -90,3 +90,27 @@ def test_files_partitioning_needs_one_file_per_client(digits_artifacts, data_dir
     assert main([*argv, "8"]) == 2
     assert "found 6 files for --clients 8. Use --clients 6" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"strategy": "krum"}, "strategy 'krum' looks at each update"),
+        ({"codec": "int8"}, "codec must be 'none'"),
+        ({"personal": "head.*"}, "personal tensors and tiers"),
+        ({"dp-noise": 1.0, "dp-clip": 1.0}, "dp-mode must be 'client'"),
+        ({"min-nodes": 1}, "min-nodes must be at least 2"),
+        ({"save-updates": True}, "save-updates has nothing to save"),
+        ({"secagg-threshold": 0}, "'secagg-threshold' must be > 0 and <= 1"),
+        ({"secagg-shares": 1.5}, "'secagg-shares' must be > 0 and <= 1"),
+    ],
+)
+def test_secure_aggregation_refuses_what_needs_each_update(extra, message):
+    with pytest.raises(RunConfigError, match=message):
+        validate({"secure-aggregation": True, **extra})
+
+
+def test_secure_aggregation_composes_with_client_side_dp():
+    checked = validate({"secure-aggregation": "true", "dp-noise": 0.5, "dp-clip": 2.0, "dp-mode": "client",
+                        "strategy": "fedadam"})  # fmt: skip
+    assert checked["secure-aggregation"] is True

@@ -302,3 +302,32 @@ def test_a_run_whose_server_is_killed_resumes_after_its_last_round(digits_artifa
     accuracy = json.loads((tmp_path / "straight" / "metrics.json").read_text())["rounds"][-1]
     assert abs(report["rounds"][-1]["central.accuracy"] - accuracy["central.accuracy"]) <= 0.004  # one test example
     assert _alive_with_home(out / "logs" / "flwr-home") == []
+
+
+def test_secure_aggregation_ends_like_plain_fedavg(digits_no_dropout, data_dir, tmp_path):
+    """SecAgg+ in Flower's simulation runtime: a round with and without it ends with the same global
+    weights up to the quantization, and the report counts every node's bytes. (One round: AdamW's
+    first steps turn differences of 1e-6 into visible ones, so later rounds are compared in the
+    benchmark by accuracy.)"""
+    reports, weights = {}, {}
+    for name, extra in (("plain", {}), ("secure", {"secure-aggregation": True})):
+        config = _config(digits_no_dropout[0], data_dir, tmp_path / name, **{"num-server-rounds": 1, **extra})
+        reports[name] = simulate(4, config, work=tmp_path / f"{name}-work")
+        weights[name] = np.load(tmp_path / name / "global_weights.npz")
+    counts = 4 * 200  # at least 200 examples per client here; max-examples (100,000) scales the weights
+    bound = 4 * (2 * 4.0 / 2**29) * 100_000 / counts + 1e-6  # a level per node / the summed weights + float32
+    for tensor in weights["plain"].files:
+        np.testing.assert_allclose(weights["secure"][tensor], weights["plain"][tensor], atol=bound, err_msg=tensor)
+    assert _accuracies(reports["secure"]) == pytest.approx(_accuracies(reports["plain"]), abs=0.005)
+    (row,) = reports["secure"]["rounds"][1:]
+    assert len(row["bytes_up_per_client"]) == 4 and not row["excluded"]
+
+
+def test_tls_deployment_with_secure_aggregation(digits_artifacts, data_dir, tmp_path):
+    """Real SuperLink and SuperNodes over TLS, every round aggregated with SecAgg+."""
+    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"secure-aggregation": True})
+    report = deploy(3, config, tls=True, work=tmp_path / "w")
+    assert all(len(row["bytes_up_per_client"]) == 3 for row in report["rounds"][1:])
+    assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.3
+    assert report["settings"]["secure_aggregation"] is True
+    assert _alive_with_home(tmp_path / "w" / "flwr-home") == []

@@ -1,0 +1,190 @@
+"""SecAgg+ in the Message-API app: the sum against numpy, masked vectors only, dropouts, thresholds.
+
+Nodes here are the client's real SecAgg+ mod (Flower's stage functions, real keys, shares and
+masks) behind an in-process grid that delivers each message to its node and keeps the node's
+Context between stages; their train handler returns known updates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from federated.errors import RoundFailedError
+from federated.flower_internals import SecAgg
+from federated.protocol import ARRAYS, METRICS, from_arrays, to_arrays
+from federated.secure import SecureGrid, SecureSettings, levels_for, secure_mod
+
+SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (5, 40)}
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+class LoopbackGrid(Grid):
+    """Nodes in this process: each message goes through the node's SecAgg+ mod to its train handler.
+    ``vanish`` (node -> stage) makes a node stop answering from that stage on."""
+
+    def __init__(self, updates: dict[int, tuple[dict[str, np.ndarray], int]], vanish: dict[int, str] | None = None):
+        self.updates, self.vanish = updates, vanish or {}
+        self.contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in updates}
+        self.gone: set[int] = set()
+
+    def get_node_ids(self):  # type: ignore[no-untyped-def]
+        return list(self.updates)
+
+    def send_and_receive(self, messages, *, timeout=None):  # type: ignore[no-untyped-def]
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            stage = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]
+            if self.vanish.get(node) == stage:
+                self.gone.add(node)
+            if node not in self.gone:
+                replies.append(secure_mod(message, self.contexts[node], self._train))
+        return replies
+
+    def _train(self, message: Message, context: Context) -> Message:
+        update, count = self.updates[context.node_id]
+        start = from_arrays(message.content[ARRAYS])
+        trained = {k: start[k] + update[k] for k in start}
+        metrics = MetricRecord({"num-examples": count, "train-loss": float(count), "manifest-tag": 7})
+        return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
+
+    create_message = run = set_run = push_messages = pull_messages = None  # type: ignore[assignment]
+
+
+def _updates(nodes: int, scale: float = 0.05, seed: int = 0) -> dict[int, tuple[dict[str, np.ndarray], int]]:
+    rng = np.random.default_rng(seed)
+    return {
+        100 + i: ({k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()},
+                  int(rng.integers(20, 200)))
+        for i in range(nodes)
+    }  # fmt: skip
+
+
+def _round(grid: Grid, nodes: list[int], settings: SecureSettings, start: dict[str, np.ndarray]):
+    tasks = [
+        Message(RecordDict({ARRAYS: to_arrays(start)}), dst_node_id=n, message_type="train", group_id="1")
+        for n in nodes
+    ]
+    secure = SecureGrid(grid, settings)
+    (reply,) = secure.send_and_receive(tasks)
+    return secure, from_arrays(reply.content[ARRAYS]), reply.content[METRICS]
+
+
+def _expected(updates, nodes, start):
+    total = sum(updates[n][1] for n in nodes)
+    return {
+        k: start[k] + sum(updates[n][0][k].astype(np.float64) * updates[n][1] for n in nodes) / total for k in start
+    }
+
+
+def _bound(settings: SecureSettings, updates, survivors) -> float:
+    """The sum's quantization error: under a level per node, divided by the summed weights; plus float32."""
+    level = 2 * settings.clipping_range / (settings.quantization or levels_for(len(updates)))
+    total = sum(updates[n][1] for n in survivors) / settings.max_weight
+    return len(survivors) * level / total + 1e-6
+
+
+START = {k: np.random.default_rng(9).standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("shares", [1.0, 0.5], ids=["secagg", "secagg+"])
+def test_the_aggregate_is_fedavg_of_the_updates_within_the_quantization_bound(shares):
+    updates = _updates(9)
+    settings = SecureSettings(shares=shares, max_weight=1000.0)
+    secure, aggregate, metrics = _round(LoopbackGrid(updates), list(updates), settings, START)
+    expected = _expected(updates, list(updates), START)
+    for name in SHAPES:
+        np.testing.assert_allclose(
+            aggregate[name], expected[name], atol=_bound(settings, updates, list(updates)), rtol=0
+        )
+    assert metrics["num-examples"] == sum(c for _, c in updates.values())
+    counts = np.array([c for _, c in updates.values()], np.float64)
+    assert metrics["train-loss"] == pytest.approx(np.sum(counts * counts) / counts.sum())  # metrics stay clear
+    assert not secure.rounds[-1].dropped
+
+
+def test_the_server_holds_masked_vectors_only():
+    """No vector the server received equals, or correlates with, any node's true update."""
+    updates = _updates(5)
+    secure, _, _ = _round(LoopbackGrid(updates), list(updates), SecureSettings(max_weight=1000.0), START)
+    held = secure.rounds[-1].masked
+    assert sorted(held) == sorted(updates)
+    for node, vector in held.items():
+        flat = np.concatenate([v.ravel() for v in vector[1:]]).astype(np.float64)  # [0] is the weight factor
+        assert flat.min() >= 0 and flat.max() < 2**32
+        for other, (update, _) in updates.items():
+            truth = np.concatenate([update[k].ravel() for k in sorted(update)]).astype(np.float64)
+            assert abs(np.corrcoef(flat, truth)[0, 1]) < 0.1, (node, other)
+        assert np.std(flat) > 0.25 * 2**32 / np.sqrt(12) * 0.9  # spread like uniform noise over the modulus
+
+
+@pytest.mark.parametrize("shares", [1.0, 0.6], ids=["secagg", "secagg+"])
+def test_nodes_that_vanish_after_sharing_keys_are_unmasked_by_the_others(shares):
+    updates = _updates(10, seed=1)
+    vanish = {101: "collect_masked_vectors", 104: "collect_masked_vectors", 107: "unmask"}
+    settings = SecureSettings(shares=shares, threshold=0.5, max_weight=1000.0)
+    secure, aggregate, metrics = _round(LoopbackGrid(updates, vanish), list(updates), settings, START)
+    survivors = [n for n in updates if n not in (101, 104)]  # 107 sent its masked update, then left
+    expected = _expected(updates, survivors, START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
+    assert secure.rounds[-1].dropped == vanish
+    assert metrics["num-examples"] == sum(updates[n][1] for n in survivors)
+
+
+def test_too_few_survivors_fail_the_round_with_the_threshold():
+    updates = _updates(5, seed=2)
+    vanish = {n: "collect_masked_vectors" for n in list(updates)[:3]}
+    with pytest.raises(RoundFailedError, match=r"2 of 5 nodes answered the collect_masked_vectors stage.*the 3 needed"):
+        _round(LoopbackGrid(updates, vanish), list(updates), SecureSettings(threshold=0.6, max_weight=1000.0), START)
+
+
+def test_one_node_cannot_aggregate_securely():
+    updates = _updates(1)
+    with pytest.raises(RoundFailedError, match="at least 2 sampled nodes"):
+        _round(LoopbackGrid(updates), list(updates), SecureSettings(), START)
+
+
+def test_other_messages_pass_through():
+    class Echo(Grid):
+        def send_and_receive(self, messages, *, timeout=None):  # type: ignore[no-untyped-def]
+            return ["passed"]
+
+        create_message = run = set_run = push_messages = pull_messages = get_node_ids = None  # type: ignore
+
+    evaluate = Message(RecordDict(), dst_node_id=1, message_type="evaluate", group_id="1")
+    assert SecureGrid(Echo(), SecureSettings()).send_and_receive([evaluate]) == ["passed"]
+
+
+def test_levels_leave_the_sum_room_in_the_modulus():
+    for nodes in (2, 3, 10, 100, 1000):
+        levels = levels_for(nodes)
+        assert levels * nodes <= 2**31 < 2 * levels * nodes  # the most a power of two can be, with 2x to spare
+
+
+def test_a_relay_node_refuses_secure_rounds():
+    """A browser behind the bridge would hand its update to the relay in the clear: the relay refuses."""
+    from flwr.app import ConfigRecord
+
+    from federated.client_app import secure_unless_relay
+    from federated.errors import FederatedError
+
+    values = {"stage": "setup", "sample_num": 3, "share_num": 3, "threshold": 2, "clipping_range": 4.0,
+              "target_range": 2**22, "mod_range": 2**32, "max_weight": 1000.0}  # fmt: skip
+    setup = Message(RecordDict({SecAgg.CONFIGS: ConfigRecord(values)}), dst_node_id=5, message_type="train",
+                    group_id="1")  # fmt: skip
+    relay = Context(1, 5, {"bridge-device": "phone-1"}, RecordDict(), {})
+    with pytest.raises(FederatedError, match="cannot join secure rounds"):
+        secure_unless_relay(setup, relay, lambda m, c: m)
+    own = Context(1, 5, {}, RecordDict(), {})  # a node that trains itself answers the setup stage
+    reply = secure_unless_relay(setup, own, lambda m, c: m)
+    assert set(reply.content.config_records[SecAgg.CONFIGS]) == {SecAgg.Key.PUBLIC_KEY_1, SecAgg.Key.PUBLIC_KEY_2}
