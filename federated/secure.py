@@ -274,6 +274,7 @@ def secure_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         result = SecAgg.share_keys(state, configs)
     elif state.current_stage == SecAgg.Stage.COLLECT_MASKED_VECTORS:
         start = from_arrays(msg.content[ARRAYS])
+        del msg.content[SecAgg.CONFIGS]  # the train task as the app's mods and handler know it (one ConfigRecord)
         reply = call_next(msg, context)
         if reply.has_error():
             return reply

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from federated.client_app import clipping_when_asked
 from federated.errors import RoundFailedError
-from federated.flower_internals import SecAgg
-from federated.protocol import ARRAYS, METRICS, from_arrays, to_arrays
+from federated.flower_internals import KEY_CLIPPING_NORM, SecAgg
+from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 from federated.secure import SecureGrid, SecureSettings, levels_for, secure_mod
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (5, 40)}
@@ -46,9 +47,12 @@ class LoopbackGrid(Grid):
             stage = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]
             if self.vanish.get(node) == stage:
                 self.gone.add(node)
-            if node not in self.gone:
-                replies.append(secure_mod(message, self.contexts[node], self._train))
+            if node not in self.gone:  # the app's own mods run inside SecAgg+'s, as in federated.client_app
+                replies.append(secure_mod(message, self.contexts[node], self._clipped_train))
         return replies
+
+    def _clipped_train(self, message: Message, context: Context) -> Message:
+        return clipping_when_asked(message, context, self._train)
 
     def _train(self, message: Message, context: Context) -> Message:
         update, count = self.updates[context.node_id]
@@ -69,11 +73,13 @@ def _updates(nodes: int, scale: float = 0.05, seed: int = 0) -> dict[int, tuple[
     }  # fmt: skip
 
 
-def _round(grid: Grid, nodes: list[int], settings: SecureSettings, start: dict[str, np.ndarray]):
+def _round(grid: Grid, nodes: list[int], settings: SecureSettings, start: dict[str, np.ndarray], clip=None):
+    config = ConfigRecord({KEY_CLIPPING_NORM: clip} if clip else {"server-round": 1})
     tasks = [
-        Message(RecordDict({ARRAYS: to_arrays(start)}), dst_node_id=n, message_type="train", group_id="1")
+        Message(RecordDict({ARRAYS: to_arrays(start), CONFIG: config}), dst_node_id=n, message_type="train",
+                group_id="1")
         for n in nodes
-    ]
+    ]  # fmt: skip
     secure = SecureGrid(grid, settings)
     (reply,) = secure.send_and_receive(tasks)
     return secure, from_arrays(reply.content[ARRAYS]), reply.content[METRICS]
@@ -188,3 +194,20 @@ def test_a_relay_node_refuses_secure_rounds():
     own = Context(1, 5, {}, RecordDict(), {})  # a node that trains itself answers the setup stage
     reply = secure_unless_relay(setup, own, lambda m, c: m)
     assert set(reply.content.config_records[SecAgg.CONFIGS]) == {SecAgg.Key.PUBLIC_KEY_1, SecAgg.Key.PUBLIC_KEY_2}
+
+
+def test_client_side_dp_clipping_runs_inside_the_protocol():
+    """DP composes: each node's clipping mod bounds its update before SecAgg+ masks it, so the sum is
+    the average of the clipped updates (the server adds the noise to that sum)."""
+    updates = _updates(4, scale=0.5, seed=3)
+    clip = 2.0
+    settings = SecureSettings(max_weight=1000.0)
+    _, aggregate, _ = _round(LoopbackGrid(updates), list(updates), settings, START, clip=clip)
+    clipped = {}
+    for node, (update, count) in updates.items():
+        norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in update.values()))
+        assert norm > clip  # every update here is clipped
+        clipped[node] = ({k: v * np.float32(clip / norm) for k, v in update.items()}, count)
+    expected = _expected(clipped, list(clipped), START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, clipped, list(clipped)))
