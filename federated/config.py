@@ -128,11 +128,10 @@ KEYS: tuple[Key, ...] = (
     Key(
         "secagg-shares",
         float,
-        1.0,
-        "share of the sampled nodes each node shares keys with (1: all)",
+        0.0,
+        "share of the sampled nodes each node shares keys with (1: all; 0: all up to 20, then 2 log2(n) + 1)",
         low=0,
         high=1,
-        low_open=True,
     ),
     Key(
         "secagg-threshold",

@@ -8,6 +8,8 @@ checks each against the pinned version, so an upgrade that moves one fails there
 - Sampling: Flower's strategies sample nodes with the global ``random`` module, in the order the
   grid lists them; :func:`seeded_sampling` and :class:`OrderedGrid` make a seeded run's sample repeat.
 - The client's clipping mod reads its norm under ``KEY_CLIPPING_NORM``.
+- Messages can be made only in a process where Flower set the task's identity (a ServerApp's):
+  :func:`act_as_server_app` sets it for nodes run in-process (:mod:`federated.loopback`).
 - Secure aggregation (:data:`SecAgg`): the SecAgg+ client's stage functions and state
   (``flwr.client.mod.secure_aggregation.secaggplus_mod``), the primitives its legacy server
   workflow unmasks with, and the record keys both use.
@@ -66,6 +68,14 @@ __all__ = [
     "seeded_sampling",
     "OrderedGrid",
 ]
+
+
+def act_as_server_app() -> None:
+    """Let this process make Messages as a ServerApp's does (Flower refuses without a task identity)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    if getattr(TaskIdentity, "_run_id", None) is None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 def calibrate_dp_noise(strategy: Strategy, sampled: int) -> float | None:

@@ -23,6 +23,7 @@ modulo 2^32 until summed.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -36,7 +37,7 @@ from .errors import RoundFailedError
 from .flower_internals import SecAgg, aggregate_metricrecords
 from .protocol import ARRAYS, METRICS, from_arrays, to_arrays
 
-__all__ = ["SecureSettings", "SecureGrid", "secure_mod", "aggregate_masked", "levels_for"]
+__all__ = ["SecureSettings", "SecureGrid", "secure_mod", "aggregate_masked", "group_size", "levels_for"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ MOD_RANGE = 2**32
 class SecureSettings:
     """The run config's SecAgg+ settings (``secagg-*``)."""
 
-    shares: float = 1.0
-    """Share of the sampled nodes each node shares keys with (1.0: all, SecAgg; less: SecAgg+'s graph)."""
+    shares: float = 0.0
+    """Share of the sampled nodes each node shares keys with: 1.0 is all (SecAgg), less cuts SecAgg+'s
+    ring of groups; 0 (default) is :func:`group_size`."""
     threshold: float = 0.5
     """Share of a node's group whose shares unmask it (at least 2): fewer survivors fail the round."""
     clipping_range: float = 4.0
@@ -97,8 +99,8 @@ class SecureGrid:
         count = len(nodes)
         if count < 2:
             raise RoundFailedError(f"secure aggregation needs at least 2 sampled nodes, got {count}: raise min-nodes.")
-        shares = count if self.settings.shares >= 1 else round(self.settings.shares * count)
-        shares = count if shares <= 2 else shares + (1 - shares % 2 if shares < count else 0)  # odd, as Flower's
+        shares = group_size(count) if not self.settings.shares else round(self.settings.shares * count)
+        shares = count if shares <= 2 or shares >= count else shares + 1 - shares % 2  # odd, as Flower's
         threshold = max(2, round(self.settings.threshold * shares))
         order = nodes[:]
         random.Random(group).shuffle(order)  # the ring the groups are cut from
@@ -203,6 +205,12 @@ class SecureGrid:
         reply = RecordDict({ARRAYS: to_arrays(weights), METRICS: MetricRecord(summary)})
         first = next(t for t in tasks if t.metadata.dst_node_id in active)
         return Message(reply, reply_to=first)
+
+
+def group_size(nodes: int) -> int:
+    """SecAgg+'s group for a round of ``nodes``: everyone up to 20, then 2 x ceil(log2 nodes) + 1 (the
+    SecAgg+ paper's logarithmic groups: a node's cost stops growing with the round)."""
+    return nodes if nodes <= 20 else min(nodes, 2 * math.ceil(math.log2(nodes)) + 1)
 
 
 def levels_for(nodes: int) -> int:

@@ -69,6 +69,7 @@ def test_flower_1_41_internals_the_apps_use():
 
     from federated.flower_internals import (
         KEY_CLIPPING_NORM,
+        act_as_server_app,
         aggregate_metricrecords,
         calibrate_dp_noise,
         seeded_sampling,
@@ -84,7 +85,10 @@ def test_flower_1_41_internals_the_apps_use():
     merged = aggregate_metricrecords(records, "num-examples")
     assert merged["loss"] == pytest.approx(np.average([1.0, 3.0], weights=[10, 30]))
 
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what a ServerApp process has
+    TaskIdentity._run_id = None  # a fresh process: Flower refuses to make Messages...
+    with pytest.raises(RuntimeError, match="run_id is not set"):
+        FedAvg().configure_train(1, ArrayRecord(), ConfigRecord(), Nodes(2))
+    act_as_server_app()  # ...until it has a ServerApp's task identity
 
     def sample(seed: int) -> list[int]:
         with seeded_sampling(seed, 1, "train"):
@@ -96,3 +100,25 @@ def test_flower_1_41_internals_the_apps_use():
         "Flower 1.41 sampled nodes with the `random` module; seeding no longer fixes it"
     )
     assert len({tuple(nodes) for nodes in samples.values()}) > 1, "the sample no longer depends on the seed"
+
+
+def test_flower_1_41_secagg_pieces_the_secure_rounds_use():
+    """federated.secure runs SecAgg+ with the stage functions and state of Flower's legacy client mod
+    (private module flwr.client.mod.secure_aggregation.secaggplus_mod) and its server's primitives."""
+    import inspect
+
+    from federated.flower_internals import SecAgg
+
+    stages = {"setup": ["state", "configs"], "share_keys": ["state", "configs"], "unmask": ["state", "configs"],
+              "collect_masked_vectors": ["state", "configs", "num_examples", "updated_parameters"]}  # fmt: skip
+    for name, parameters in stages.items():
+        assert list(inspect.signature(getattr(SecAgg, name)).parameters) == parameters, name
+    assert tuple(SecAgg.Stage.all()) == ("setup", "share_keys", "collect_masked_vectors", "unmask")
+    state = SecAgg.State(current_stage="setup", nid=3)
+    assert SecAgg.State(**state.to_dict()).nid == 3  # the state round-trips through a ConfigRecord's values
+    seed = bytes(range(32))
+    masks = SecAgg.pseudo_rand_gen(seed, 2**32, [(3,)])
+    assert np.array_equal(masks[0], SecAgg.pseudo_rand_gen(seed, 2**32, [(3,)])[0])  # the same seed, the same mask
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+
+    assert SecAgg.combine_shares(create_shares(seed, 2, 3)[1:]) == seed  # any 2 of 3 shares rebuild the secret

@@ -102,7 +102,7 @@ def test_files_partitioning_needs_one_file_per_client(digits_artifacts, data_dir
         ({"min-nodes": 1}, "min-nodes must be at least 2"),
         ({"save-updates": True}, "save-updates has nothing to save"),
         ({"secagg-threshold": 0}, "'secagg-threshold' must be > 0 and <= 1"),
-        ({"secagg-shares": 1.5}, "'secagg-shares' must be > 0 and <= 1"),
+        ({"secagg-shares": 1.5}, "'secagg-shares' must be >= 0 and <= 1"),
     ],
 )
 def test_secure_aggregation_refuses_what_needs_each_update(extra, message):

@@ -1,8 +1,8 @@
 """SecAgg+ in the Message-API app: the sum against numpy, masked vectors only, dropouts, thresholds.
 
 Nodes here are the client's real SecAgg+ mod (Flower's stage functions, real keys, shares and
-masks) behind an in-process grid that delivers each message to its node and keeps the node's
-Context between stages; their train handler returns known updates.
+masks) behind federated.loopback's in-process grid, which delivers each message to its node and
+keeps the node's Context between stages; their train handler returns known updates.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from federated.client_app import clipping_when_asked
 from federated.errors import RoundFailedError
 from federated.flower_internals import KEY_CLIPPING_NORM, SecAgg
+from federated.loopback import LoopbackGrid
 from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
-from federated.secure import SecureGrid, SecureSettings, levels_for, secure_mod
+from federated.secure import SecureGrid, SecureSettings, group_size, levels_for, secure_mod
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (5, 40)}
 
@@ -28,31 +29,16 @@ def task_identity():
     yield
 
 
-class LoopbackGrid(Grid):
-    """Nodes in this process: each message goes through the node's SecAgg+ mod to its train handler.
-    ``vanish`` (node -> stage) makes a node stop answering from that stage on."""
+class Nodes(LoopbackGrid):
+    """Nodes whose train handler returns known updates (``updates``: node -> (update, examples)),
+    behind the app's own mods: SecAgg+ outermost, then client-side clipping, as in federated.client_app."""
 
     def __init__(self, updates: dict[int, tuple[dict[str, np.ndarray], int]], vanish: dict[int, str] | None = None):
-        self.updates, self.vanish = updates, vanish or {}
-        self.contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in updates}
-        self.gone: set[int] = set()
+        self.updates = updates
+        super().__init__({n: self._node for n in updates}, vanish)
 
-    def get_node_ids(self):  # type: ignore[no-untyped-def]
-        return list(self.updates)
-
-    def send_and_receive(self, messages, *, timeout=None):  # type: ignore[no-untyped-def]
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            stage = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]
-            if self.vanish.get(node) == stage:
-                self.gone.add(node)
-            if node not in self.gone:  # the app's own mods run inside SecAgg+'s, as in federated.client_app
-                replies.append(secure_mod(message, self.contexts[node], self._clipped_train))
-        return replies
-
-    def _clipped_train(self, message: Message, context: Context) -> Message:
-        return clipping_when_asked(message, context, self._train)
+    def _node(self, message: Message, context: Context) -> Message:
+        return secure_mod(message, context, lambda m, c: clipping_when_asked(m, c, self._train))
 
     def _train(self, message: Message, context: Context) -> Message:
         update, count = self.updates[context.node_id]
@@ -60,8 +46,6 @@ class LoopbackGrid(Grid):
         trained = {k: start[k] + update[k] for k in start}
         metrics = MetricRecord({"num-examples": count, "train-loss": float(count), "manifest-tag": 7})
         return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
-
-    create_message = run = set_run = push_messages = pull_messages = None  # type: ignore[assignment]
 
 
 def _updates(nodes: int, scale: float = 0.05, seed: int = 0) -> dict[int, tuple[dict[str, np.ndarray], int]]:
@@ -106,7 +90,7 @@ START = {k: np.random.default_rng(9).standard_normal(s).astype(np.float32) for k
 def test_the_aggregate_is_fedavg_of_the_updates_within_the_quantization_bound(shares):
     updates = _updates(9)
     settings = SecureSettings(shares=shares, max_weight=1000.0)
-    secure, aggregate, metrics = _round(LoopbackGrid(updates), list(updates), settings, START)
+    secure, aggregate, metrics = _round(Nodes(updates), list(updates), settings, START)
     expected = _expected(updates, list(updates), START)
     for name in SHAPES:
         np.testing.assert_allclose(
@@ -121,7 +105,7 @@ def test_the_aggregate_is_fedavg_of_the_updates_within_the_quantization_bound(sh
 def test_the_server_holds_masked_vectors_only():
     """No vector the server received equals, or correlates with, any node's true update."""
     updates = _updates(5)
-    secure, _, _ = _round(LoopbackGrid(updates), list(updates), SecureSettings(max_weight=1000.0), START)
+    secure, _, _ = _round(Nodes(updates), list(updates), SecureSettings(max_weight=1000.0), START)
     held = secure.rounds[-1].masked
     assert sorted(held) == sorted(updates)
     for node, vector in held.items():
@@ -138,7 +122,7 @@ def test_nodes_that_vanish_after_sharing_keys_are_unmasked_by_the_others(shares)
     updates = _updates(10, seed=1)
     vanish = {101: "collect_masked_vectors", 104: "collect_masked_vectors", 107: "unmask"}
     settings = SecureSettings(shares=shares, threshold=0.5, max_weight=1000.0)
-    secure, aggregate, metrics = _round(LoopbackGrid(updates, vanish), list(updates), settings, START)
+    secure, aggregate, metrics = _round(Nodes(updates, vanish), list(updates), settings, START)
     survivors = [n for n in updates if n not in (101, 104)]  # 107 sent its masked update, then left
     expected = _expected(updates, survivors, START)
     for name in SHAPES:
@@ -151,13 +135,13 @@ def test_too_few_survivors_fail_the_round_with_the_threshold():
     updates = _updates(5, seed=2)
     vanish = {n: "collect_masked_vectors" for n in list(updates)[:3]}
     with pytest.raises(RoundFailedError, match=r"2 of 5 nodes answered the collect_masked_vectors stage.*the 3 needed"):
-        _round(LoopbackGrid(updates, vanish), list(updates), SecureSettings(threshold=0.6, max_weight=1000.0), START)
+        _round(Nodes(updates, vanish), list(updates), SecureSettings(threshold=0.6, max_weight=1000.0), START)
 
 
 def test_one_node_cannot_aggregate_securely():
     updates = _updates(1)
     with pytest.raises(RoundFailedError, match="at least 2 sampled nodes"):
-        _round(LoopbackGrid(updates), list(updates), SecureSettings(), START)
+        _round(Nodes(updates), list(updates), SecureSettings(), START)
 
 
 def test_other_messages_pass_through():
@@ -202,7 +186,7 @@ def test_client_side_dp_clipping_runs_inside_the_protocol():
     updates = _updates(4, scale=0.5, seed=3)
     clip = 2.0
     settings = SecureSettings(max_weight=1000.0)
-    _, aggregate, _ = _round(LoopbackGrid(updates), list(updates), settings, START, clip=clip)
+    _, aggregate, _ = _round(Nodes(updates), list(updates), settings, START, clip=clip)
     clipped = {}
     for node, (update, count) in updates.items():
         norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in update.values()))
@@ -211,3 +195,20 @@ def test_client_side_dp_clipping_runs_inside_the_protocol():
     expected = _expected(clipped, list(clipped), START)
     for name in SHAPES:
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, clipped, list(clipped)))
+
+
+def test_large_rounds_share_keys_in_logarithmic_groups():
+    assert [group_size(n) for n in (2, 10, 20, 21, 100, 1000)] == [2, 10, 20, 11, 15, 21]
+    updates = _updates(25, scale=0.02, seed=4)
+    vanish = {n: "collect_masked_vectors" for n in list(updates)[5:8]}
+    settings = SecureSettings(max_weight=1000.0)  # the default: groups of 11 in a round of 25
+    secure, aggregate, _ = _round(Nodes(updates, vanish), list(updates), settings, START)
+    survivors = [n for n in updates if n not in vanish]
+    expected = _expected(updates, survivors, START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
+    # each node exchanged keys and shares with its group only: fewer bytes than with all 25
+    everyone, _, _ = _round(Nodes(updates), list(updates), SecureSettings(shares=1.0, max_weight=1000.0), START)
+    for direction in ("bytes_down", "bytes_up"):
+        grouped, full = (max(getattr(s.rounds[-1], direction).values()) for s in (secure, everyone))
+        assert grouped < full - 10 * 400, direction  # at least 10 fewer peers' keys or shares

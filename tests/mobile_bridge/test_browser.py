@@ -35,6 +35,7 @@ def site(tmp_path):
     root.mkdir()
     shutil.copy(WEB / "odt-web.mjs", root / "odt-web.mjs")
     shutil.copy(WEB / "odt-worker.mjs", root / "odt-worker.mjs")
+    shutil.copy(WEB / "odt-secagg.mjs", root / "odt-secagg.mjs")
     (root / "index.html").write_text("<!doctype html><title>odt test</title>")
     os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", root / "ort")
     handler = functools.partial(_QuietHandler, directory=str(root))
@@ -243,3 +244,53 @@ def test_browser_and_python_refuse_a_damaged_description_alike(digits_artifacts,
         said,
         result["error"],
     )
+
+
+def test_browser_secagg_primitives_interoperate_with_flowers(site, tmp_path):
+    """Masks bit for bit with Flower's generator (numpy's legacy Mersenne Twister), ECDH P-384 + HKDF
+    keys both ways (and the browser's private key loads in Python, as SecAgg+ rebuilds a dropped
+    node's from shares), Fernet tokens both ways, Shamir shares both ways."""
+    import base64
+    import os
+
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+    from flwr.supercore.primitives.asymmetric import (
+        bytes_to_private_key,
+        bytes_to_public_key,
+        generate_key_pairs,
+        public_key_to_bytes,
+    )
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    _, url = site
+    private, public = generate_key_pairs()
+    fernet_key = generate_shared_key(*generate_key_pairs()[:1], public)  # any valid Fernet key
+    seeds = [os.urandom(32), os.urandom(44), fernet_key]  # mask seeds: random bytes and a shared key
+    shapes = [(1,), (3, 5), (700,)]
+    secret, python_secret = os.urandom(43), os.urandom(200)
+    task = {"secagg": {
+        "seeds": [b64(s) for s in seeds], "range": 2**32, "shapes": shapes,
+        "publicPem": b64(public_key_to_bytes(public)), "fernetKey": b64(fernet_key),
+        "plaintext": b64(b"shares for node 7"), "pythonToken": b64(encrypt(fernet_key, b"from python")),
+        "secret": b64(secret), "threshold": 3, "count": 5,
+        "pythonShares": [b64(s) for s in create_shares(python_secret, 3, 5)[1:4]],
+    }}  # fmt: skip
+    result = _browser(url, task, tmp_path)
+    assert result["ok"], result
+    for seed, got in zip(seeds, result["masks"]):
+        for expected, values in zip(pseudo_rand_gen(seed, 2**32, shapes), got):
+            np.testing.assert_array_equal(np.asarray(values, np.int64), expected.ravel())
+    browser_public = bytes_to_public_key(base64.b64decode(result["publicPem"]))
+    assert base64.b64decode(result["shared"]) == generate_shared_key(private, browser_public)
+    assert base64.b64decode(result["sharedAgain"]) == base64.b64decode(result["shared"])
+    browser_private = bytes_to_private_key(base64.b64decode(result["privatePem"]))
+    assert generate_shared_key(browser_private, public) == base64.b64decode(result["shared"])
+    assert decrypt(fernet_key, base64.b64decode(result["token"])) == b"shares for node 7"
+    assert base64.b64decode(result["decrypted"]) == b"from python"
+    shares = [base64.b64decode(s) for s in result["shares"]]
+    assert combine_shares(shares[:3]) == secret and combine_shares(shares[2:]) == secret
+    assert base64.b64decode(result["combined"]) == python_secret

@@ -40,6 +40,27 @@ try {
     process.exit(0);
   }
   const result = await page.evaluate(async (task) => {
+    if (task.secagg) {
+      // The SecAgg+ primitives against Flower's Python ones: inputs and outputs as base64.
+      const s = await import("/odt-secagg.mjs");
+      const b = (text) => s.fromBase64(text);
+      const e = (bytes) => s.toBase64(bytes);
+      const t = task.secagg;
+      const pair = await s.generateKeyPair();
+      const again = await s.importPrivateKey(pair.privatePem); // a key rebuilt from its PEM (as from shares)
+      return {
+        ok: true,
+        masks: t.seeds.map((seed) => s.masks(b(seed), t.range, t.shapes).map((m) => Array.from(m))),
+        publicPem: e(pair.publicPem),
+        privatePem: e(pair.privatePem),
+        shared: e(await s.sharedKey(pair.privateKey, b(t.publicPem))),
+        sharedAgain: e(await s.sharedKey(again, b(t.publicPem))),
+        token: e(await s.fernetEncrypt(b(t.fernetKey), b(t.plaintext))),
+        decrypted: e(await s.fernetDecrypt(b(t.fernetKey), b(t.pythonToken))),
+        shares: s.createShares(b(t.secret), t.threshold, t.count).map(e),
+        combined: e(s.combineShares(t.pythonShares.map(b))),
+      };
+    }
     const ortBase = task.ortBase ?? "/ort/";
     const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
     ort.env.wasm.wasmPaths = ortBase;
