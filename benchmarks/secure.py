@@ -141,6 +141,8 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    import federated.secure  # noqa: F401  (Flower sets its logger's level when it is first imported)
+
     logging.getLogger("flwr").setLevel(logging.INFO)  # Flower's SecAgg+ stages log every node at DEBUG
     work = Path(tempfile.mkdtemp(prefix="odt-secure-bench-"))
     artifacts, data, central = prepare(work)

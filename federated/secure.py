@@ -106,27 +106,34 @@ class SecureGrid:
         random.Random(group).shuffle(order)  # the ring the groups are cut from
         half = shares // 2
         groups = {n: {order[(i + d) % count] for d in range(-half, half + 1)} for i, n in enumerate(order)}
+        start = from_arrays(content[nodes[0]][ARRAYS])
+        names = sorted(start)  # the order both sides flatten an update in
+        shapes = [(1,), *(start[n].shape for n in names)]  # the weight factor, then the tensors
         levels = self.settings.quantization or levels_for(count)
         if levels * count >= MOD_RANGE:
             raise RoundFailedError(
                 f"secagg-quantization {levels} x {count} nodes overflows the 2^32 modulus: lower secagg-quantization."
             )
 
-        def exchange(stage: str, outgoing: dict[int, RecordDict]) -> dict[int, ConfigRecord]:
+        def exchange(stage: str, outgoing: dict[int, RecordDict]) -> dict[int, RecordDict]:
+            """Send one stage's tasks; the sound replies by node. A node that does not answer, or answers
+            with something the stage does not expect (a hostile peer), is out of the round from here."""
             sent = [
                 Message(c, dst_node_id=n, message_type=MessageType.TRAIN, group_id=group) for n, c in outgoing.items()
             ]
-            for message in sent:
-                record.bytes_down[message.metadata.dst_node_id] = record.bytes_down.get(
-                    message.metadata.dst_node_id, 0
-                ) + _size(message.content)
+            for node, task in outgoing.items():
+                record.bytes_down[node] = record.bytes_down.get(node, 0) + _size(task)
             replies = {}
             for reply in self._grid.send_and_receive(sent, timeout=timeout):
                 node = reply.metadata.src_node_id
-                if reply.has_error() or SecAgg.CONFIGS not in reply.content.config_records:
+                if node not in outgoing or reply.has_error():
                     continue
-                replies[node] = reply
                 record.bytes_up[node] = record.bytes_up.get(node, 0) + _size(reply.content)
+                problem = reply_problem(stage, reply.content, shapes)
+                if problem is None:
+                    replies[node] = reply.content
+                else:
+                    log.warning("secure aggregation: node %s left the round: %s", node, problem)
             for node in outgoing:
                 if node not in replies:
                     record.dropped.setdefault(node, stage)
@@ -135,8 +142,7 @@ class SecureGrid:
                     f"secure aggregation: {len(replies)} of {count} nodes answered the {stage} stage, fewer than "
                     f"the {threshold} needed to unmask (secagg-threshold). Raise round-timeout or lower the threshold."
                 )
-            self._last = replies
-            return {node: r.content.config_records[SecAgg.CONFIGS] for node, r in replies.items()}
+            return replies
 
         def stage(name: str, **values: Any) -> RecordDict:
             return RecordDict({SecAgg.CONFIGS: ConfigRecord({SecAgg.Key.STAGE: name, **values})})
@@ -145,7 +151,9 @@ class SecureGrid:
                      clipping_range=self.settings.clipping_range, target_range=levels,
                      mod_range=MOD_RANGE, max_weight=self.settings.max_weight)  # fmt: skip
         keys = exchange(SecAgg.Stage.SETUP, {n: stage(SecAgg.Stage.SETUP, **setup) for n in nodes})
-        public = {n: [c[SecAgg.Key.PUBLIC_KEY_1], c[SecAgg.Key.PUBLIC_KEY_2]] for n, c in keys.items()}
+        public = {
+            n: [_configs(c)[SecAgg.Key.PUBLIC_KEY_1], _configs(c)[SecAgg.Key.PUBLIC_KEY_2]] for n, c in keys.items()
+        }
 
         def share_keys(node: int) -> RecordDict:
             known = groups[node] & set(public)
@@ -157,7 +165,8 @@ class SecureGrid:
         shared = exchange(SecAgg.Stage.SHARE_KEYS, {n: share_keys(n) for n in public})
         forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in shared}
         for src, reply in shared.items():
-            for dst, ciphertext in zip(reply[SecAgg.Key.DESTINATION_LIST], reply[SecAgg.Key.CIPHERTEXT_LIST]):
+            sent_to = _configs(reply)
+            for dst, ciphertext in zip(sent_to[SecAgg.Key.DESTINATION_LIST], sent_to[SecAgg.Key.CIPHERTEXT_LIST]):
                 if dst in forward:
                     forward[dst][0].append(src)
                     forward[dst][1].append(ciphertext)
@@ -170,13 +179,12 @@ class SecureGrid:
             return task
 
         masked = exchange(SecAgg.Stage.COLLECT_MASKED_VECTORS, {n: collect(n) for n in forward})
-        metrics = {n: self._last[n].content for n in masked}
         for node, reply in masked.items():
             record.masked[node] = [
-                SecAgg.bytes_to_ndarray(b).astype(np.int64) for b in reply[SecAgg.Key.MASKED_PARAMETERS]
+                SecAgg.bytes_to_ndarray(b).astype(np.int64) for b in _configs(reply)[SecAgg.Key.MASKED_PARAMETERS]
             ]
         active = set(masked)
-        dead = set(public) - active  # shared keys, then vanished: their pairwise masks must be removed
+        dead = set(shared) - active  # shared keys, then vanished: their pairwise masks must be removed
 
         def unmask(node: int) -> RecordDict:
             lists = {SecAgg.Key.ACTIVE_NODE_ID_LIST: sorted(groups[node] & active),
@@ -184,27 +192,62 @@ class SecureGrid:
             return stage(SecAgg.Stage.UNMASK, **lists)
 
         revealed = exchange(SecAgg.Stage.UNMASK, {n: unmask(n) for n in active})
-        collected: dict[int, list[bytes]] = {n: [] for n in public}
+        collected: dict[int, list[bytes]] = {n: [] for n in shared}  # only nodes that shared have shares
         for reply in revealed.values():
-            for owner, share in zip(reply[SecAgg.Key.NODE_ID_LIST], reply[SecAgg.Key.SHARE_LIST]):
-                collected[owner].append(share)
+            for owner, share in zip(_configs(reply)[SecAgg.Key.NODE_ID_LIST], _configs(reply)[SecAgg.Key.SHARE_LIST]):
+                if owner in collected:
+                    collected[owner].append(share)
         deltas = aggregate_masked(
             record.masked, collected, active=active, groups=groups, public=public, threshold=threshold,
             clipping_range=self.settings.clipping_range, quantization=levels,
         )  # fmt: skip
-        start = from_arrays(content[nodes[0]][ARRAYS])
-        names = sorted(start)  # the order both sides flatten an update in
-        if [d.shape for d in deltas] != [start[n].shape for n in names]:
-            raise RoundFailedError("secure aggregation: the unmasked sum does not have the model's tensors.")
         weights = {name: start[name] + delta.astype(np.float32) for name, delta in zip(names, deltas)}
-        summary = aggregate_metricrecords([metrics[n] for n in sorted(metrics)], "num-examples")
-        tag = next(iter(metrics.values()))[METRICS].get("manifest-tag")
-        summary["num-examples"] = sum(int(m[METRICS]["num-examples"]) for m in metrics.values())
+        summary = aggregate_metricrecords([masked[n] for n in sorted(masked)], "num-examples")
+        tag = next(iter(masked.values()))[METRICS].get("manifest-tag")
+        summary["num-examples"] = sum(int(m[METRICS]["num-examples"]) for m in masked.values())
         summary["manifest-tag"] = tag
         summary.pop("client", None)
         reply = RecordDict({ARRAYS: to_arrays(weights), METRICS: MetricRecord(summary)})
         first = next(t for t in tasks if t.metadata.dst_node_id in active)
         return Message(reply, reply_to=first)
+
+
+def _configs(content: RecordDict) -> ConfigRecord:
+    return content.config_records[SecAgg.CONFIGS]
+
+
+def reply_problem(stage: str, content: RecordDict, shapes: list[tuple[int, ...]]) -> str | None:
+    """Why a node's reply to ``stage`` cannot be used (None when it can): the values the stage needs,
+    of the types and sizes it needs. Replies come from peers the server does not trust."""
+    configs = content.config_records.get(SecAgg.CONFIGS)
+    if configs is None:
+        return "no SecAgg+ record in its reply"
+    needs = {
+        SecAgg.Stage.SETUP: {SecAgg.Key.PUBLIC_KEY_1: bytes, SecAgg.Key.PUBLIC_KEY_2: bytes},
+        SecAgg.Stage.SHARE_KEYS: {SecAgg.Key.DESTINATION_LIST: int, SecAgg.Key.CIPHERTEXT_LIST: bytes},
+        SecAgg.Stage.COLLECT_MASKED_VECTORS: {SecAgg.Key.MASKED_PARAMETERS: bytes},
+        SecAgg.Stage.UNMASK: {SecAgg.Key.NODE_ID_LIST: int, SecAgg.Key.SHARE_LIST: bytes},
+    }[stage]
+    for key, kind in needs.items():
+        value = configs.get(key)
+        items = value if isinstance(value, list) else [value]
+        if value is None or not all(isinstance(v, kind) and not isinstance(v, bool) for v in items):
+            return f"its {stage} reply lacks {key!r} ({kind.__name__} values)"
+    lists = [configs[k] for k in needs if isinstance(configs[k], list)]
+    if len({len(v) for v in lists}) > 1:
+        return f"its {stage} reply pairs lists of different lengths"
+    if stage == SecAgg.Stage.COLLECT_MASKED_VECTORS:
+        metrics = content.metric_records.get(METRICS)
+        count = None if metrics is None else metrics.get("num-examples")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            return f"its example count is {count!r}"
+        try:
+            vector = [SecAgg.bytes_to_ndarray(b) for b in configs[SecAgg.Key.MASKED_PARAMETERS]]
+        except ValueError as exc:
+            return f"its masked vector is not arrays ({exc})"
+        if [v.shape for v in vector] != shapes or any(v.dtype.kind not in "iu" for v in vector):
+            return "its masked vector does not have the model's shapes (integers)"
+    return None
 
 
 def group_size(nodes: int) -> int:

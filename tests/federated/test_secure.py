@@ -212,3 +212,35 @@ def test_large_rounds_share_keys_in_logarithmic_groups():
     for direction in ("bytes_down", "bytes_up"):
         grouped, full = (max(getattr(s.rounds[-1], direction).values()) for s in (secure, everyone))
         assert grouped < full - 10 * 400, direction  # at least 10 fewer peers' keys or shares
+
+
+@pytest.mark.parametrize(
+    "stage, damage",
+    [
+        ("setup", lambda c: c.config_records[SecAgg.CONFIGS].pop(SecAgg.Key.PUBLIC_KEY_2)),
+        ("share_keys", lambda c: c.config_records[SecAgg.CONFIGS].__setitem__(SecAgg.Key.DESTINATION_LIST, [1.5])),
+        ("collect_masked_vectors", lambda c: c.config_records[SecAgg.CONFIGS].__setitem__(
+            SecAgg.Key.MASKED_PARAMETERS, [SecAgg.ndarray_to_bytes(np.zeros(3, np.uint32))])),
+        ("collect_masked_vectors", lambda c: c.metric_records[METRICS].__setitem__("num-examples", -5)),
+    ],
+    ids=["no-key", "float-ids", "wrong-shapes", "negative-count"],
+)  # fmt: skip
+def test_a_hostile_reply_takes_its_node_out_and_the_round_goes_on(stage, damage):
+    """A reply the stage cannot use leaves the round like a dropout: never a crash of the server."""
+
+    class Hostile(Nodes):
+        def _node(self, message: Message, context: Context) -> Message:
+            current = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]  # the mod pops it
+            reply = super()._node(message, context)
+            if context.node_id == 102 and current == stage:
+                damage(reply.content)
+            return reply
+
+    updates = _updates(6, seed=5)
+    settings = SecureSettings(max_weight=1000.0)
+    secure, aggregate, _ = _round(Hostile(updates), list(updates), settings, START)
+    assert secure.rounds[-1].dropped == {102: stage}
+    survivors = [n for n in updates if n != 102]
+    expected = _expected(updates, survivors, START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
