@@ -102,6 +102,16 @@ KEYS: tuple[Key, ...] = (
     Key("trimmed-beta", float, 0.2, "fedtrimmedavg: share trimmed at each end", low=0, high=0.5, high_open=True),
     Key("dp-noise", float, 0.0, "> 0 with dp-clip: Flower's fixed-clipping differential privacy", low=0),
     Key("dp-clip", float, 0.0, "clipping norm for differential privacy", low=0),
+    Key(
+        "dp-delta",
+        float,
+        1e-5,
+        "delta of the epsilon the report states per round",
+        low=0,
+        high=1,
+        low_open=True,
+        high_open=True,
+    ),
     Key("dp-mode", str, "server", "server: the server clips; client: clients clip", choices=("server", "client")),
     Key(
         "partitioning",

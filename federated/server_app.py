@@ -17,6 +17,7 @@ from ondevice.text import load_data
 from .buffers import split_state
 from .errors import FederatedError, RoundFailedError
 from .partial import fit_to, union_of
+from .privacy import gaussian_epsilon
 from .protocol import METRICS, from_arrays, to_arrays
 from .report import record_failure, round_row, save_weights, write_report
 from .run_state import load_run_state, save_run_state
@@ -126,6 +127,9 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
         if server_round == len(rows):
             rows.append(round_row(server_round, metrics, strategy.rounds.get(server_round), seconds))
+            if settings.dp_noise > 0 and server_round > 0:  # the privacy spent so far (an upper bound)
+                rows[-1]["dp_epsilon"] = gaussian_epsilon(settings.dp_noise, server_round, settings.dp_delta)
+                rows[-1]["dp_delta"] = settings.dp_delta
             for node, (count, weights) in getattr(strategy.rounds.get(server_round), "accepted", {}).items():
                 save_weights(out / "updates" / f"round{server_round}-node{node}.npz", weights, num_examples=count)
             save_run_state(out, server_round=server_round, arrays=from_arrays(arrays), strategy=inner, rows=rows,

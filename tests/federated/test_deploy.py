@@ -324,10 +324,18 @@ def test_secure_aggregation_ends_like_plain_fedavg(digits_no_dropout, data_dir, 
 
 
 def test_tls_deployment_with_secure_aggregation(digits_artifacts, data_dir, tmp_path):
-    """Real SuperLink and SuperNodes over TLS, every round aggregated with SecAgg+."""
-    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"secure-aggregation": True})
+    """Real SuperLink and SuperNodes over TLS, every round aggregated with SecAgg+, and DP composed
+    with it: each node clips its update inside the protocol, the server adds noise to the sum and
+    reports the privacy spent so far."""
+    from federated.privacy import gaussian_epsilon
+
+    dp = {"dp-noise": 0.001, "dp-clip": 10.0, "dp-mode": "client"}  # little noise: the run must still learn
+    config = _config(digits_artifacts, data_dir, tmp_path / "out", **{"secure-aggregation": True, **dp})
     report = deploy(3, config, tls=True, work=tmp_path / "w")
     assert all(len(row["bytes_up_per_client"]) == 3 for row in report["rounds"][1:])
     assert _accuracies(report)[-1] > _accuracies(report)[0] + 0.3
+    for row in report["rounds"][1:]:
+        assert row["dp_sampled_clients"] == 3 and row["dp_noise_std"] == pytest.approx(0.001 * 10.0 / 3)
+        assert row["dp_epsilon"] == pytest.approx(gaussian_epsilon(0.001, row["round"], 1e-5))
     assert report["settings"]["secure_aggregation"] is True
     assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
