@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from ondevice._schema import LOSSES, OPTIMIZERS
+from ondevice.schema import LOSSES, OPTIMIZERS
 
 __all__ = ["register"]
 

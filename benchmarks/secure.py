@@ -43,38 +43,48 @@ def accuracy_rows(artifacts: Path, data: Path, rounds: int, work: Path) -> list[
     ]
 
 
-def overhead(clients: int, shares: float, shapes: dict[str, tuple[int, ...]], repeats: int) -> dict:
-    """One secure round over in-process nodes, ``repeats`` times: bytes and seconds per client."""
+def secure_round(start, updates, counts, settings, vanish=None):  # type: ignore[no-untyped-def]
+    """One SecAgg+ round over in-process nodes (the real client mod) whose training adds
+    ``updates[node]`` to the global weights ``start`` and claims ``counts[node]`` examples.
+    Returns the nodes, the secure grid, the aggregate reply and the round's seconds."""
     from flwr.app import Message, MetricRecord, RecordDict
 
     from federated.loopback import LoopbackGrid
     from federated.protocol import ARRAYS, METRICS, from_arrays, to_arrays
-    from federated.secure import SecureGrid, SecureSettings, group_size, secure_mod
+    from federated.secure import SecureGrid, secure_mod
+
+    def node(message: Message, context) -> Message:  # type: ignore[no-untyped-def]
+        def train(task: Message, _context) -> Message:  # type: ignore[no-untyped-def]
+            weights = from_arrays(task.content[ARRAYS])
+            trained = {k: weights[k] + updates[context.node_id][k] for k in weights}
+            metrics = MetricRecord({"num-examples": counts[context.node_id], "manifest-tag": 1})
+            return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=task)
+
+        return secure_mod(message, context, train)
+
+    nodes = LoopbackGrid({n: node for n in updates}, vanish)
+    grid = SecureGrid(nodes, settings)
+    tasks = [Message(RecordDict({ARRAYS: to_arrays(start)}), dst_node_id=n, message_type="train", group_id="1")
+             for n in updates]  # fmt: skip
+    began = time.perf_counter()
+    (reply,) = grid.send_and_receive(tasks)
+    return nodes, grid, reply, time.perf_counter() - began
+
+
+def overhead(clients: int, shares: float, shapes: dict[str, tuple[int, ...]], repeats: int) -> dict:
+    """One secure round over in-process nodes, ``repeats`` times: bytes and seconds per client."""
+    from federated.secure import SecureSettings, group_size
 
     rng = np.random.default_rng(clients)
     start = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     updates = {100 + i: {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
                for i in range(clients)}  # fmt: skip
-
-    def train(message: Message, context) -> Message:  # type: ignore[no-untyped-def]
-        global_weights = from_arrays(message.content[ARRAYS])
-        trained = {k: global_weights[k] + updates[context.node_id][k] for k in global_weights}
-        metrics = MetricRecord({"num-examples": 100, "manifest-tag": 1})
-        return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
-
-    def node(message: Message, context) -> Message:  # type: ignore[no-untyped-def]
-        return secure_mod(message, context, train)
-
+    counts = dict.fromkeys(updates, 100)
     plain = sum(a.nbytes for a in start.values())
     client_s, server_s, up, down = [], [], [], []
     for _ in range(repeats):
-        nodes = LoopbackGrid({n: node for n in updates})
-        grid = SecureGrid(nodes, SecureSettings(shares=shares, max_weight=1000.0))
-        tasks = [Message(RecordDict({ARRAYS: to_arrays(start)}), dst_node_id=n, message_type="train", group_id="1")
-                 for n in updates]  # fmt: skip
-        began = time.perf_counter()
-        grid.send_and_receive(tasks)
-        wall = time.perf_counter() - began
+        settings = SecureSettings(shares=shares, max_weight=1000.0)
+        nodes, grid, _, wall = secure_round(start, updates, counts, settings)
         client_s.append(statistics.median(nodes.seconds.values()))
         server_s.append(wall - sum(nodes.seconds.values()))
         log = grid.rounds[-1]
@@ -95,35 +105,16 @@ def overhead(clients: int, shares: float, shapes: dict[str, tuple[int, ...]], re
 
 
 def dropouts(shapes: dict[str, tuple[int, ...]], clients: int = 20, share: float = 0.3) -> dict:
-    from flwr.app import Message, MetricRecord, RecordDict
-
-    from federated.loopback import LoopbackGrid
-    from federated.protocol import ARRAYS, METRICS, from_arrays, to_arrays
-    from federated.secure import SecureGrid, SecureSettings, secure_mod
+    from federated.protocol import ARRAYS, from_arrays
+    from federated.secure import SecureSettings
 
     rng = np.random.default_rng(0)
     start = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     counts = {100 + i: int(rng.integers(50, 300)) for i in range(clients)}
     updates = {n: {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()} for n in counts}
-
-    def node(message: Message, context) -> Message:  # type: ignore[no-untyped-def]
-        def train(task: Message, _context) -> Message:  # type: ignore[no-untyped-def]
-            weights = from_arrays(task.content[ARRAYS])
-            trained = {k: weights[k] + updates[context.node_id][k] for k in weights}
-            metrics = MetricRecord({"num-examples": counts[context.node_id], "manifest-tag": 1})
-            return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=task)
-
-        return secure_mod(message, context, train)
-
     vanished = sorted(rng.choice(list(counts), size=round(share * clients), replace=False).tolist())
-    nodes = LoopbackGrid({n: node for n in counts}, vanish={n: "collect_masked_vectors" for n in vanished})
-    settings = SecureSettings(max_weight=1000.0)
-    grid = SecureGrid(nodes, settings)
-    tasks = [Message(RecordDict({ARRAYS: to_arrays(start)}), dst_node_id=n, message_type="train", group_id="1")
-             for n in counts]  # fmt: skip
-    began = time.perf_counter()
-    (reply,) = grid.send_and_receive(tasks)
-    seconds = time.perf_counter() - began
+    vanish = {n: "collect_masked_vectors" for n in vanished}
+    _, _, reply, seconds = secure_round(start, updates, counts, SecureSettings(max_weight=1000.0), vanish)
     survivors = [n for n in counts if n not in vanished]
     total = sum(counts[n] for n in survivors)
     expected = {k: start[k] + sum(updates[n][k].astype(np.float64) * counts[n] for n in survivors) / total

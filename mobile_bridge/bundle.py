@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice._schema import SCHEMA, SCHEMA_FILE, conforms
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
+from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
 
 from .errors import BundleError, SignatureError
 from .signing import sign, verify

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._schema import validate_manifest
 from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
 from .files import atomic_write_bytes, sha256_file
+from .schema import validate_manifest
 
 __all__ = [
     "SCHEMA_VERSION",

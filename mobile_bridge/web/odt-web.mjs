@@ -59,7 +59,7 @@ export async function verifySignature(descriptionBytes, signatureBytes, publicKe
 
 // The manifest's JSON Schema (shipped in every bundle, hashed like its other files) describes
 // bundle.json as #/$defs/bundle. These are the same few keywords, and the same messages, as
-// ondevice/_schema.py's interpreter; a browser test checks that both refuse the same damage alike.
+// ondevice/schema.py's interpreter; a browser test checks that both refuse the same damage alike.
 const TYPES = { object: "an object", array: "a list", string: "a string", integer: "an integer", number: "a number",
   boolean: "true or false", null: "null" };
 

@@ -10,8 +10,8 @@ from dataclasses import fields
 import jsonschema
 import pytest
 
-from ondevice._schema import DTYPES, LOSSES, OPTIMIZERS, SCHEMA, conforms
 from ondevice.manifest import Manifest, TensorSpec
+from ondevice.schema import DTYPES, LOSSES, OPTIMIZERS, SCHEMA, conforms
 
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 

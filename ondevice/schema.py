@@ -22,7 +22,17 @@ from typing import Any
 
 from .errors import ManifestError
 
-__all__ = ["validate_manifest", "conforms", "SCHEMA", "REQUIRED_FILES", "DTYPES", "LOSSES", "OPTIMIZERS"]
+__all__ = [
+    "validate_manifest",
+    "conforms",
+    "Problem",
+    "SCHEMA",
+    "SCHEMA_FILE",
+    "REQUIRED_FILES",
+    "DTYPES",
+    "LOSSES",
+    "OPTIMIZERS",
+]
 
 SCHEMA_FILE = "manifest.schema.json"
 SCHEMA: dict[str, Any] = json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text())
