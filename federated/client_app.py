@@ -42,18 +42,17 @@ def clipping_when_asked(msg: Message, context: Context, call_next: ClientAppCall
     return call_next(msg, context)
 
 
-def secure_unless_relay(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """SecAgg+ (:func:`federated.secure.secure_mod`) for nodes that train themselves. A relay node
-    (a browser behind the bridge) refuses: it would mask an update it has already seen in the clear."""
-    if SecAgg.CONFIGS in msg.content.config_records and any(key in context.node_config for key in RELAY_KEYS):
-        raise FederatedError(
-            "secure aggregation: browser and phone clients behind the bridge cannot join secure rounds yet (they "
-            "would have to mask their own updates); run this round without them or with secure-aggregation=false."
-        )
+def secure_or_relayed(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """SecAgg+ (:func:`federated.secure.secure_mod`) for nodes that train themselves. A relay node hands
+    each stage on to its device, which makes its own keys and masks its own update, so the relay never
+    holds that update in the clear (:mod:`mobile_bridge.secagg`)."""
+    relay = _relay(context) if SecAgg.CONFIGS in msg.content.config_records else None
+    if relay is not None:
+        return relay(msg, context)
     return secure_mod(msg, context, call_next)
 
 
-app = ClientApp(mods=[secure_unless_relay, clipping_when_asked])
+app = ClientApp(mods=[secure_or_relayed, clipping_when_asked])
 
 
 def _relay(context: Context) -> Callable[[Message, Context], Message] | None:

@@ -1,11 +1,14 @@
 """The bridge: an HTTP service that lets phones and browsers take part in Flower rounds.
 
 Devices enrol for a token, download the bundle, pull their task (the round's global weights, as
-binary float32) and push their update (binary). Flower does not talk to devices: each device is
-represented by a SuperNode whose ClientApp runs in relay mode (``bridge-device`` in its node
-config). That relay hands its task to the bridge over the internal API (loopback, shared
-secret), waits for the device's update until the round's deadline, and replies to the SuperLink
-like any other client.
+binary float32) and push their update (binary). In a secure round a device's tasks are the SecAgg+
+stages (:mod:`mobile_bridge.secagg`): it answers the key stages in JSON and, in place of its
+update, pushes its masked vector, so the bridge never holds its update in the clear.
+
+Flower does not talk to devices: each device is represented by a SuperNode whose ClientApp runs
+in relay mode (``bridge-device`` in its node config). That relay hands its task to the bridge over
+the internal API (loopback, shared secret), waits for the device's update until the round's
+deadline, and replies to the SuperLink like any other client.
 
 Nothing is trusted by default: registration needs the enrolment secret or a one-time code from
 `odt bridge enroll`; tokens are stored hashed; the token (or relay secret) is checked before a
@@ -38,6 +41,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from .bundle import verify_bundle
+from .secagg import KEY_STAGES, SecAgg, answer_problem, masked_size
 from .store import Store, Task, Update
 
 __all__ = ["create_app", "BodyGuard"]
@@ -68,22 +72,43 @@ class TaskOut(BaseModel):
     task_id: str
     round: int
     bundle_sha256: str = Field(description="manifest sha256 the update must be trained on")
-    weights_url: str = Field(description="GET it for the global weights: float32 little-endian, manifest order")
+    weights_url: str | None = Field(
+        description="GET it for the global weights: float32 little-endian, manifest order (null: a key stage)"
+    )
     weights_size: int
     config: dict[str, float | int | str] = Field(default_factory=dict)
     deadline_unix: float
+    secagg: dict[str, Any] | None = Field(
+        default=None, description="the SecAgg+ stage to answer in a secure round (see mobile_bridge.secagg)"
+    )
 
 
 class RelayTask(BaseModel):
     artifacts_sha256: str
     round: int
-    weights_b64: str
+    weights_b64: str = ""
     config: dict[str, float | int | str] = Field(default_factory=dict)
     timeout_s: float = Field(gt=0, le=3600)
+    secagg: dict[str, Any] | None = None
+
+
+def _stage(task: Task) -> str | None:
+    return None if task.secagg is None else str(task.secagg["stage"])
+
+
+def _peers(secagg: dict[str, Any]) -> int:
+    """Entries a key stage's answer may list: one per node the stage names."""
+    return len(secagg.get("keys", [])) + len(secagg.get("active", [])) + len(secagg.get("dead", []))
 
 
 def _error(status: int, message: str) -> HTTPException:
     return HTTPException(status_code=status, detail=message)
+
+
+def check_masked(raw: bytes, size: int) -> None:
+    """A masked vector (uint32 little-endian: the weight factor, then the weights): only its length."""
+    if len(raw) != 4 * masked_size(size):
+        raise _error(422, f"a masked vector must be {masked_size(size)} uint32 values, got {len(raw)} bytes")
 
 
 def check_weights(raw: bytes, size: int) -> np.ndarray:
@@ -347,9 +372,12 @@ def create_app(
         task = store.open_task(device_id, time.time())
         if task is None:
             return Response(status_code=204)
+        has_weights = bool(task.weights)
         return TaskOut(
-            task_id=task.task_id, round=task.round, bundle_sha256=sha, weights_url=f"/v1/tasks/{task.task_id}/weights",
-            weights_size=size, config=task.config, deadline_unix=task.deadline,
+            task_id=task.task_id, round=task.round, bundle_sha256=sha,
+            weights_url=f"/v1/tasks/{task.task_id}/weights" if has_weights else None,
+            weights_size=size if has_weights else 0, config=task.config, deadline_unix=task.deadline,
+            secagg=task.secagg,
         )  # fmt: skip
 
     @app.get("/v1/tasks/{task_id}/weights", summary="the task's global weights: float32 little-endian, binary",
@@ -360,10 +388,20 @@ def create_app(
             raise _error(404, f"no task {task_id!r} for this device")
         return Response(task.weights, media_type="application/octet-stream")
 
+    def open_task(task_id: str, device_id: str) -> Task:
+        """The device's task, while its deadline has not passed (404, 409 otherwise)."""
+        task = store.task(task_id)
+        if task is None or task.device != device_id:
+            raise _error(404, f"no task {task_id!r} for this device")
+        if task.deadline <= time.time():
+            raise _error(409, f"the deadline of round {task.round} has passed; pull the next task")
+        return task
+
     @app.post(
         "/v1/tasks/{task_id}/update",
         status_code=202,
-        summary="push the trained weights of a task: the body is float32 little-endian, binary",
+        summary="push the trained weights of a task (float32 little-endian, binary), or in a secure round's "
+        "collect stage the masked vector (uint32 little-endian: the weight factor, then the weights)",
     )
     async def push_update(
         task_id: str,
@@ -380,23 +418,51 @@ def create_app(
             raise _error(422, f"num_examples must be in 1..{max_examples}, got {num_examples}")
         values = _metrics(metrics)
         raw = await request.body()
-        check_weights(raw, size)
-        task = store.task(task_id)
-        if task is None or task.device != device_id:
-            raise _error(404, f"no task {task_id!r} for this device")
-        if task.deadline <= time.time():
-            raise _error(409, f"the deadline of round {task.round} has passed; pull the next task")
+        task = open_task(task_id, device_id)
+        if _stage(task) in KEY_STAGES:
+            raise _error(409, f"this task is the SecAgg+ {_stage(task)} stage: answer it at /v1/tasks/{task_id}/secagg")
+        if _stage(task) == SecAgg.Stage.COLLECT_MASKED_VECTORS:
+            check_masked(raw, size)
+        else:
+            check_weights(raw, size)
         if not store.put_update(task_id, Update(raw, num_examples, values, bundle_sha256)):
             raise _error(409, "this task already has an update (replay refused)")
+        return {"status": "accepted"}
+
+    @app.post(
+        "/v1/tasks/{task_id}/secagg",
+        status_code=202,
+        summary="answer a secure round's key stage (setup, share_keys, unmask) in JSON, or decline a stage",
+    )
+    async def answer_stage(task_id: str, request: Request, device_id: str = Depends(device)) -> dict[str, str]:
+        """The answer's fields by stage are listed in `mobile_bridge.secagg`; `{"declined": "why"}` leaves
+        the round."""
+        try:
+            answer = json.loads(await request.body())
+        except ValueError:
+            raise _error(422, "the answer must be JSON") from None
+        task = open_task(task_id, device_id)
+        if task.secagg is None:
+            raise _error(409, f"this task is not a SecAgg+ stage: push its update at /v1/tasks/{task_id}/update")
+        problem = answer_problem(str(_stage(task)), answer, peers=_peers(task.secagg))
+        if problem is not None:
+            raise _error(422, problem)
+        if not store.put_update(task_id, Update(b"", 0, {}, sha, answer)):
+            raise _error(409, "this task already has an answer (replay refused)")
         return {"status": "accepted"}
 
     @app.post("/internal/devices/{device_id}/tasks", include_in_schema=False)
     def relay_task(device_id: str, body: RelayTask) -> dict[str, str]:
         if body.artifacts_sha256 != description.get("artifacts_manifest_sha256"):
             raise _error(409, "the server trains other artifacts than this bridge's bundle was made from")
+        stage = None if body.secagg is None else body.secagg.get("stage")
+        if body.secagg is not None and stage not in (*KEY_STAGES, SecAgg.Stage.COLLECT_MASKED_VECTORS):
+            raise _error(422, f"unknown SecAgg+ stage {stage!r}")
         raw = _b64(body.weights_b64)
-        check_weights(raw, size)
-        task = Task(uuid.uuid4().hex, device_id, body.round, raw, body.config, time.time() + body.timeout_s)
+        if stage not in KEY_STAGES:  # key stages carry no weights
+            check_weights(raw, size)
+        task = Task(uuid.uuid4().hex, device_id, body.round, raw, body.config, time.time() + body.timeout_s,
+                    body.secagg)  # fmt: skip
         store.put_task(task)
         return {"task_id": task.task_id}
 
@@ -413,6 +479,7 @@ def create_app(
             "num_examples": update.num_examples,
             "weights_b64": base64.b64encode(update.weights).decode(),
             "metrics": update.metrics,
+            "secagg": update.secagg,
         }
 
     @app.get("/", include_in_schema=False)

@@ -1,5 +1,8 @@
 """The bridge's state in SQLite: devices (hashed tokens), enrolment codes, tasks and their updates.
 
+A task of a secure round carries its SecAgg+ stage (``secagg``, JSON) and its update the device's
+answer to that stage; they are columns added to an older state file when the bridge opens it.
+
 Every change is one transaction in a WAL-mode database with ``synchronous=FULL``, so a bridge
 killed with SIGKILL and started again knows every device, every task it handed out and every
 update it accepted. Tokens and enrolment codes are stored as sha256 digests only.
@@ -25,12 +28,15 @@ CREATE TABLE IF NOT EXISTS devices (name TEXT PRIMARY KEY, token_sha256 TEXT UNI
 CREATE TABLE IF NOT EXISTS codes (code_sha256 TEXT PRIMARY KEY, used_by TEXT, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
     task_id TEXT PRIMARY KEY, device TEXT NOT NULL, round INTEGER NOT NULL, weights BLOB NOT NULL,
-    config TEXT NOT NULL, deadline REAL NOT NULL);
+    config TEXT NOT NULL, deadline REAL NOT NULL, secagg TEXT);
 CREATE INDEX IF NOT EXISTS tasks_by_device ON tasks (device);
 CREATE TABLE IF NOT EXISTS updates (
     task_id TEXT PRIMARY KEY REFERENCES tasks (task_id) ON DELETE CASCADE, weights BLOB NOT NULL,
-    num_examples INTEGER NOT NULL, metrics TEXT NOT NULL, bundle_sha256 TEXT NOT NULL, received REAL NOT NULL);
+    num_examples INTEGER NOT NULL, metrics TEXT NOT NULL, bundle_sha256 TEXT NOT NULL, received REAL NOT NULL,
+    secagg TEXT);
 """
+_ADDED = {"tasks": "secagg", "updates": "secagg"}
+"""Columns newer than the first state files: added (NULL) when an older file is opened."""
 
 
 def digest(secret: str) -> str:
@@ -45,6 +51,8 @@ class Task:
     weights: bytes
     config: dict[str, Any]
     deadline: float
+    secagg: dict[str, Any] | None = None
+    """The SecAgg+ stage this task asks the device to answer (None: a plain training task)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class Update:
     num_examples: int
     metrics: dict[str, float]
     bundle_sha256: str
+    secagg: dict[str, Any] | None = None
+    """The device's answer to a key stage of a secure round (``weights`` is then empty)."""
 
 
 _TABLES = {"devices", "codes", "tasks", "updates"}
@@ -87,6 +97,9 @@ class Store:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
+            for table, column in _ADDED.items():
+                if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
         except (sqlite3.DatabaseError, BridgeError) as exc:
             self._db.close()
             reason = str(exc) if isinstance(exc, BridgeError) else f"SQLite: {exc}"
@@ -150,44 +163,60 @@ class Store:
             try:
                 self._db.execute("DELETE FROM tasks WHERE device = ?", (task.device,))
                 self._db.execute(
-                    "INSERT INTO tasks VALUES (?, ?, ?, ?, ?, ?)",
-                    (task.task_id, task.device, task.round, task.weights, json.dumps(task.config), task.deadline),
-                )
+                    f"INSERT INTO tasks ({_TASK}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (task.task_id, task.device, task.round, task.weights, json.dumps(task.config), task.deadline,
+                     _json(task.secagg)),
+                )  # fmt: skip
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
 
     def task(self, task_id: str) -> Task | None:
-        row = self._one("SELECT * FROM tasks WHERE task_id = ?", (task_id,))
-        return None if row is None else Task(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+        return _task(self._one(f"SELECT {_TASK} FROM tasks WHERE task_id = ?", (task_id,)))
 
     def open_task(self, device: str, now: float) -> Task | None:
         """The device's task that still waits for an update and whose deadline has not passed."""
-        row = self._one(
-            "SELECT t.* FROM tasks t LEFT JOIN updates u USING (task_id) "
+        columns = ", ".join(f"t.{c}" for c in _TASK.split(", "))
+        return _task(self._one(
+            f"SELECT {columns} FROM tasks t LEFT JOIN updates u USING (task_id) "
             "WHERE t.device = ? AND u.task_id IS NULL AND t.deadline > ?",
             (device, now),
-        )
-        return None if row is None else Task(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+        ))  # fmt: skip
 
     def put_update(self, task_id: str, update: Update) -> bool:
         """False when the task has an update already (replay)."""
         try:
             self._write(
-                "INSERT INTO updates VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO updates (task_id, weights, num_examples, metrics, bundle_sha256, received, secagg) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (task_id, update.weights, update.num_examples, json.dumps(update.metrics), update.bundle_sha256,
-                 time.time()),
+                 time.time(), _json(update.secagg)),
             )  # fmt: skip
         except sqlite3.IntegrityError:
             return False
         return True
 
     def update(self, task_id: str) -> Update | None:
-        row = self._one("SELECT weights, num_examples, metrics, bundle_sha256 FROM updates WHERE task_id = ?",
+        row = self._one("SELECT weights, num_examples, metrics, bundle_sha256, secagg FROM updates WHERE task_id = ?",
                         (task_id,))  # fmt: skip
-        return None if row is None else Update(row[0], row[1], json.loads(row[2]), row[3])
+        return None if row is None else Update(row[0], row[1], json.loads(row[2]), row[3], _loads(row[4]))
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+_TASK = "task_id, device, round, weights, config, deadline, secagg"
+
+
+def _json(value: dict[str, Any] | None) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _loads(text: str | None) -> dict[str, Any] | None:
+    return None if text is None else json.loads(text)
+
+
+def _task(row: tuple[Any, ...] | None) -> Task | None:
+    return None if row is None else Task(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5], _loads(row[6]))

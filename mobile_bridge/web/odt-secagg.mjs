@@ -7,6 +7,7 @@
 //   await fernetEncrypt(key, bytes) / fernetDecrypt(key, token)
 //   createShares(secret, threshold, count)      Shamir over GF(2^128), Flower's share layout
 //   combineShares(shares)
+//   new SecureRound()                           one device's side of a round: Flower's client stages
 //
 // Only Web Crypto and BigInt: no dependency. tests/mobile_bridge/test_secagg_web.py checks each
 // piece in headless Chromium against Flower's Python functions.
@@ -238,6 +239,168 @@ export function combineShares(shares) {
   const padding = padded[padded.length - 1];
   if (padding < 1 || padding > 16) throw new Error("the shares do not rebuild a padded secret");
   return padded.slice(0, padded.length - padding);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One device's side of a secure round: the stages of Flower's secaggplus_mod over the bridge's JSON
+// (mobile_bridge/secagg.py lists the fields). Node ids are decimal strings (uint64, beyond a Number).
+
+export class SecAggError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "SecAggError";
+  }
+}
+
+const STAGES = ["setup", "share_keys", "collect_masked_vectors", "unmask"];
+
+function littleEndian(value, bytes) {
+  const out = new Uint8Array(bytes);
+  const view = new DataView(out.buffer);
+  if (bytes === 8) view.setBigUint64(0, BigInt(value), true);
+  else view.setUint32(0, value, true);
+  return out;
+}
+
+/** Python's round(): halves to the even neighbour. */
+function roundHalfEven(x) {
+  const floor = Math.floor(x);
+  const rest = x - floor;
+  if (rest !== 0.5) return Math.round(x);
+  return floor % 2 === 0 ? floor : floor + 1;
+}
+
+export class SecureRound {
+  constructor() {
+    this.stage = null;
+  }
+
+  /** Check that `secagg` is the stage after the last one answered, for this node. */
+  begin(secagg) {
+    const expected = this.stage === null ? "setup" : STAGES[STAGES.indexOf(this.stage) + 1];
+    if (secagg.stage !== expected) throw new SecAggError(`expected the ${expected} stage, got ${secagg.stage}`);
+    if (this.stage !== null && secagg.node !== this.node) throw new SecAggError("the stage is for another node");
+    this.stage = secagg.stage;
+  }
+
+  /** The answer to a key stage (setup, share_keys, unmask): an object for the bridge's JSON. */
+  async answer(secagg) {
+    this.begin(secagg);
+    if (secagg.stage === "setup") return this.setup(secagg);
+    if (secagg.stage === "share_keys") return this.shareKeys(secagg);
+    if (secagg.stage === "unmask") return this.unmask(secagg);
+    throw new SecAggError(`the ${secagg.stage} stage is answered with collect()`);
+  }
+
+  async setup(s) {
+    Object.assign(this, {
+      node: s.node, shareNum: s.share_num, threshold: s.threshold, clippingRange: s.clipping_range,
+      targetRange: s.target_range, modRange: s.mod_range, maxWeight: s.max_weight,
+    });
+    this.pair1 = await generateKeyPair(); // pairwise masks
+    this.pair2 = await generateKeyPair(); // encrypting shares to the other nodes
+    this.seedShares = new Map();
+    this.keyShares = new Map();
+    this.channels = new Map();
+    return { pk1: toBase64(this.pair1.publicPem), pk2: toBase64(this.pair2.publicPem) };
+  }
+
+  async shareKeys(s) {
+    if (s.keys.length < this.threshold) throw new SecAggError("fewer neighbours than the threshold");
+    const all = s.keys.flatMap(([, a, b]) => [a, b]);
+    if (new Set(all).size !== all.length) throw new SecAggError("some public keys are identical");
+    this.publicKeys = new Map(s.keys.map(([node, a, b]) => [node, [fromBase64(a), fromBase64(b)]]));
+    const own = this.publicKeys.get(this.node);
+    if (!own || toBase64(own[0]) !== toBase64(this.pair1.publicPem) || toBase64(own[1]) !== toBase64(this.pair2.publicPem)) {
+      throw new SecAggError("this node's public keys are listed wrongly");
+    }
+    this.seed = crypto.getRandomValues(new Uint8Array(32));
+    const seedShares = createShares(this.seed, this.threshold, this.shareNum);
+    const keyShares = createShares(this.pair1.privatePem, this.threshold, this.shareNum);
+    const destinations = [];
+    const ciphertexts = [];
+    let index = 0;
+    for (const [node, [, pk2]] of this.publicKeys) {
+      if (node === this.node) {
+        this.seedShares.set(node, seedShares[index]);
+        this.keyShares.set(node, keyShares[index]);
+      } else {
+        const key = await sharedKey(this.pair2.privateKey, pk2);
+        this.channels.set(node, key);
+        const share = seedShares[index];
+        const plaintext = new Uint8Array([...littleEndian(this.node, 8), ...littleEndian(node, 8),
+                                          ...littleEndian(share.length, 4), ...share, ...keyShares[index]]);
+        destinations.push(node);
+        ciphertexts.push(toBase64(await fernetEncrypt(key, plaintext)));
+      }
+      index++;
+    }
+    return { destinations, ciphertexts };
+  }
+
+  /**
+   * The collect stage: the global and trained weight buffers (Float32Array, manifest order) and the
+   * example count -> the masked vector (Uint32Array: the weight factor, then the update's values in
+   * `secagg.order`), quantized, weighted and masked as Flower's client does.
+   */
+  async collect(secagg, start, trained, numExamples) {
+    this.begin(secagg);
+    if (secagg.ciphertexts.length + 1 < this.threshold) throw new SecAggError("fewer neighbours than the threshold");
+    const available = [];
+    for (let i = 0; i < secagg.sources.length; i++) {
+      const source = secagg.sources[i];
+      const key = this.channels.get(source);
+      if (!key) throw new SecAggError(`no channel with node ${source}`);
+      const plain = await fernetDecrypt(key, fromBase64(secagg.ciphertexts[i]));
+      const view = new DataView(plain.buffer, plain.byteOffset, plain.byteLength);
+      const [from, to, length] = [view.getBigUint64(0, true), view.getBigUint64(8, true), view.getUint32(16, true)];
+      if (String(from) !== source || String(to) !== this.node) throw new SecAggError("a share names the wrong nodes");
+      this.seedShares.set(source, plain.slice(20, 20 + length));
+      this.keyShares.set(source, plain.slice(20 + length));
+      available.push(source);
+    }
+    const update = new Float64Array(trained.length);
+    for (let i = 0; i < update.length; i++) update[i] = trained[i] - start[i];
+    if (secagg.clipping_norm !== null && secagg.clipping_norm !== undefined) {
+      // Flower's fixedclipping_mod: scale the update to the norm, then the weights are start + update (float32)
+      const norm = Math.sqrt(update.reduce((sum, v) => sum + v * v, 0));
+      const scale = Math.min(1, secagg.clipping_norm / norm);
+      for (let i = 0; i < update.length; i++) update[i] = Math.fround(start[i] + Math.fround(update[i] * scale)) - start[i];
+    }
+    const weight = roundHalfEven((numExamples / this.maxWeight) * this.targetRange);
+    const ratio = weight / this.targetRange;
+    const [c, quantizer] = [this.clippingRange, this.targetRange / (2 * this.clippingRange)];
+    const total = secagg.order.reduce((sum, [, size]) => sum + size, 0);
+    const vector = new Float64Array(1 + total);
+    vector[0] = weight;
+    let k = 1;
+    for (const [offset, size] of secagg.order) {
+      for (let i = offset; i < offset + size; i++) {
+        const value = (Math.min(c, Math.max(-c, update[i] * ratio)) + c) * quantizer;
+        let q = Math.ceil(value); // stochastic rounding, as Flower's quantize
+        if (Math.random() < q - value) q -= 1;
+        vector[k++] = q;
+      }
+    }
+    const range = this.modRange;
+    const add = (mask, sign) => {
+      for (let i = 0; i < vector.length; i++) vector[i] = (((vector[i] + sign * mask[i]) % range) + range) % range;
+    };
+    add(masks(this.seed, range, [[vector.length]])[0], 1);
+    const own = BigInt(this.node);
+    for (const node of available) {
+      const key = await sharedKey(this.pair1.privateKey, this.publicKeys.get(node)[0]);
+      add(masks(key, range, [[vector.length]])[0], own > BigInt(node) ? 1 : -1);
+    }
+    return Uint32Array.from(vector);
+  }
+
+  unmask(s) {
+    if (s.active.length < this.threshold) throw new SecAggError("fewer survivors than the threshold");
+    const shares = [...s.active.map((n) => this.seedShares.get(n)), ...s.dead.map((n) => this.keyShares.get(n))];
+    if (shares.some((share) => !share)) throw new SecAggError("asked for a share this node does not hold");
+    return { nodes: [...s.active, ...s.dead], shares: shares.map(toBase64) };
+  }
 }
 
 export { toBase64, fromBase64 };

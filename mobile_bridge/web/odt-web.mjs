@@ -10,6 +10,13 @@
 //   const client = await WorkerClient.load("/bundle/", { ortUrl: "/ort/ort.training.wasm.min.mjs", wasmPaths: "/ort/" });
 //
 // Every check happens before ORT sees the data: ORT web reports bad dtypes or shapes as bare numbers.
+//
+// A device in federated rounds behind the bridge (plain or secure rounds alike):
+//
+//   const device = await BridgeClient.register(base, "phone-7", code);
+//   await device.joinRound(client, async (task) => { await client.setWeights(task.weights); ...; return { count, metrics }; });
+
+import { SecAggError, SecureRound } from "./odt-secagg.mjs";
 
 export class BundleError extends Error {
   constructor(message) {
@@ -512,13 +519,15 @@ export class BridgeClient {
     return WorkerClient.load(`${this.base}/v1/bundle/`, { ...options, headers: this.headers });
   }
 
-  /** Poll until the server has a task for this device (HTTP 204 means: not yet); its weights arrive binary. */
+  /** Poll until the server has a task for this device (HTTP 204 means: not yet); its weights arrive binary
+   * (a secure round's key stages have none: `task.secagg` says what to answer). */
   async nextTask({ pollMs = 500, timeoutMs = 120000 } = {}) {
     const end = Date.now() + timeoutMs;
     while (Date.now() < end) {
       const response = await fetch(`${this.base}/v1/task`, { headers: this.headers });
       if (response.status === 200) {
         const task = await response.json();
+        if (!task.weights_url) return task;
         const bytes = await fetchBytes(`${this.base}${task.weights_url}`, this.headers);
         if (bytes.byteLength !== 4 * task.weights_size) throw new BundleError("the task's weights have the wrong size");
         task.weights = new Float32Array(bytes.buffer, bytes.byteOffset, task.weights_size);
@@ -530,7 +539,8 @@ export class BridgeClient {
     throw new BundleError(`no task within ${timeoutMs} ms`);
   }
 
-  /** The trained weights go up binary (float32 little-endian); counts and metrics in the query. */
+  /** The trained weights go up binary (float32 little-endian), or in a secure round the masked vector
+   * (Uint32Array); counts and metrics in the query. */
   async pushUpdate(task, weights, numExamples, metrics = {}) {
     const query = new URLSearchParams({
       num_examples: String(numExamples), bundle_sha256: task.bundle_sha256, metrics: JSON.stringify(metrics),
@@ -541,5 +551,55 @@ export class BridgeClient {
       body: weights,
     });
     if (response.status !== 202) throw new BundleError(`update refused: HTTP ${response.status} ${await response.text()}`);
+  }
+
+  /** The answer to a secure round's key stage (or `{ declined: "why" }` to any stage). */
+  async pushAnswer(task, answer) {
+    const response = await fetch(`${this.base}/v1/tasks/${task.task_id}/secagg`, {
+      method: "POST",
+      headers: { ...this.headers, "Content-Type": "application/json" },
+      body: JSON.stringify(answer),
+    });
+    if (response.status !== 202) throw new BundleError(`answer refused: HTTP ${response.status} ${await response.text()}`);
+  }
+
+  /**
+   * Take part in one round: pull tasks until this device's part is done, and resolve to
+   * `{ round, secure, count, metrics }`. `train(task)` sets `task.weights` on `client`, trains and
+   * resolves to `{ count, metrics }`. A plain round is one task: train, push the weights. A secure
+   * round (`task.secagg`) is four: the device answers the SecAgg+ key stages itself, trains in the
+   * collect stage and pushes only its masked update (odt-secagg.mjs); neither the bridge nor its
+   * relay sees the update. A stage this device cannot answer (it joined after the round's setup,
+   * say) is declined: the server counts it as dropped, and the device waits for the next round.
+   */
+  async joinRound(client, train, options = {}) {
+    let secure = null;
+    let trained = null;
+    for (;;) {
+      const task = await this.nextTask(options);
+      const stage = task.secagg?.stage;
+      if (!stage) {
+        const result = await train(task);
+        await this.pushUpdate(task, await client.getWeights(), result.count, result.metrics);
+        return { round: task.round, secure: false, ...result };
+      }
+      if (stage === "setup") secure = new SecureRound();
+      try {
+        if (!secure) throw new SecAggError(`joined the round at its ${stage} stage, after the setup`);
+        if (stage === "collect_masked_vectors") {
+          const start = Float32Array.from(task.weights); // train() may hand task.weights to a worker
+          trained = await train(task);
+          const masked = await secure.collect(task.secagg, start, await client.getWeights(), trained.count);
+          await this.pushUpdate(task, masked, trained.count, trained.metrics);
+        } else {
+          await this.pushAnswer(task, await secure.answer(task.secagg));
+          if (stage === "unmask") return { round: task.round, secure: true, ...trained };
+        }
+      } catch (error) {
+        if (!(error instanceof SecAggError)) throw error;
+        secure = null;
+        await this.pushAnswer(task, { declined: error.message });
+      }
+    }
   }
 }

@@ -86,23 +86,26 @@ try {
     }
     const odt = await import(task.module ?? "/odt-web.mjs");
     if (task.bridge) {
-      // One device's round: register, load the bundle, pull the task, train, push the update.
+      // One device's round (plain or secure): register, load the bundle, then BridgeClient.joinRound.
       const b = task.bridge;
       const device = await odt.BridgeClient.register(location.origin, b.name, b.enrolment ?? "");
       const client = await device.loadBundle(ort, { publicKeyPem: task.publicKeyPem ?? null });
-      const job = await device.nextTask({ timeoutMs: b.timeoutMs ?? 120000 });
-      await client.setWeights(job.weights);
       const data = { input: Float32Array.from(b.input), labels: BigInt64Array.from(b.labels.map(BigInt)) };
-      const epochs = odt.localEpochs(job.config, b.labels.length);
-      const losses = await client.fit(data, b.labels.length, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });
+      const count = b.labels.length;
+      let losses = [];
+      const round = await device.joinRound(client, async (job) => {
+        await client.setWeights(job.weights);
+        const epochs = odt.localEpochs(job.config, count);
+        losses = await client.fit(data, count, { epochs, batchSize: Number(job.config["batch-size"] ?? 32) });
+        const epoch = client.lastEpoch;
+        return { count, metrics: {
+          "train-loss": losses[losses.length - 1],
+          "train-accuracy": epoch.seen ? epoch.correct / epoch.seen : 0,
+          "skipped-steps": epoch.skipped,
+        } };
+      }, { timeoutMs: b.timeoutMs ?? 120000 });
       const weights = await client.getWeights();
-      const epoch = client.lastEpoch;
-      await device.pushUpdate(job, weights, b.labels.length, {
-        "train-loss": losses[losses.length - 1],
-        "train-accuracy": epoch.seen ? epoch.correct / epoch.seen : 0,
-        "skipped-steps": epoch.skipped,
-      });
-      return { ok: true, round: job.round, losses, weights: Array.from(weights) };
+      return { ok: true, round: round.round, secure: round.secure, losses, weights: Array.from(weights) };
     }
     const t0 = performance.now();
     try {

@@ -1,0 +1,153 @@
+"""SecAgg+ stages as JSON for devices: what the relay hands a device, and what it may answer.
+
+A browser behind the bridge takes part in a secure round as a full SecAgg+ client: it makes its
+own keys, shares and masks (``web/odt-secagg.mjs``), so neither the relay nor the bridge ever
+holds its update unmasked. The relay turns each stage's Flower ConfigRecord into a task for the
+device (:func:`stage_task`) and the device's answer back into the values Flower's server side
+reads (:func:`stage_values`); the bridge checks an answer's shape before it stores it
+(:func:`answer_problem`), because a device is a peer like any other.
+
+Node ids are unsigned 64-bit integers, which JSON numbers cannot carry into JavaScript exactly:
+they travel as decimal strings. Bytes travel as base64. The collect stage's answer is binary (the
+masked vector, uint32 little-endian) and goes through the update endpoint, not through here.
+
+Task (``secagg`` of a device's task) and answer, by stage:
+
+=====================  ========================================================  =================================
+stage                  task                                                      answer
+=====================  ========================================================  =================================
+setup                  node, sample_num, share_num, threshold, clipping_range,   pk1, pk2
+                       target_range, mod_range, max_weight
+share_keys             node, keys: [[node, pk1, pk2], ...]                       destinations, ciphertexts
+collect_masked_vectors node, sources, ciphertexts, order: [[offset, size], ...],  (binary, see above)
+                       clipping_norm (or null)
+unmask                 node, active, dead                                        nodes, shares
+=====================  ========================================================  =================================
+
+Any stage may be answered ``{"declined": "why"}`` (a device that lost the round's state, say):
+its relay then fails the stage, and the server counts the node as dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Any
+
+from flwr.app import ConfigRecord
+
+from federated.flower_internals import SecAgg
+
+__all__ = ["stage_task", "answer_problem", "stage_values", "masked_size", "KEY_STAGES"]
+
+KEY_STAGES = (SecAgg.Stage.SETUP, SecAgg.Stage.SHARE_KEYS, SecAgg.Stage.UNMASK)
+"""Stages a device answers in JSON; the collect stage's answer is the masked vector."""
+
+MAX_BYTES = 4096
+"""Longest byte string (decoded) a device may send in an answer: a PEM key or a Fernet token of shares."""
+_NODE = re.compile(r"^[0-9]{1,20}$")
+_ANSWERS = {
+    SecAgg.Stage.SETUP: {"pk1": bytes, "pk2": bytes},
+    SecAgg.Stage.SHARE_KEYS: {"destinations": list[int], "ciphertexts": list[bytes]},
+    SecAgg.Stage.UNMASK: {"nodes": list[int], "shares": list[bytes]},
+}
+_FLOWER_KEYS = {
+    "pk1": SecAgg.Key.PUBLIC_KEY_1,
+    "pk2": SecAgg.Key.PUBLIC_KEY_2,
+    "destinations": SecAgg.Key.DESTINATION_LIST,
+    "ciphertexts": SecAgg.Key.CIPHERTEXT_LIST,
+    "nodes": SecAgg.Key.NODE_ID_LIST,
+    "shares": SecAgg.Key.SHARE_LIST,
+}
+
+
+def masked_size(weights: int) -> int:
+    """Values of a masked vector: the weight factor, then every weight."""
+    return 1 + weights
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def stage_task(
+    configs: ConfigRecord,
+    node: int,
+    *,
+    order: list[tuple[int, int]] | None = None,
+    clipping_norm: float | None = None,
+) -> dict[str, Any]:
+    """The device's task for one stage: ``configs`` is the stage's SecAgg+ ConfigRecord from the server,
+    ``node`` the SuperNode's id (the device's id in the protocol); for the collect stage, ``order`` is
+    the (offset, size) of each tensor in the weight buffer in the order the vector is masked in, and
+    ``clipping_norm`` the client-side DP clipping bound (None: no clipping)."""
+    stage = str(configs[SecAgg.Key.STAGE])
+    task: dict[str, Any] = {"stage": stage, "node": str(node)}
+    if stage == SecAgg.Stage.SETUP:
+        task.update({key: value for key, value in configs.items() if key != SecAgg.Key.STAGE})  # numbers
+    elif stage == SecAgg.Stage.SHARE_KEYS:
+        task["keys"] = [[k, _b64(v[0]), _b64(v[1])] for k, v in configs.items() if k != SecAgg.Key.STAGE]
+    elif stage == SecAgg.Stage.COLLECT_MASKED_VECTORS:
+        if order is None:
+            raise ValueError("the collect stage needs the order of the weight buffer's tensors")
+        task["sources"] = [str(n) for n in configs[SecAgg.Key.SOURCE_LIST]]
+        task["ciphertexts"] = [_b64(c) for c in configs[SecAgg.Key.CIPHERTEXT_LIST]]
+        task["order"] = [list(segment) for segment in order]
+        task["clipping_norm"] = clipping_norm
+    elif stage == SecAgg.Stage.UNMASK:
+        task["active"] = [str(n) for n in configs[SecAgg.Key.ACTIVE_NODE_ID_LIST]]
+        task["dead"] = [str(n) for n in configs[SecAgg.Key.DEAD_NODE_ID_LIST]]
+    else:
+        raise ValueError(f"unknown SecAgg+ stage {stage!r}")
+    return task
+
+
+def _value(kind: Any, value: Any) -> Any:
+    """One answer value as Flower's type (ValueError when it is not one)."""
+    if kind is bytes:
+        if not isinstance(value, str) or len(value) > 4 * MAX_BYTES // 3 + 4:
+            raise ValueError("base64 text")
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("base64 text") from None
+    if kind is int:
+        if not isinstance(value, str) or not _NODE.match(value) or int(value) >= 2**64:
+            raise ValueError("node ids as decimal strings")
+        return int(value)
+    (item,) = kind.__args__
+    if not isinstance(value, list):
+        raise ValueError("a list")
+    return [_value(item, v) for v in value]
+
+
+def answer_problem(stage: str, answer: Any, *, peers: int) -> str | None:
+    """Why a device's JSON answer to ``stage`` cannot be used (None when it can). ``peers`` bounds its
+    lists: a node sends at most one entry per node of the round."""
+    if not isinstance(answer, dict):
+        return "the answer must be a JSON object"
+    if set(answer) == {"declined"}:
+        return None if isinstance(answer["declined"], str) and len(answer["declined"]) <= 300 else \
+            "declined must be a reason (text of at most 300 characters)"  # fmt: skip
+    if stage not in _ANSWERS:
+        return f"the {stage} stage is answered with the masked vector (push it as the task's update) or declined"
+    wanted = _ANSWERS[stage]
+    if set(answer) != set(wanted):
+        return f"the {stage} answer must hold exactly {sorted(wanted)}, found {sorted(answer)}"
+    for key, kind in wanted.items():
+        try:
+            value = _value(kind, answer[key])
+        except ValueError as exc:
+            return f"{key} must be {exc}"
+        if isinstance(value, list) and len(value) > peers:
+            return f"{key} holds {len(value)} entries, more than the {peers} nodes a round has"
+    lists = [answer[key] for key in wanted if isinstance(answer[key], list)]
+    if len({len(v) for v in lists}) > 1:
+        return f"{' and '.join(k for k in wanted)} must be lists of the same length"
+    return None
+
+
+def stage_values(stage: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """A checked answer as the values of Flower's SecAgg+ reply ConfigRecord."""
+    return {_FLOWER_KEYS[key]: _value(kind, answer[key]) for key, kind in _ANSWERS[stage].items()}

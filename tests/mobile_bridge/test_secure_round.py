@@ -1,0 +1,140 @@
+"""A headless browser in a SecAgg+ round beside Python nodes: the browser masks its own update.
+
+The server side is the app's real SecureGrid; the Python nodes are the ClientApp's SecAgg+ mod
+with known updates (federated.loopback delivers their messages in-process); the browser's node is
+the ClientApp's relay mode talking to a real bridge process, behind which Chromium runs
+``BridgeClient.joinRound``: its own keys, Shamir shares, Fernet channels and masks in JavaScript.
+The aggregate must be the numpy weighted average of the three updates within the quantization
+bound, and neither the server nor the bridge may hold the browser's update in the clear.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from federated.client_app import secure_or_relayed
+from federated.loopback import LoopbackGrid
+from federated.processes import ProcessGroup, flower_env, free_port
+from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
+from federated.secure import SecureGrid, SecureSettings, levels_for, secure_mod
+from federated.task import manifest_sha256
+from mobile_bridge import make_bundle
+from ondevice import Manifest, Trainer
+
+pytestmark = [pytest.mark.browser]
+
+WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
+BROWSER, PYTHON = 103, (101, 102)
+
+
+def _wait_for_bridge(port: int, bridge: subprocess.Popen) -> None:
+    import time
+    import urllib.request
+
+    while bridge.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the bridge exited before it listened")
+
+
+def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]]):
+    """A node's train handler that returns its known update (the app's SecAgg+ mod around it)."""
+
+    def train(message: Message, context: Context) -> Message:
+        update, count = updates[context.node_id]
+        start = from_arrays(message.content[ARRAYS])
+        trained = {k: start[k] + update[k] for k in start}
+        metrics = MetricRecord({"num-examples": count, "train-loss": 1.0, "manifest-tag": 7})
+        return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
+
+    return lambda message, context: secure_mod(message, context, train)
+
+
+@pytest.mark.parametrize("vanish", [{}, {102: "collect_masked_vectors"}], ids=["all", "python-node-drops"])
+def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data_dir, tmp_path, vanish):
+    bundle = tmp_path / "bundle"
+    make_bundle(digits_artifacts, bundle)
+    manifest = Manifest.load(digits_artifacts)
+    start = Trainer.load(digits_artifacts).get_weights()
+    rng = np.random.default_rng(5)
+    updates = {n: ({k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()},
+                   int(rng.integers(50, 400))) for n in PYTHON}  # fmt: skip
+    device = np.load(data_dir / "train.npz")
+    inputs, labels = device["input"][:120], device["labels"][:120]
+
+    port = free_port()
+    env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "relay-secret", "ODT_BRIDGE_ENROLMENT": "enrol"}
+    odt = str(Path(sys.executable).parent / "odt")
+    task = {"module": "/web/odt-web.mjs", "ortBase": "/web/ort/", "bridge": {"name": "browser-1", "enrolment": "enrol", "input": inputs.ravel().tolist(),
+                       "labels": labels.tolist(), "timeoutMs": 180000}}  # fmt: skip
+    (tmp_path / "task.json").write_text(json.dumps(task))
+    with ProcessGroup(tmp_path, env) as group:
+        bridge = group.start("bridge", [odt, "bridge", "serve", str(bundle), "--port", str(port)])
+        _wait_for_bridge(port, bridge)
+        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
+        browser = subprocess.Popen([*driver, str(tmp_path / "task.json")], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            grid = LoopbackGrid({**{n: _known(updates) for n in PYTHON}, BROWSER: secure_or_relayed_node}, vanish)
+            relay = {"bridge-url": f"http://127.0.0.1:{port}", "bridge-device": "browser-1",
+                     "bridge-secret": "relay-secret", "artifacts": str(digits_artifacts)}  # fmt: skip
+            run = {"round-timeout": 60.0, "local-epochs": 1, "local-steps": 0, "batch-size": 32}
+            grid.contexts[BROWSER] = Context(1, BROWSER, relay, RecordDict(), run)
+            config = ConfigRecord({"server-round": 1, "manifest-sha256": manifest_sha256(digits_artifacts)})
+            tasks = [
+                Message(RecordDict({ARRAYS: to_arrays(start), CONFIG: config}), dst_node_id=n, message_type="train",
+                        group_id="1")
+                for n in (*PYTHON, BROWSER)
+            ]  # fmt: skip
+            settings = SecureSettings(max_weight=1000.0)
+            secure = SecureGrid(grid, settings)
+            (reply,) = secure.send_and_receive(tasks)
+        except Exception as exc:
+            browser.kill()
+            raise AssertionError(f"the round failed; the browser said: {browser.communicate()[1][-3000:]}") from exc
+        out, err = browser.communicate(timeout=120)
+    result = json.loads(out)
+    assert result["ok"] and result["secure"] and result["round"] == 1, err[-3000:]
+
+    trained = np.asarray(result["weights"], np.float32)
+    flat_start = np.concatenate([start[p.name].ravel() for p in manifest.trainable])
+    browser_update = {p.name: (trained[p.offset : p.offset + p.size] - flat_start[p.offset : p.offset + p.size])
+                      .reshape(p.shape) for p in manifest.trainable}  # fmt: skip
+    assert np.abs(trained - flat_start).max() > 1e-3  # the browser trained
+    everyone = {**updates, BROWSER: (browser_update, len(labels))}
+    survivors = [n for n in everyone if n not in vanish]
+    total = sum(everyone[n][1] for n in survivors)
+    aggregate = from_arrays(reply.content[ARRAYS])
+    level = 2 * settings.clipping_range / levels_for(len(everyone))
+    bound = len(survivors) * level / (total / settings.max_weight) + 1e-6
+    for name, value in start.items():
+        expected = value + sum(everyone[n][0][name].astype(np.float64) * everyone[n][1] for n in survivors) / total
+        np.testing.assert_allclose(aggregate[name], expected, atol=bound, rtol=0)
+    assert reply.content[METRICS]["num-examples"] == total
+    assert secure.rounds[-1].dropped == vanish
+
+    # What the server held from the browser: a masked vector, uniform noise, not its update.
+    truth = np.concatenate([browser_update[n].ravel() for n in sorted(browser_update)]).astype(np.float64)
+    held = np.concatenate([v.ravel() for v in secure.rounds[-1].masked[BROWSER][1:]]).astype(np.float64)
+    assert abs(np.corrcoef(held, truth)[0, 1]) < 0.1
+    # What reached the bridge's disk (its state, with freed pages and the write-ahead log): never the
+    # browser's trained weights, which a plain round would have sent.
+    changed = int(np.argmax(np.abs(trained - flat_start)))
+    window = trained[max(0, changed - 8) : changed + 8].tobytes()
+    state = bundle.with_name("bundle.bridge.db")
+    stored = b"".join(p.read_bytes() for p in (state, state.with_name(state.name + "-wal")) if p.exists())
+    assert len(stored) > 4 * len(trained) and window not in stored
+
+def secure_or_relayed_node(message: Message, context: Context) -> Message:
+    """The browser's node: the ClientApp's outermost mod, which hands a relay node's stages to its device."""
+    return secure_or_relayed(message, context, lambda m, c: pytest.fail("a relay node trains nothing itself"))
