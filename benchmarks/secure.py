@@ -11,6 +11,10 @@
    size of the digits model, so the figures are the protocol's own: no training, no network.
 3. Dropouts: 30 % of 20 clients vanish after sharing keys; the round must complete with the rest
    and equal numpy's weighted average of the survivors' updates within the quantization bound.
+4. A browser client's cost: a round of 10 SecAgg+ clients in headless Chromium (odt-secagg.mjs's
+   SecureRound, Web Crypto and BigInt), each client's seconds per stage, beside the Python client
+   (Flower's stage functions) on the same vector sizes and group: the digits model and the intents
+   sample's MiniLM LoRA r8 + head (86,433 trainable values).
 Run: .venv/bin/python -m benchmarks.secure [--quick]
 """
 
@@ -125,13 +129,49 @@ def dropouts(shapes: dict[str, tuple[int, ...]], clients: int = 20, share: float
             "round_s": seconds}  # fmt: skip
 
 
+BROWSER_SIZES = {"MiniLM LoRA r8 + head": 86_433}
+"""Trainable values of the intents sample's MiniLM LoRA r8 + head (its manifest's trainable_size)."""
+DIGITS_VALUES = 17_226
+
+
+def browser_rows(sizes: dict[str, int], clients: int = 10) -> list[dict]:
+    """Each size: the browser's and Python's median client seconds over a round of ``clients`` (one group)."""
+    from benchmarks.browser import WEB, _in_browser, _serve, _site
+
+    work = Path(tempfile.mkdtemp(prefix="odt-secure-browser-"))
+    site = _site(work / "site")
+    (site / "odt-secagg.mjs").symlink_to(WEB / "odt-secagg.mjs")
+    server = _serve(site)
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    rows = []
+    try:
+        for name, size in sizes.items():
+            result = _in_browser(url, {"secureRound": {"nodes": clients, "size": size}}, work)
+            stages = {stage: statistics.median(times) for stage, times in result["seconds"].items()}
+            python = overhead(clients, 1.0, {"w": (size,)}, 1)["client_s"]
+            rows.append({"model": name, "values": size, "clients": clients, "browser_stage_s": stages,
+                         "browser_client_s": sum(stages.values()), "python_client_s": python})  # fmt: skip
+    finally:
+        server.shutdown()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--quick", action="store_true", help="3 rounds, 10 and 50 clients, one repeat")
+    parser.add_argument("--browser-only", action="store_true", help="part 4 only, into the existing results")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.browser_only:
+        result = json.loads((out / "secure.json").read_text())
+        result["browser"] = browser_rows({"digits": DIGITS_VALUES, **BROWSER_SIZES})
+        result["browser_machine"] = machine()
+        (out / "secure.json").write_text(json.dumps(result, indent=2))
+        (out / "secure.md").write_text(markdown(result))
+        print(markdown(result))
+        return 0
     import federated.secure  # noqa: F401  (Flower sets its logger's level when it is first imported)
 
     logging.getLogger("flwr").setLevel(logging.INFO)  # Flower's SecAgg+ stages log every node at DEBUG
@@ -143,9 +183,10 @@ def main() -> int:
     sizes, repeats = ((10, 50), 1) if args.quick else ((10, 50, 100), 3)
     costs = [overhead(n, shares, shapes, repeats) for n in sizes for shares in (1.0, 0.0)]
     dropped = dropouts(shapes)
+    browser = browser_rows({"digits": sum(int(np.prod(s)) for s in shapes.values()), **BROWSER_SIZES})
     rows = accuracy_rows(artifacts, data, 3 if args.quick else 20, work)
     result = {"machine": machine(), "centralized_accuracy": max(central.values()), "accuracy": rows,
-              "overhead": costs, "dropouts": dropped}  # fmt: skip
+              "overhead": costs, "dropouts": dropped, "browser": browser}  # fmt: skip
     (out / "secure.json").write_text(json.dumps(result, indent=2))
     (out / "secure.md").write_text(markdown(result))
     print(markdown(result))
@@ -185,7 +226,20 @@ def markdown(result: dict) -> str:
         f"{'completed' if d['completed'] else 'failed'} in {d['round_s']:.2f} s with the rest, "
         f"{d['max_error']:.2e} from numpy's weighted average of their updates.",
         "",
+        "**A browser client** (headless Chromium, odt-secagg.mjs) against a Python client (Flower's stage "
+        "functions), a round of 10 clients in one group, median seconds per client:",
+        "",
+        "| update | values | setup | share keys | collect (quantize, mask) | unmask | browser total | Python total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for row in result.get("browser", []):
+        b = row["browser_stage_s"]
+        lines.append(
+            f"| {row['model']} | {row['values']:,} | {b['setup']:.3f} | {b['share_keys']:.3f} | "
+            f"{b['collect_masked_vectors']:.3f} | {b['unmask']:.3f} | {row['browser_client_s']:.3f} | "
+            f"{row['python_client_s']:.3f} |"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 

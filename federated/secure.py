@@ -35,7 +35,7 @@ from flwr.serverapp import Grid
 
 from .errors import RoundFailedError
 from .flower_internals import SecAgg, aggregate_metricrecords
-from .protocol import ARRAYS, METRICS, from_arrays, to_arrays
+from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 
 __all__ = ["SecureSettings", "SecureGrid", "secure_mod", "aggregate_masked", "group_size", "levels_for"]
 
@@ -94,7 +94,8 @@ class SecureGrid:
         record = SecureRoundLog(sampled=[t.metadata.dst_node_id for t in tasks])
         self.rounds.append(record)
         content = {t.metadata.dst_node_id: t.content for t in tasks}
-        group = tasks[0].metadata.group_id
+        config = content[tasks[0].metadata.dst_node_id].config_records.get(CONFIG, {})
+        group = str(config.get("server-round", tasks[0].metadata.group_id))  # the stages' group: the round
         nodes = list(content)
         count = len(nodes)
         if count < 2:

@@ -66,8 +66,17 @@ class _Bridge:
         self.artifacts = Path(str(node.get("artifacts", self.settings.artifacts)))
         self.timeout = max(1.0, self.settings.round_timeout - 5.0)
 
+    def sha256(self) -> str:
+        try:
+            return manifest_sha256(self.artifacts)
+        except OSError:
+            raise BridgeError(
+                f"relay {self.device}: no artifacts at {self.artifacts}; copy the server's artifacts there, or name "
+                "them in the node config (artifacts=PATH)."
+            ) from None
+
     def manifest(self, sha: str) -> Manifest:
-        if manifest_sha256(self.artifacts) != sha:
+        if self.sha256() != sha:
             raise BridgeError(
                 f"relay {self.device}: its artifacts differ from the server's; copy the server's artifacts."
             )
@@ -125,8 +134,8 @@ def relay_stage(msg: Message, context: Context) -> Message:
     configs = msg.content.config_records[SecAgg.CONFIGS]
     stage = str(configs[SecAgg.Key.STAGE])
     node = msg.metadata.dst_node_id
-    group = msg.metadata.group_id  # Flower's strategies name a round's messages by its number
-    task: dict[str, Any] = {"artifacts_sha256": manifest_sha256(bridge.artifacts),
+    group = msg.metadata.group_id  # SecureGrid names a round's stages by its number
+    task: dict[str, Any] = {"artifacts_sha256": bridge.sha256(),
                             "round": int(group) if group.isdigit() else 0}  # fmt: skip
     if stage != SecAgg.Stage.COLLECT_MASKED_VECTORS:
         task["secagg"] = stage_task(configs, node)

@@ -161,23 +161,35 @@ def test_levels_leave_the_sum_room_in_the_modulus():
         assert levels * nodes <= 2**31 < 2 * levels * nodes  # the most a power of two can be, with 2x to spare
 
 
-def test_a_relay_node_refuses_secure_rounds():
-    """A browser behind the bridge would hand its update to the relay in the clear: the relay refuses."""
+def test_a_relay_node_hands_the_stages_to_its_device_and_others_answer_them(digits_artifacts):
+    """A node that trains itself answers a stage with Flower's client; a relay node (a browser behind
+    the bridge) answers nothing itself: it hands the stage to the bridge (here: one that is down)."""
     from flwr.app import ConfigRecord
 
-    from federated.client_app import secure_unless_relay
-    from federated.errors import FederatedError
+    from federated.client_app import secure_or_relayed
+    from mobile_bridge.errors import BridgeError
 
     values = {"stage": "setup", "sample_num": 3, "share_num": 3, "threshold": 2, "clipping_range": 4.0,
               "target_range": 2**22, "mod_range": 2**32, "max_weight": 1000.0}  # fmt: skip
-    setup = Message(RecordDict({SecAgg.CONFIGS: ConfigRecord(values)}), dst_node_id=5, message_type="train",
-                    group_id="1")  # fmt: skip
-    relay = Context(1, 5, {"bridge-device": "phone-1"}, RecordDict(), {})
-    with pytest.raises(FederatedError, match="cannot join secure rounds"):
-        secure_unless_relay(setup, relay, lambda m, c: m)
-    own = Context(1, 5, {}, RecordDict(), {})  # a node that trains itself answers the setup stage
-    reply = secure_unless_relay(setup, own, lambda m, c: m)
+
+    def setup() -> Message:
+        return Message(RecordDict({SecAgg.CONFIGS: ConfigRecord(values)}), dst_node_id=5, message_type="train",
+                       group_id="1")  # fmt: skip
+
+    own = Context(1, 5, {}, RecordDict(), {})
+    reply = secure_or_relayed(setup(), own, lambda m, c: pytest.fail("the train handler runs in the collect stage"))
     assert set(reply.content.config_records[SecAgg.CONFIGS]) == {SecAgg.Key.PUBLIC_KEY_1, SecAgg.Key.PUBLIC_KEY_2}
+    from federated.processes import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    node = {"bridge-url": down, "bridge-device": "phone-1", "bridge-secret": "s", "artifacts": "nowhere"}
+    relay = Context(1, 5, node, RecordDict(), {})
+    with pytest.raises(BridgeError, match="no artifacts at nowhere"):
+        secure_or_relayed(setup(), relay, lambda m, c: pytest.fail("a relay node has no keys of its own"))
+    relay.node_config["artifacts"] = str(digits_artifacts)
+    with pytest.raises(BridgeError, match="not reachable"):
+        secure_or_relayed(setup(), relay, lambda m, c: pytest.fail("a relay node has no keys of its own"))
+    assert SecAgg.STATE not in relay.state.config_records  # nothing of the protocol was kept on the relay
 
 
 def test_client_side_dp_clipping_runs_inside_the_protocol():

@@ -185,3 +185,74 @@ def test_demo_page_trains_any_bundle_once_registered(tmp_path):
     assert len(demo["losses"]) == 2 * 2 * 3 and demo["losses"][-1] < demo["losses"][0]  # 2 clicks x 2 epochs x 3
     assert "96 examples" in demo["log"] and "accuracy in the last epoch" in demo["log"]
     assert own["ok"] and "64 examples" in own["log"], own
+
+
+def test_a_browser_joins_a_secure_round_of_a_real_deployment(digits_artifacts, data_dir, tmp_path):
+    """`odt bridge deploy --set secure-aggregation=true`: SuperLink, two Python SuperNodes and a relay
+    SuperNode whose browser masks its own update. The aggregate is checked against the three updates:
+    the browser's, and the Python nodes' recomputed here by the ClientApp's own train handler."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from federated.client_app import train
+    from federated.flower_internals import act_as_server_app
+    from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
+    from federated.task import manifest_sha256
+    from ondevice import Manifest, Trainer
+
+    port = free_port()
+    odt = str(Path(sys.executable).parent / "odt")
+    out = tmp_path / "out"
+    command = [
+        odt, "bridge", "deploy", "--devices", "1", "--nodes", "2", "--port", str(port), "--rounds", "1",
+        "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out), "--round-timeout", "150",
+        "--set", "secure-aggregation=true",
+    ]  # fmt: skip
+    device_data = np.load(data_dir / "val.npz")
+    task = {"module": "/web/odt-web.mjs", "ortBase": "/web/ort/",
+            "bridge": {"name": "browser-1", "input": device_data["input"].ravel().tolist(),
+                       "labels": device_data["labels"].tolist(), "timeoutMs": 240000}}  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert run.stdout is not None
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if line.startswith("bridge: open"):
+                break
+        task["bridge"]["enrolment"] = lines[-1].split("#enrol=")[1].split()[0]
+        (tmp_path / "task.json").write_text(json.dumps(task))
+        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
+        browser = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=400)
+        rest = run.stdout.read()
+        assert run.wait(timeout=120) == 0, "".join(lines) + rest
+    finally:
+        run.kill()
+    device = json.loads(browser.stdout)
+    assert device["ok"] and device["secure"] and device["round"] == 1, browser.stderr[-2000:]
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["rounds"][1]["excluded"] == {} and len(report["rounds"][1]["bytes_up_per_client"]) == 3
+
+    # The three updates: the browser's, and each Python node's from the ClientApp's train handler.
+    manifest = Manifest.load(digits_artifacts)
+    start = Trainer.load(digits_artifacts).get_weights()
+    flat = np.concatenate([start[p.name].ravel() for p in manifest.trainable])
+    browser = np.asarray(device["weights"], np.float32) - flat
+    updates = [({p.name: browser[p.offset : p.offset + p.size].reshape(p.shape) for p in manifest.trainable},
+                len(device_data["labels"]))]  # fmt: skip
+    settings = report["settings"]
+    run_config = {key.replace("_", "-"): value for key, value in settings.items()}
+    act_as_server_app()
+    config = ConfigRecord({"server-round": 1, "manifest-sha256": manifest_sha256(digits_artifacts)})
+    for partition in range(2):
+        message = Message(RecordDict({ARRAYS: to_arrays(start), CONFIG: config}), dst_node_id=1, message_type="train")
+        context = Context(1, 1, {"partition-id": partition, "num-partitions": 2}, RecordDict(), run_config)
+        reply = train(message, context).content
+        trained = from_arrays(reply[ARRAYS])
+        updates.append(({k: trained[k] - start[k] for k in start}, int(reply[METRICS]["num-examples"])))
+    total = sum(count for _, count in updates)
+    result = np.load(out / "global_weights.npz")
+    for name, value in start.items():
+        expected = value + sum(u[name].astype(np.float64) * count for u, count in updates) / total
+        np.testing.assert_allclose(result[name], expected, atol=1e-5, rtol=0)
+    time.sleep(0.5)
+    assert started_by(str(out / "logs" / "flwr-home")) == []

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from federated.client_app import secure_or_relayed
+from federated.client_app import clipping_when_asked, secure_or_relayed
+from federated.flower_internals import KEY_CLIPPING_NORM
 from federated.loopback import LoopbackGrid
 from federated.processes import ProcessGroup, flower_env, free_port
 from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
@@ -57,11 +58,16 @@ def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]]):
         metrics = MetricRecord({"num-examples": count, "train-loss": 1.0, "manifest-tag": 7})
         return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
 
-    return lambda message, context: secure_mod(message, context, train)
+    return lambda message, context: secure_mod(message, context, lambda m, c: clipping_when_asked(m, c, train))
 
 
-@pytest.mark.parametrize("vanish", [{}, {102: "collect_masked_vectors"}], ids=["all", "python-node-drops"])
-def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data_dir, tmp_path, vanish):
+@pytest.mark.parametrize(
+    ("vanish", "clip"),
+    [({}, None), ({102: "collect_masked_vectors"}, None), ({}, 0.2)],
+    ids=["all", "python-node-drops", "dp-clipping"],
+)
+def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data_dir, tmp_path, vanish, clip):
+    """With client-side DP (``clip``) every node, the browser too, clips its update before it masks it."""
     bundle = tmp_path / "bundle"
     make_bundle(digits_artifacts, bundle)
     manifest = Manifest.load(digits_artifacts)
@@ -75,7 +81,8 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
     port = free_port()
     env = {**flower_env(tmp_path / "home"), "ODT_BRIDGE_SECRET": "relay-secret", "ODT_BRIDGE_ENROLMENT": "enrol"}
     odt = str(Path(sys.executable).parent / "odt")
-    task = {"module": "/web/odt-web.mjs", "ortBase": "/web/ort/", "bridge": {"name": "browser-1", "enrolment": "enrol", "input": inputs.ravel().tolist(),
+    task = {"module": "/web/odt-web.mjs", "ortBase": "/web/ort/",
+            "bridge": {"name": "browser-1", "enrolment": "enrol", "input": inputs.ravel().tolist(),
                        "labels": labels.tolist(), "timeoutMs": 180000}}  # fmt: skip
     (tmp_path / "task.json").write_text(json.dumps(task))
     with ProcessGroup(tmp_path, env) as group:
@@ -91,6 +98,8 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
             run = {"round-timeout": 60.0, "local-epochs": 1, "local-steps": 0, "batch-size": 32}
             grid.contexts[BROWSER] = Context(1, BROWSER, relay, RecordDict(), run)
             config = ConfigRecord({"server-round": 1, "manifest-sha256": manifest_sha256(digits_artifacts)})
+            if clip is not None:
+                config[KEY_CLIPPING_NORM] = clip
             tasks = [
                 Message(RecordDict({ARRAYS: to_arrays(start), CONFIG: config}), dst_node_id=n, message_type="train",
                         group_id="1")
@@ -112,6 +121,11 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
                       .reshape(p.shape) for p in manifest.trainable}  # fmt: skip
     assert np.abs(trained - flat_start).max() > 1e-3  # the browser trained
     everyone = {**updates, BROWSER: (browser_update, len(labels))}
+    if clip is not None:  # what each node masked: its update scaled to the clipping norm (every one is longer)
+        for node, (update, count) in list(everyone.items()):
+            norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in update.values()))
+            assert norm > clip
+            everyone[node] = ({k: v * np.float32(clip / norm) for k, v in update.items()}, count)
     survivors = [n for n in everyone if n not in vanish]
     total = sum(everyone[n][1] for n in survivors)
     aggregate = from_arrays(reply.content[ARRAYS])
@@ -134,6 +148,7 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
     state = bundle.with_name("bundle.bridge.db")
     stored = b"".join(p.read_bytes() for p in (state, state.with_name(state.name + "-wal")) if p.exists())
     assert len(stored) > 4 * len(trained) and window not in stored
+
 
 def secure_or_relayed_node(message: Message, context: Context) -> Message:
     """The browser's node: the ClientApp's outermost mod, which hands a relay node's stages to its device."""

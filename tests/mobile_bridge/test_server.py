@@ -310,3 +310,119 @@ def test_the_body_timeout_ends_with_the_body():
     sent = asyncio.run(client())
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [200]
     assert sent[-1]["body"] == b"done"
+
+
+# -- secure rounds: the SecAgg+ stages through the bridge -----------------------------------------
+
+
+def _stage(api, secagg: dict, device="phone-1", weights=None) -> str:
+    body = {"artifacts_sha256": _artifacts_sha(api), "round": 4, "timeout_s": 60, "secagg": secagg}
+    if weights is not None:
+        body["weights_b64"] = _b64(weights)
+    response = api.post(f"/internal/devices/{device}/tasks", json=body, headers={"X-Relay-Secret": SECRET})
+    assert response.status_code == 200, response.text
+    return response.json()["task_id"]
+
+
+def _answer(api, task_id, headers, answer):
+    return api.post(f"/v1/tasks/{task_id}/secagg", content=json.dumps(answer), headers=headers)
+
+
+NODE, PEER = str(2**64 - 5), "17"  # node ids beyond 2^53 travel as decimal strings
+SHARE_KEYS = {"stage": "share_keys", "node": NODE, "keys": [[NODE, "YQ==", "Yg=="], [PEER, "Yw==", "ZA=="]]}
+
+
+def test_a_secure_rounds_stages_pass_through_the_bridge(api):
+    headers, relay = _device(api), {"X-Relay-Secret": SECRET}
+    setup = {"stage": "setup", "node": NODE, "sample_num": 2, "share_num": 2, "threshold": 2}
+    task_id = _stage(api, setup)
+    task = api.get("/v1/task", headers=headers).json()
+    assert task["secagg"] == setup and task["weights_url"] is None and task["weights_size"] == 0
+    assert _push(api, task_id, headers).status_code == 409  # a key stage takes no weights
+    keys = {"pk1": base64.b64encode(b"key one").decode(), "pk2": base64.b64encode(b"key two").decode()}
+    assert _answer(api, task_id, headers, keys).status_code == 202
+    assert api.get(f"/internal/tasks/{task_id}/update", headers=relay).json()["secagg"] == keys
+    assert _answer(api, task_id, headers, keys).status_code == 409  # replay
+
+    shared = _stage(api, SHARE_KEYS)
+    answer = {"destinations": [PEER], "ciphertexts": [base64.b64encode(b"token").decode()]}
+    assert _answer(api, shared, headers, answer).status_code == 202
+
+    collect = {"stage": "collect_masked_vectors", "node": NODE, "sources": [PEER], "ciphertexts": ["dA=="],
+               "order": [[0, SIZE]], "clipping_norm": None}  # fmt: skip
+    masked_task = _stage(api, collect, weights=np.arange(SIZE, dtype=np.float32))
+    task = api.get("/v1/task", headers=headers).json()
+    assert task["secagg"] == collect and task["weights_size"] == SIZE
+    masked = np.random.default_rng(0).integers(0, 2**32, SIZE + 1, dtype=np.uint64).astype("<u4")
+    assert _push(api, masked_task, headers, np.ones(SIZE, "<f4").tobytes()).status_code == 422  # not a masked vector
+    assert _push(api, masked_task, headers, masked.tobytes()).status_code == 202
+    update = api.get(f"/internal/tasks/{masked_task}/update", headers=relay).json()
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(update["weights_b64"]), "<u4"), masked)
+
+    plain = _task(api)  # a plain task is not answered in JSON
+    assert _answer(api, plain, headers, {"declined": "no"}).status_code == 409
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ([1, 2], "JSON object"),
+        ({"destinations": [PEER]}, "exactly ['ciphertexts', 'destinations']"),
+        ({"destinations": [PEER], "ciphertexts": ["YQ=="], "extra": 1}, "exactly"),
+        ({"destinations": [PEER], "ciphertexts": ["not base64!"]}, "ciphertexts must be base64"),
+        ({"destinations": [17], "ciphertexts": ["YQ=="]}, "node ids as decimal strings"),  # a JSON number
+        ({"destinations": [str(2**64)], "ciphertexts": ["YQ=="]}, "node ids as decimal strings"),  # over uint64
+        ({"destinations": [PEER] * 3, "ciphertexts": ["YQ=="] * 3}, "more than the 2 nodes"),
+        ({"destinations": [PEER], "ciphertexts": ["YQ==", "Yg=="]}, "lists of the same length"),
+        ({"destinations": [PEER], "ciphertexts": ["YQ" * 4000]}, "base64"),  # longer than any share token
+        ({"declined": "x" * 301}, "at most 300"),
+    ],
+)
+def test_hostile_stage_answers_are_refused_and_not_stored(api, answer, message):
+    headers = _device(api)
+    task_id = _stage(api, SHARE_KEYS)
+    response = _answer(api, task_id, headers, answer)
+    assert response.status_code == 422 and message in response.json()["detail"], response.text
+    assert api.app.state.store.update(task_id) is None
+
+
+def test_any_stage_may_be_declined(api):
+    headers = _device(api)
+    collect = {"stage": "collect_masked_vectors", "node": NODE, "sources": [], "ciphertexts": [], "order": [],
+               "clipping_norm": None}  # fmt: skip
+    task_id = _stage(api, collect, weights=np.zeros(SIZE, np.float32))
+    assert _answer(api, task_id, headers, {"destinations": [], "ciphertexts": []}).status_code == 422
+    assert _answer(api, task_id, headers, {"declined": "joined after the setup"}).status_code == 202
+    assert api.app.state.store.update(task_id).secagg == {"declined": "joined after the setup"}
+
+
+def test_the_relay_cannot_send_an_unknown_stage(api):
+    body = {"artifacts_sha256": _artifacts_sha(api), "round": 1, "timeout_s": 5, "secagg": {"stage": "reveal"}}
+    response = api.post("/internal/devices/phone-1/tasks", headers={"X-Relay-Secret": SECRET}, json=body)
+    assert response.status_code == 422 and "unknown SecAgg+ stage" in response.json()["detail"]
+
+
+def test_a_state_file_from_before_secure_rounds_opens_with_its_devices(tmp_path):
+    import sqlite3
+
+    from mobile_bridge.store import Task, digest
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # the first release's schema
+        db.executescript("""
+            CREATE TABLE devices (name TEXT PRIMARY KEY, token_sha256 TEXT UNIQUE NOT NULL, created REAL NOT NULL);
+            CREATE TABLE codes (code_sha256 TEXT PRIMARY KEY, used_by TEXT, created REAL NOT NULL);
+            CREATE TABLE tasks (task_id TEXT PRIMARY KEY, device TEXT NOT NULL, round INTEGER NOT NULL,
+                weights BLOB NOT NULL, config TEXT NOT NULL, deadline REAL NOT NULL);
+            CREATE TABLE updates (task_id TEXT PRIMARY KEY REFERENCES tasks (task_id) ON DELETE CASCADE,
+                weights BLOB NOT NULL, num_examples INTEGER NOT NULL, metrics TEXT NOT NULL,
+                bundle_sha256 TEXT NOT NULL, received REAL NOT NULL);
+        """)
+        db.execute("INSERT INTO devices VALUES ('phone-1', ?, 0)", (digest("token-1"),))
+        db.execute("INSERT INTO tasks VALUES ('t1', 'phone-1', 1, x'00', '{}', 1e12)")
+    store = Store(path)
+    assert store.device_of("token-1") == "phone-1"
+    assert store.task("t1") == Task("t1", "phone-1", 1, b"\x00", {}, 1e12, None)
+    store.put_task(Task("t2", "phone-1", 2, b"", {}, 1e12, {"stage": "setup"}))
+    assert store.open_task("phone-1", 0).secagg == {"stage": "setup"}
+    store.close()

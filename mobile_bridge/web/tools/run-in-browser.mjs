@@ -61,6 +61,47 @@ try {
         combined: e(s.combineShares(t.pythonShares.map(b))),
       };
     }
+    if (task.secureRound) {
+      // A SecAgg+ round of `nodes` SecureRound clients in this page (all in one group): each node's
+      // seconds per stage, for the benchmark (benchmarks/secure.py).
+      const s = await import("/odt-secagg.mjs");
+      const { nodes: count, size } = task.secureRound;
+      const ids = Array.from({ length: count }, (_, i) => String(1000 + i));
+      const rounds = ids.map(() => new s.SecureRound());
+      const seconds = { setup: [], share_keys: [], collect_masked_vectors: [], unmask: [] };
+      const timed = async (stage, i, work) => {
+        const t0 = performance.now();
+        const value = await work();
+        seconds[stage][i] = (performance.now() - t0) / 1000;
+        return value;
+      };
+      const setup = { stage: "setup", sample_num: count, share_num: count, threshold: Math.ceil(count / 2),
+                      clipping_range: 4, target_range: 2 ** 22, mod_range: 2 ** 32, max_weight: 1000 };
+      const keys = [];
+      for (let i = 0; i < count; i++) {
+        const answer = await timed("setup", i, () => rounds[i].answer({ ...setup, node: ids[i] }));
+        keys.push([ids[i], answer.pk1, answer.pk2]);
+      }
+      const inbox = new Map(ids.map((id) => [id, { sources: [], ciphertexts: [] }]));
+      for (let i = 0; i < count; i++) {
+        const answer = await timed("share_keys", i, () => rounds[i].answer({ stage: "share_keys", node: ids[i], keys }));
+        answer.destinations.forEach((to, k) => {
+          inbox.get(to).sources.push(ids[i]);
+          inbox.get(to).ciphertexts.push(answer.ciphertexts[k]);
+        });
+      }
+      const start = new Float32Array(size).map((_, k) => Math.sin(k));
+      const trained = start.map((v, k) => v + 0.01 * Math.cos(k));
+      for (let i = 0; i < count; i++) {
+        const stage = { stage: "collect_masked_vectors", node: ids[i], ...inbox.get(ids[i]), order: [[0, size]],
+                        clipping_norm: null };
+        await timed("collect_masked_vectors", i, () => rounds[i].collect(stage, start, trained, 100));
+      }
+      for (let i = 0; i < count; i++) {
+        await timed("unmask", i, () => rounds[i].answer({ stage: "unmask", node: ids[i], active: ids, dead: [] }));
+      }
+      return { ok: true, seconds };
+    }
     const ortBase = task.ortBase ?? "/ort/";
     const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
     ort.env.wasm.wasmPaths = ortBase;
