@@ -82,21 +82,26 @@ class UnrolledRNN(nn.Module):
         b_hh = getattr(self, f"bias_hh{suffix}") if self.bias else None
         steps = range(x.shape[1] - 1, -1, -1) if direction else range(x.shape[1])
         outputs: list[torch.Tensor | None] = [None] * x.shape[1]
+        # One Split per sequence and per step's gates (their gradient is one Concat): indexing or chunk
+        # export as Slices, whose gradients write a zeroed tensor of the whole input each (measured: 0.76x
+        # of PyTorch's step with Slices for the next-word LSTM).
+        step_inputs = inputs.unbind(1)
+        size = self.hidden_size
         for t in steps:
             hidden = h @ w_hh.t()
             if b_hh is not None:
                 hidden = hidden + b_hh
             if self.mode == "LSTM":
-                i, f, g, o = (inputs[:, t] + hidden).chunk(4, dim=1)
+                i, f, g, o = (step_inputs[t] + hidden).split(size, dim=1)
                 c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
                 h = torch.sigmoid(o) * torch.tanh(c)
             elif self.mode == "GRU":
-                x_r, x_z, x_n = inputs[:, t].chunk(3, dim=1)
-                h_r, h_z, h_n = hidden.chunk(3, dim=1)
+                x_r, x_z, x_n = step_inputs[t].split(size, dim=1)
+                h_r, h_z, h_n = hidden.split(size, dim=1)
                 r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
                 h = (1 - z) * torch.tanh(x_n + r * h_n) + z * h
             else:
-                h = self.activation(inputs[:, t] + hidden)
+                h = self.activation(step_inputs[t] + hidden)
             outputs[t] = h
         return torch.stack(outputs, dim=1), h, c  # type: ignore[arg-type]
 

@@ -31,6 +31,7 @@ from .padding import mask_padding_gradients, padding_rows
 from .relugrad import rewrite_relu_grad
 from .relupool import pool_before_relu
 from .slices import gather_to_slice
+from .weightgrad import batch_weight_gradients
 
 __all__ = ["Pass", "Context", "REGISTRY", "STAGES", "run_stage", "without", "table", "FINITE_CHECK", "padding_rows"]
 
@@ -104,6 +105,12 @@ REGISTRY: tuple[Pass, ...] = (
          "the CPU GatherGrad takes one shared lock per element",
          "ScatterElements(add) into zeros sums the same rows, in index order",
          "tests/artifacts/test_text_models.py::test_lookup_gradient_sums_repeated_ids_like_pytorch_on_two_threads"),
+    Pass("batched-weight-grad", "training", lambda m, c: batch_weight_gradients(m),
+         "a weight used at every step of an unrolled recurrence gets a Gemm per step whose inner dimension is the "
+         "batch, then a Sum of as many weight-sized tensors (5.1 ms of the next-word LSTM's step)",
+         "the sum of the per-step products is one product of the rows stacked: one Gemm (or ReduceSum) over "
+         "the concatenated operands, the same products added in another order",
+         "tests/artifacts/test_recurrent.py::test_recurrent_weight_gradients_are_one_gemm_and_match_pytorch"),
     Pass("finite-check", "training", lambda m, c: add_finite_check(m),
          "checking loss and gradients for NaN/Inf from Python cost a call per tensor each step",
          "adds one output, the L2 norm of loss and gradients, finite exactly when all are",

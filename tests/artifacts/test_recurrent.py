@@ -113,3 +113,60 @@ def test_grus_and_rnns_generate_and_verify(tmp_path, layer):
     torch.manual_seed(0)
     manifest = generate(Tagger(layer()), {"x": torch.randn(8, 7, 4)}, tmp_path / "a")
     assert manifest.verification.passed and any(p.name.endswith("_reverse") for p in manifest.trainable)
+
+
+def test_recurrent_weight_gradients_are_one_gemm_and_match_pytorch(tmp_path):
+    """The training graph sums no per-step weight gradients: each recurrent weight's gradient is one
+    Gemm over the stacked steps (each bias's one ReduceSum), and every gradient still equals PyTorch's."""
+    import onnx
+
+    torch.manual_seed(0)
+    manifest = generate(NextWord(), {"ids": torch.randint(0, 40, (8, 6))}, tmp_path / "a", optimizer=AdamW(lr=0.02))
+    assert manifest.verification.passed
+    graph = onnx.load(tmp_path / "a" / "training_model.onnx", load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    for name in ("lstm.weight_hh_l0", "lstm.weight_hh_l1", "lstm.bias_hh_l0", "lstm.bias_hh_l1"):
+        node = producer[f"{name}_grad"]
+        assert node.op_type == ("Gemm" if "weight" in name else "ReduceSum"), (name, node.op_type)
+        stacked = producer[node.input[0]]
+        assert stacked.op_type == "Concat" and len(stacked.input) == 6  # the 6 steps
+        assert any(r.item.endswith(name) and r.passed for r in manifest.verification.rows)
+    assert not [n for n in graph.node if n.op_type == "Sum" and len(n.input) >= 3]
+
+
+def test_batching_weight_gradients_keeps_the_values():
+    """The pass alone on a graph of per-step products: ORT's results before and after agree."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from artifacts.passes.weightgrad import batch_weight_gradients
+
+    steps, batch, rows, cols = 5, 4, 6, 3
+    inputs, nodes, parts, reduced = [], [], [], []
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    for t in range(steps):
+        inputs += [helper.make_tensor_value_info(f"dy{t}", TensorProto.FLOAT, [batch, rows]),
+                   helper.make_tensor_value_info(f"x{t}", TensorProto.FLOAT, [batch, cols])]  # fmt: skip
+        nodes += [helper.make_node("Gemm", [f"dy{t}", f"x{t}"], [f"w{t}"], transA=1),
+                  helper.make_node("ReduceSum", [f"dy{t}", "axes"], [f"b{t}"], keepdims=0)]  # fmt: skip
+        parts.append(f"w{t}")
+        reduced.append(f"b{t}")
+    nodes += [helper.make_node("Sum", parts, ["w"]), helper.make_node("Sum", reduced, ["b"])]
+    outputs = [helper.make_tensor_value_info("w", TensorProto.FLOAT, [rows, cols]),
+               helper.make_tensor_value_info("b", TensorProto.FLOAT, [rows])]  # fmt: skip
+    graph = helper.make_graph(nodes, "steps", inputs, outputs, [axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in inputs}  # fmt: skip
+    before = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert batch_weight_gradients(rewritten) == 2
+    assert sorted(n.op_type for n in rewritten.graph.node) == ["Concat", "Concat", "Concat", "Gemm", "ReduceSum"]
+    after = ort.InferenceSession(rewritten.SerializeToString()).run(None, feeds)
+    expected = sum(feeds[f"dy{t}"].T.astype(np.float64) @ feeds[f"x{t}"] for t in range(steps))
+    np.testing.assert_allclose(after[0], expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(after, before):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
