@@ -7,6 +7,11 @@ the input with ``stride - 1`` zeros inserted between its samples and padded by
 :class:`ConvTransposeAsConv` computes that with Reshape, Pad, Slice and Conv (all with
 gradients) over the very same ``weight`` and ``bias``, so names and checkpoints read like the
 original model's. Exactness against PyTorch's layers (outputs and gradients) is tested.
+
+The U-Net case, a kernel as large as its stride (``ConvTranspose2d(c, c2, 2, stride=2)``), maps
+each input sample to its own block of outputs, with no overlap: there it is a 1x1 convolution into
+``out x kernel`` channels followed by a pixel shuffle (Reshape + Transpose + Reshape), with no
+inserted zeros (which cost ``stride ** dims`` times the multiply-adds, 3 of 4 of them on zeros).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class ConvTransposeAsConv(nn.Module):
         if output_size is not None:
             raise UnsupportedOperatorError("ConvTranspose called with output_size has no rewrite: use output_padding.")
         nd = len(self.kernel_size)
+        if self._blocks():
+            return self._shuffled(x)
         x = _insert_zeros(x, self.stride)  # each sample followed by stride - 1 zeros, the last one too
         for axis in range(nd):  # pad (or crop) each spatial axis: the full correlation's border
             left = self.dilation[axis] * (self.kernel_size[axis] - 1) - self.padding[axis]
@@ -49,6 +56,28 @@ class ConvTransposeAsConv(nn.Module):
             right = left + self.output_padding[axis] - (self.stride[axis] - 1)
             x = _pad_axis(x, 2 + axis, left, right)
         return _CONV[nd](x, _as_conv_weight(self.weight, self.groups), self.bias, 1, 0, self.dilation, self.groups)
+
+    def _blocks(self) -> bool:
+        """Whether every input sample maps to its own block of outputs (kernel == stride, nothing else)."""
+        nd = len(self.kernel_size)
+        return (tuple(self.kernel_size) == tuple(self.stride) and self.groups == 1
+                and tuple(self.padding) == (0,) * nd and tuple(self.output_padding) == (0,) * nd
+                and tuple(self.dilation) == (1,) * nd)  # fmt: skip
+
+    def _shuffled(self, x: torch.Tensor) -> torch.Tensor:
+        """A 1x1 convolution into (out, *kernel) channels, each block's outputs then moved into place."""
+        cin, cout, *kernel = self.weight.shape
+        nd = len(kernel)
+        w = self.weight.reshape(cin, -1).t().reshape(-1, cin, *([1] * nd))  # (out * prod(kernel), in, 1...)
+        y = _CONV[nd](x, w)
+        n, _, *sizes = y.shape
+        y = y.reshape(n, cout, *kernel, *sizes)
+        # (n, out, k1..kd, s1..sd) -> (n, out, s1, k1, ..., sd, kd): each sample's block after it
+        order = [0, 1] + [axis for d in range(nd) for axis in (2 + nd + d, 2 + d)]
+        y = y.permute(order).reshape(n, cout, *(size * k for size, k in zip(sizes, kernel)))
+        if self.bias is not None:
+            y = y + self.bias.reshape(1, cout, *([1] * nd))
+        return y
 
 
 def _as_conv_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:

@@ -19,7 +19,13 @@ LAYERS = [  # each row: a layer and an input; strides, paddings, output paddings
     (lambda: nn.ConvTranspose2d(4, 8, (3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2)), (2, 4, 5, 4)),
     (lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=3, dilation=(2, 1), groups=4), (1, 4, 6, 6)),
     (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2, padding=1), (1, 2, 3, 4, 3)),
+    # kernel == stride (the U-Net's upsampling): a 1x1 convolution and a pixel shuffle, no inserted zeros
+    (lambda: nn.ConvTranspose1d(4, 6, 3, stride=3), (2, 4, 5)),
+    (lambda: nn.ConvTranspose2d(3, 5, (2, 3), stride=(2, 3), bias=False), (2, 3, 4, 3)),
+    (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (1, 2, 3, 2, 2)),
 ]
+BLOCKS = {3, 7, 8, 9}
+"""Rows whose every input sample maps to its own block of outputs (the shuffled form)."""
 
 
 @pytest.mark.parametrize("make, shape", LAYERS, ids=[f"row{i}" for i in range(len(LAYERS))])
@@ -28,6 +34,7 @@ def test_the_conv_form_equals_pytorchs_transposed_convolution(make, shape):
     original = make()
     rewritten = ConvTransposeAsConv(copy.deepcopy(original))
     assert [n for n, _ in rewritten.named_parameters()] == [n for n, _ in original.named_parameters()]
+    assert rewritten._blocks() == (LAYERS.index((make, shape)) in BLOCKS)
     x = torch.randn(shape)
     results = []
     for layer in (original, rewritten):
@@ -84,7 +91,9 @@ class Head(nn.Module):
         return self.layer(x).flatten(1).sum(1, keepdim=True)
 
 
-@pytest.mark.parametrize("row", [1, 2, 4, 5], ids=["stride-pad-outpad", "groups-dilation", "2d-rect", "2d-crop"])
+@pytest.mark.parametrize(
+    "row", [1, 2, 4, 5, 8], ids=["stride-pad-outpad", "groups-dilation", "2d-rect", "2d-crop", "2d-blocks"]
+)
 def test_every_kind_of_transposed_convolution_verifies_in_ort(tmp_path, row):
     """Crops (padding over the kernel's reach), groups, dilations and output padding through ORT's gradients."""
     from artifacts import MSE
