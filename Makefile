@@ -28,7 +28,7 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 
 # The next-word sample (LSTM per home, federated with a personal output layer): a few minutes, not in `make demo`.
 nextword: $(STAMP)
-	$(PY) -m samples.nextword.run --out $(OUT)/nextword --federated 3
+	$(PY) -m samples.nextword.run --out $(OUT)/nextword --federated 3 --shared-rounds 24
 
 demo: $(STAMP)
 	$(PY) -m samples.digits.run --out $(OUT)/digits

@@ -9,7 +9,7 @@
    and top-3 on the unseen homes beside centralized training's), then the output layer personal
    (each home's top-1 and top-3 on its own held-out text, personal against global).
 
-Run: python -m samples.nextword.run --out out/nextword [--federated 3]
+Run: python -m samples.nextword.run --out out/nextword [--federated 3 [--shared-rounds 24]]
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--homes", type=int, default=8, help="training homes (default 8)")
     parser.add_argument("--per-home", type=int, default=400, help="commands per home (default 400)")
     parser.add_argument("--federated", type=int, default=0, metavar="ROUNDS", help="also run Flower rounds per home")
+    parser.add_argument(
+        "--shared-rounds", type=int, metavar="ROUNDS", help="the shared model's rounds (default: --federated)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     out = args.out.resolve()
@@ -119,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
           f"top-3 {metrics['top3_accuracy']:.4f}, perplexity {metrics['perplexity']:.1f}")  # fmt: skip
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if args.federated:
-        print(f"+ federated: {args.federated} rounds, one client per home, one shared model")
-        shared = federate(artifacts, out / "data", out, args.federated)
+        rounds = args.shared_rounds or args.federated
+        print(f"+ federated: {rounds} rounds, one client per home, one shared model")
+        shared = federate(artifacts, out / "data", out, rounds)
         print(f"   unseen homes: top-1 {shared['central.accuracy']:.4f}, top-3 {shared['central.top3_accuracy']:.4f} "
               f"(centralized: {metrics['accuracy']:.4f}, {metrics['top3_accuracy']:.4f})")  # fmt: skip
         print(f"+ federated: {args.federated} rounds, the output layer personal")
