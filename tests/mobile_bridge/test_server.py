@@ -426,3 +426,22 @@ def test_a_state_file_from_before_secure_rounds_opens_with_its_devices(tmp_path)
     store.put_task(Task("t2", "phone-1", 2, b"", {}, 1e12, {"stage": "setup"}))
     assert store.open_task("phone-1", 0).secagg == {"stage": "setup"}
     store.close()
+
+
+def test_a_declined_stage_fails_the_relay_with_the_devices_reason():
+    """The relay turns a device's decline (or a missing answer) into an error: its node leaves the round."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from federated.flower_internals import SecAgg, act_as_server_app
+    from mobile_bridge.errors import BridgeError
+    from mobile_bridge.relay import _stage_reply
+
+    act_as_server_app()
+    task = Message(RecordDict({SecAgg.CONFIGS: ConfigRecord({"stage": "unmask"})}), dst_node_id=3, message_type="train")
+    with pytest.raises(BridgeError, match="'phone-1' left the secure round at the unmask stage: page reloaded"):
+        _stage_reply(task, "phone-1", "unmask", {"declined": "page reloaded"})
+    with pytest.raises(BridgeError, match="no answer"):
+        _stage_reply(task, "phone-1", "unmask", None)
+    answer = {"nodes": [NODE], "shares": [base64.b64encode(b"share").decode()]}
+    reply = _stage_reply(task, "phone-1", "unmask", answer).content.config_records[SecAgg.CONFIGS]
+    assert reply[SecAgg.Key.NODE_ID_LIST] == [2**64 - 5] and reply[SecAgg.Key.SHARE_LIST] == [b"share"]
