@@ -63,16 +63,9 @@ def batch_weight_gradients(training: onnx.ModelProto) -> int:
         out = node.output[0]
         if all(_is_weight_gemm(p) for p in parts):  # type: ignore[union-attr]
             stacked = [f"{out}/odt_rows_{side}" for side in "ab"]
-            new = [
-                helper.make_node(
-                    "Concat",
-                    [p.input[k] for p in parts],
-                    [stacked[k]],
-                    axis=0,  # type: ignore[union-attr]
-                    name=f"{out}/odt_concat_{k}",
-                )  # fmt: skip
-                for k in (0, 1)
-            ]
+            operands = [[p.input[k] for p in parts] for k in (0, 1)]  # type: ignore[union-attr]
+            new = [helper.make_node("Concat", operands[k], [stacked[k]], axis=0, name=f"{out}/odt_concat_{k}")
+                   for k in (0, 1)]  # fmt: skip
             new.append(helper.make_node("Gemm", stacked, [out], transA=1, name=f"{out}/odt_gemm"))
         elif all(p.op_type == "ReduceSum" and len(p.input) == 2 for p in parts):  # type: ignore[union-attr]
             axes = [constants.get(p.input[1]) for p in parts]  # type: ignore[union-attr]
