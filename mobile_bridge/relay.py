@@ -145,13 +145,12 @@ def relay_stage(msg: Message, context: Context) -> Message:
     sha = str(config["manifest-sha256"])
     manifest = bridge.manifest(sha)
     global_weights = from_arrays(msg.content[ARRAYS])
-    names = {p.name for p in manifest.trainable}
-    if set(global_weights) != names:
+    by_name = {p.name: p for p in manifest.trainable}
+    if set(global_weights) != set(by_name):
         raise BridgeError(
             f"relay {bridge.device}: a secure round must exchange exactly the trainable weights, the server sent "
-            f"{len(global_weights)} arrays for {len(names)} trainable tensors."
+            f"{len(global_weights)} arrays for {len(by_name)} trainable tensors."
         )
-    by_name = {p.name: p for p in manifest.trainable}
     order = [(by_name[n].offset, by_name[n].size) for n in sorted(by_name)]  # the order Python clients mask in
     clipping = config.get(KEY_CLIPPING_NORM)
     task.update(

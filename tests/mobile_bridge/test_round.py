@@ -20,20 +20,9 @@ from federated.processes import ProcessGroup, flower_env, free_port, started_by
 from federated.task import Settings, local_epochs, node_data
 from mobile_bridge import make_bundle
 
+from . import WEB, deploy_with_browser, wait_for
+
 pytestmark = [pytest.mark.browser, pytest.mark.flower]
-
-WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
-
-
-def _wait_for(url: str, timeout: float = 30) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"{url} did not come up")
 
 
 def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, data_dir, tmp_path):
@@ -58,26 +47,8 @@ def test_browser_joins_a_flower_round_next_to_python_clients(digits_artifacts, d
             "timeoutMs": 180000,
         },
     }
-    (tmp_path / "task.json").write_text(json.dumps(task))
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert run.stdout is not None
-        lines = []
-        for line in run.stdout:
-            lines.append(line)
-            if line.startswith("bridge: open"):
-                break
-        assert f"http://127.0.0.1:{port}/web/#enrol=" in lines[-1] and "browser-1" in lines[-1], "".join(lines)
-        task["bridge"]["enrolment"] = lines[-1].split("#enrol=")[1].split()[0]
-        (tmp_path / "task.json").write_text(json.dumps(task))
-        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
-        browser = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300)
-        rest = run.stdout.read()
-        assert run.wait(timeout=120) == 0, "".join(lines) + rest
-    finally:
-        run.kill()
-    device = json.loads(browser.stdout)
-    assert device["ok"] and device["round"] == 1, browser.stderr[-2000:]
+    device = deploy_with_browser(command, task, tmp_path, port, timeout=300)
+    assert device["round"] == 1
     count, batch = len(device_data["labels"]), settings.batch_size
     epochs = local_epochs(settings.local_epochs, settings.local_steps, count, batch)
     assert epochs > 1  # the default local-steps asks for more than one epoch of this device's data
@@ -118,7 +89,7 @@ def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_
     ]
     with ProcessGroup(tmp_path, env) as group:
         group.start("bridge", serve)
-        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
+        wait_for(f"http://127.0.0.1:{port}/openapi.json")
         driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
         result = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300)
     page = json.loads(result.stdout)
@@ -167,7 +138,7 @@ def test_demo_page_trains_any_bundle_once_registered(tmp_path):
     runs = {}
     with ProcessGroup(tmp_path, env) as group:
         group.start("bridge", serve)
-        _wait_for(f"http://127.0.0.1:{port}/openapi.json")
+        wait_for(f"http://127.0.0.1:{port}/openapi.json")
         driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
         for name, task in (
             ("demo", {"clicks": ["#train", "#train"], "enrolment": "enrol"}),
@@ -211,24 +182,8 @@ def test_a_browser_joins_a_secure_round_of_a_real_deployment(digits_artifacts, d
     task = {"module": "/web/odt-web.mjs", "ortBase": "/web/ort/",
             "bridge": {"name": "browser-1", "input": device_data["input"].ravel().tolist(),
                        "labels": device_data["labels"].tolist(), "timeoutMs": 240000}}  # fmt: skip
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert run.stdout is not None
-        lines = []
-        for line in run.stdout:
-            lines.append(line)
-            if line.startswith("bridge: open"):
-                break
-        task["bridge"]["enrolment"] = lines[-1].split("#enrol=")[1].split()[0]
-        (tmp_path / "task.json").write_text(json.dumps(task))
-        driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
-        browser = subprocess.run([*driver, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=400)
-        rest = run.stdout.read()
-        assert run.wait(timeout=120) == 0, "".join(lines) + rest
-    finally:
-        run.kill()
-    device = json.loads(browser.stdout)
-    assert device["ok"] and device["secure"] and device["round"] == 1, browser.stderr[-2000:]
+    device = deploy_with_browser(command, task, tmp_path, port, timeout=400)
+    assert device["secure"] and device["round"] == 1
     report = json.loads((out / "metrics.json").read_text())
     assert report["rounds"][1]["excluded"] == {} and len(report["rounds"][1]["bytes_up_per_client"]) == 3
 

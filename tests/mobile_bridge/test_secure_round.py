@@ -29,23 +29,11 @@ from federated.task import manifest_sha256
 from mobile_bridge import make_bundle
 from ondevice import Manifest, Trainer
 
+from . import WEB, wait_for
+
 pytestmark = [pytest.mark.browser]
 
-WEB = Path(__file__).resolve().parents[2] / "mobile_bridge" / "web"
 BROWSER, PYTHON = 103, (101, 102)
-
-
-def _wait_for_bridge(port: int, bridge: subprocess.Popen) -> None:
-    import time
-    import urllib.request
-
-    while bridge.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("the bridge exited before it listened")
 
 
 def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]]):
@@ -87,7 +75,7 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
     (tmp_path / "task.json").write_text(json.dumps(task))
     with ProcessGroup(tmp_path, env) as group:
         bridge = group.start("bridge", [odt, "bridge", "serve", str(bundle), "--port", str(port)])
-        _wait_for_bridge(port, bridge)
+        wait_for(f"http://127.0.0.1:{port}/openapi.json", bridge)
         driver = ["node", str(WEB / "tools" / "run-in-browser.mjs"), f"http://127.0.0.1:{port}/web/"]
         browser = subprocess.Popen([*driver, str(tmp_path / "task.json")], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
