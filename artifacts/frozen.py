@@ -22,7 +22,7 @@ from onnx import numpy_helper
 
 from ondevice.session import C
 
-__all__ = ["FROZEN_FILE", "externalize_frozen"]
+__all__ = ["FROZEN_FILE", "externalize_frozen", "lookup_tables"]
 
 FROZEN_FILE = "frozen.bin"
 _GRAPHS = ("training_model.onnx", "eval_model.onnx")
@@ -71,3 +71,16 @@ def externalize_frozen(
     (work / "checkpoint").unlink()
     C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
     return offsets
+
+
+def lookup_tables(work: Path, names: Sequence[str]) -> list[str]:
+    """The tensors of ``names`` that the training graph only reads a row at a time (the data input
+    of Gather on axis 0: embedding tables). A step touches a few rows of them, so the runtime asks
+    the kernel to page those rows in one by one (``ondevice.pages``) instead of whole regions."""
+    graph = onnx.load(work / _GRAPHS[0], load_external_data=False).graph
+    uses: dict[str, list[bool]] = {}
+    for node in graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        for position, name in enumerate(node.input):
+            uses.setdefault(name, []).append(node.op_type == "Gather" and position == 0 and axis == 0)
+    return [n for n in names if uses.get(n) and all(uses[n])]

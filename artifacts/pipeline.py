@@ -45,7 +45,7 @@ from .export import (
     on_trained_path,
     reaching,
 )
-from .frozen import FROZEN_FILE, externalize_frozen
+from .frozen import FROZEN_FILE, externalize_frozen, lookup_tables
 from .selection import select_trainable
 from .spec import Spec
 from .verify import format_table
@@ -244,7 +244,9 @@ def _build(
         plan=o.plan,
         index_limits=_index_limits(original, input_names),
         hf_config=o.hf_config,
-        frozen_file={"file": FROZEN_FILE, "offsets": offsets} if offsets else None,
+        frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets))}
+        if offsets
+        else None,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,

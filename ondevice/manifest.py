@@ -176,7 +176,9 @@ class Manifest:
     frozen_file: Mapping[str, Any] | None = None
     """``{"file": "frozen.bin", "offsets": {name: offset}}``: frozen weights kept out of the checkpoint,
     as float32 tensors tiling that file (offsets in elements) which ONNX Runtime memory-maps; frozen
-    parameters not named there (BatchNorm statistics, other types) are in the checkpoint."""
+    parameters not named there (BatchNorm statistics, other types) are in the checkpoint. Optional
+    ``"lookups": [name]``: the tables a step reads a row at a time (embeddings), which the runtime
+    pages in by the row (:mod:`ondevice.pages`)."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""

@@ -240,6 +240,9 @@ def _frozen_file(value: Any, files: dict[str, Any], frozen: dict[str, tuple[int,
         if offset != expected:
             _fail(f"frozen_file.offsets[{name!r}]", f"{expected} (the tensors tile the file in order)", offset)
         expected += math.prod(frozen[name])
+    lookups = value.get("lookups", [])
+    if not isinstance(lookups, list) or not all(name in offsets for name in lookups):
+        _fail("frozen_file.lookups", "a list of tensors in frozen_file.offsets", lookups)
 
 
 def _tokenizer(value: Any, files: dict[str, Any], inputs: list[dict[str, Any]]) -> None:

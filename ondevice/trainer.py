@@ -17,6 +17,7 @@ from .data import batch_indices, batches, check_data, padding_trimmer, trim_padd
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
+from .pages import page_lookups_by_row
 from .schedules import Schedule
 from .session import ORT_VERSION, C, OrtTraining, ort_error_message
 
@@ -121,6 +122,7 @@ class Trainer:
             raise (CheckpointError if checkpoint else OndeviceError)(
                 f"ONNX Runtime cannot load the {what}: {ort_error_message(exc)}"
             ) from exc
+        page_lookups_by_row(directory, manifest)
         trainer = cls(directory, manifest, session, sha)
         if checkpoint is not None:
             trainer._restore_progress()

@@ -123,3 +123,64 @@ def test_a_bundle_carries_the_frozen_weights_in_its_checkpoint_and_trains_the_sa
     bundled, plain = load_trainer(tmp_path / "bundle", None), Trainer.load(out)
     for _ in range(3):
         assert bundled.train_step(_batch()).loss == pytest.approx(plain.train_step(_batch()).loss, rel=1e-6)
+
+
+class _Lookup(nn.Module):
+    """A frozen 20000 x 128 table (10 MB) and a frozen projection under a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table, self.project, self.head = nn.Embedding(20_000, 128), nn.Linear(128, 128), nn.Linear(128, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.project(self.table(ids).mean(1))))
+
+
+def _mapped_bytes(path, start: int, end: int) -> int:
+    """RSS of this process's mappings of ``path`` whose file offset lies in [start, end)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = len(fields) == 6 and fields[5] == str(path) and start <= int(fields[2], 16) < end
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_step_maps_the_rows_of_a_lookup_table_it_reads_not_the_table(tmp_path):
+    """With the file in the page cache in large folios, one touched row mapped a whole folio: 64 rows
+    of MiniLM's word table put 38 MB into RSS. The runtime now pages lookup tables in by the row."""
+    from artifacts import generate
+
+    model = _Lookup()
+    out = tmp_path / "artifacts"
+    generate(model, {"ids": torch.randint(0, 20_000, (4, 8))}, out, trainable=["head"])
+    manifest = Manifest.load(out)
+    assert manifest.frozen_file["lookups"] == ["table.weight"]  # the projection is read whole: not a lookup
+    (out / "frozen.bin").read_bytes()  # the whole file in the page cache, as after hashing it
+
+    trainer = Trainer.load(out, evaluation=False)
+    ids = (np.arange(64, dtype=np.int64) * 311).reshape(8, 8)  # 64 rows spread over the table
+    for _ in range(3):
+        trainer.train_step({"ids": ids, "labels": np.arange(8) % 3})
+    table_bytes = 4 * 20_000 * 128
+    mapped = _mapped_bytes((out / "frozen.bin").resolve(), 0, table_bytes)
+    assert 0 < mapped <= 64 * 2 * 4096, mapped  # each row (512 bytes) within a page or two of its own
+    reference = model.table(torch.from_numpy(ids)).detach().numpy()
+    np.testing.assert_array_equal(trainer.parameter("table.weight")[ids], reference)
+
+
+def test_lookups_must_name_tensors_of_the_frozen_file(frozen_body, tmp_path):
+    import shutil
+
+    out, _ = frozen_body
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    data["frozen_file"]["lookups"] = ["no.such.table"]
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"frozen_file.lookups.*a list of tensors in frozen_file.offsets"):
+        Manifest.load(copy)
