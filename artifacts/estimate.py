@@ -9,7 +9,7 @@ peak = BASE_BYTES                           Python, numpy, ONNX Runtime, a sessi
 The saved tensors are counted, not guessed: one forward of the candidate in PyTorch (its
 trainable set, its LoRA adapters) under ``saved_tensors_hooks``, at 1 and 2 rows, gives a line
 in the micro-batch. ORT's step holds more than PyTorch saves (the activation gradients of the
-backward, its arena's chunks); the two constants were fitted to ``ondevice.measure`` on MiniLM
+backward, its arena's chunks); the two constants were chosen against ``ondevice.measure`` on MiniLM
 and the benchmark models (``python -m benchmarks.planner``, docs/performance.md): within 25 % of
 the measured peaks on every row but the MobileNet-style model's, whose depthwise convolutions ORT
 trains with about 3.5x what PyTorch saves (the estimate is 25-43 % low there).

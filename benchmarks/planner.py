@@ -4,7 +4,7 @@ For each model and trainable set below, at several micro-batch sizes: the estima
 (``artifacts.estimate.footprint``, made before anything is built) and the peak RSS that
 ``python -m ondevice.measure`` reads from the kernel in a fresh process training the generated
 artifacts. ``--fit`` also prints the least-squares BASE_BYTES and ACTIVATION_FACTOR for these
-rows (how the constants in ``artifacts/estimate.py`` were chosen).
+rows, to compare with the constants in ``artifacts/estimate.py``.
 
 Run: .venv/bin/python -m benchmarks.planner [--fit]   (writes benchmarks/results/planner.*)
 """
