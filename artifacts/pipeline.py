@@ -28,7 +28,7 @@ from ondevice.manifest import (
     TokenizerSpec,
     Verification,
 )
-from ondevice.session import ORT_VERSION
+from ondevice.session import NCHWC, ORT_VERSION
 
 from . import passes
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
@@ -51,6 +51,8 @@ from .spec import Spec
 from .verify import format_table
 
 __all__ = ["Source", "Options", "build_artifacts", "check_output", "resolve_axes"]
+
+NCHWC_GRAPH = "training_model.nchwc.onnx"
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +212,7 @@ def _build(
     else:
         in_order = [n for n in order if n in set(frozen)]
         offsets = externalize_frozen(work, trainable, in_order, list(updates), initializers)
+    variants = {} if spec.ort_format else _write_variants(work, context)
     tokenizer = _attach_tokenizer(spec.tokenizer, input_names, work)
 
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
@@ -247,6 +250,7 @@ def _build(
         frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets))}
         if offsets
         else None,
+        variants=variants,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,
@@ -275,6 +279,16 @@ def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: 
         raise InputSpecError(f"tokenizer file {source} does not exist; pass the model's tokenizer.json.")
     shutil.copyfile(source, work / "tokenizer.json")
     return replace(spec, file="tokenizer.json")
+
+
+def _write_variants(work: Path, context: passes.Context) -> dict[str, str]:
+    """Variant training graphs (the registry's ``variant`` stage) beside the finished one, by kind."""
+    model = onnx.load(work / "training_model.onnx", load_external_data=False)
+    passes.run_stage("variant", model, context)
+    if not context.results.get("nchwc-depthwise"):
+        return {}
+    onnx.save(model, work / NCHWC_GRAPH)
+    return {NCHWC: NCHWC_GRAPH}
 
 
 def _finish_training_graph(training_model: Path, rows: dict[str, int], context: passes.Context) -> dict[str, int]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ondevice.manifest import Manifest, Verification, VerificationRow
-from ondevice.session import OrtTraining, ort_error_message
+from ondevice.session import TRAINING_GRAPH, OrtTraining, ort_error_message, training_graph
 
 from .errors import ToleranceError, VerificationError
 from .export import zero_dropout
@@ -201,9 +201,14 @@ def verify_artifacts(
     feeds = [t.detach().numpy() for t in example] + list(targets)
     target = torch.from_numpy(targets[0]) if targets else None
     rows = _compare_eval(directory, manifest, model, example, feeds, target, loss, loss_index, tol)
-    with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
-        twin, dropouts = _dropout_free_twin(directory, Path(tmp))
-        rows += _compare_train(twin, manifest, model, example, feeds, target, loss, loss_index, optimizer, tol)
+    graphs = dict.fromkeys([TRAINING_GRAPH, training_graph(manifest.variants)])  # and the variant this ORT loads
+    for graph in graphs:
+        with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
+            twin, dropouts = _dropout_free_twin(directory, Path(tmp), graph)
+            compared = _compare_train(twin, manifest, model, example, feeds, target, loss, loss_index, optimizer, tol,
+                                      graph)  # fmt: skip
+        tag = "" if graph == TRAINING_GRAPH else f"{graph}: "
+        rows += [replace(row, item=tag + row.item) for row in compared]
     note = f"train step checked with {dropouts} Dropout ratio(s) set to 0" if dropouts else ""
     return Verification(passed=all(r.passed for r in rows), rows=tuple(rows), note=note)
 
@@ -253,8 +258,9 @@ def _compare_train(
     loss_index: int,
     optimizer: AdamW | SGD,
     tol: Tolerances,
+    graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    session = OrtTraining(directory)
+    session = OrtTraining(directory, graph=graph)
     session.set_learning_rate(optimizer.lr)
     fetched = session.train_step(feeds)
     gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
@@ -305,12 +311,12 @@ def _without_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def _dropout_free_twin(directory: Path, tmp: Path) -> tuple[Path, int]:
-    training = onnx.load(directory / "training_model.onnx", load_external_data=False)
+def _dropout_free_twin(directory: Path, tmp: Path, graph: str = TRAINING_GRAPH) -> tuple[Path, int]:
+    training = onnx.load(directory / graph, load_external_data=False)
     count = zero_dropout(training)
     if not count:
         return directory, 0
-    onnx.save(training, tmp / "training_model.onnx")
+    onnx.save(training, tmp / graph)
     for name in ("eval_model.onnx", "optimizer_model.onnx", "checkpoint", FROZEN_FILE):
         if (directory / name).exists():
             os.symlink((directory / name).resolve(), tmp / name)

@@ -107,7 +107,7 @@ def make_bundle(
         _to_ort_format(work)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None)
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={})
         bundled.save(work)
         artifacts_sha = sha256_file(source / MANIFEST_NAME)
         description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)

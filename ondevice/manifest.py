@@ -179,6 +179,10 @@ class Manifest:
     parameters not named there (BatchNorm statistics, other types) are in the checkpoint. Optional
     ``"lookups": [name]``: the tables a step reads a row at a time (embeddings), which the runtime
     pages in by the row (:mod:`ondevice.pages`)."""
+    variants: Mapping[str, str] = field(default_factory=dict)
+    """Training graphs for runtimes with faster kernels, by kind: ``{"nchwc": "training_model.nchwc.onnx"}``
+    when depthwise convolutions can run on ORT's x86 NCHWc kernels. Same inputs, outputs, parameters and
+    values as ``training_model.onnx``; the runtime loads one (:func:`ondevice.session.training_graph`)."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
@@ -332,6 +336,7 @@ def _from_dict(data: Any) -> Manifest:
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
             hf_config=data.get("hf_config"),
             frozen_file=data.get("frozen_file"),
+            variants={str(k): str(v) for k, v in data.get("variants", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

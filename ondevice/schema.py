@@ -190,6 +190,9 @@ def validate_manifest(data: dict[str, Any]) -> None:
         if not dtypes.get(name, "").startswith("int"):
             _fail(f"index_limits[{name!r}]", "an integer input", name)
     _frozen_file(data.get("frozen_file"), files, frozen)
+    for kind, name in data.get("variants", {}).items():
+        if name not in files:
+            _fail(f"variants[{kind!r}]", "a file listed in files", name)
 
 
 def _unique(where: str, specs: list[dict[str, Any]]) -> None:

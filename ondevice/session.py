@@ -9,12 +9,14 @@ the C bindings are used directly instead of `onnxruntime.training.api` (whose pa
 
 from __future__ import annotations
 
+import base64
+import functools
 import importlib.abc
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -66,6 +68,36 @@ def ort_error_message(exc: BaseException) -> str:
     return re.sub(r"^/\S+:\d+ ", "", text).strip()[:400]
 
 
+TRAINING_GRAPH = "training_model.onnx"
+NCHWC = "nchwc"
+"""The variant training graph whose depthwise convolutions run on ORT's x86 NCHWc kernels
+(``artifacts/passes/nchwc.py``); the manifest's ``variants`` names its file."""
+_NCHWC_PROBE = base64.b64decode(
+    "CAgSA29kdDpgCikKAXgSAXkiDFJlb3JkZXJJbnB1dDoTY29tLm1pY3Jvc29mdC5uY2h3YxILbmNod2NfcHJvYmVaGwoBeBIWChQIARIQCgIIAQoC"
+    "CAQKAggBCgIIAWIJCgF5EgQKAggBQgQKABARQhcKE2NvbS5taWNyb3NvZnQubmNod2MQAQ=="
+)
+"""One ``ReorderInput`` (com.microsoft.nchwc) of a [1, 4, 1, 1] input, serialized by onnx 1.17 (rebuilt
+and compared in tests/ondevice/test_session.py): its output has the block size as channels."""
+
+
+@functools.cache
+def nchwc_block_size() -> int:
+    """The channel block of this ORT's NCHWc kernels (8 with AVX2, 16 with AVX-512), or 0 where the
+    build has none (ORT 1.19 has them on x86 only)."""
+    try:
+        probe = ort.InferenceSession(_NCHWC_PROBE, session_options(1), providers=["CPUExecutionProvider"])
+        (blocked,) = probe.run(None, {"x": np.ones((1, 4, 1, 1), np.float32)})
+        return int(blocked.shape[1])
+    except Exception:
+        return 0
+
+
+def training_graph(variants: Mapping[str, str]) -> str:
+    """The training graph file this runtime should load: the NCHWc variant where ORT has the kernels
+    (the variant's channel counts are multiples of 16, so any block of 4, 8 or 16 divides them)."""
+    return variants[NCHWC] if NCHWC in variants and nchwc_block_size() in (4, 8, 16) else TRAINING_GRAPH
+
+
 def session_options(threads: int | None = None, lean_memory: bool = False) -> C.SessionOptions:
     """Session options with ORT logging at errors only and an optional intra-op thread count.
 
@@ -98,14 +130,16 @@ class OrtTraining:
         with_optimizer: bool = True,
         with_eval: bool = True,
         lean_memory: bool = False,
+        graph: str = TRAINING_GRAPH,
     ) -> None:
         directory = Path(directory)
+        self.graph = graph
         self.lean_memory = lean_memory
         self.with_eval = with_eval
         options = session_options(threads, lean_memory)
         self.state = C.load_checkpoint(os.fspath(checkpoint or directory / "checkpoint"))
         self.module = C.Module(
-            os.fspath(directory / "training_model.onnx"),
+            os.fspath(directory / graph),
             self.state,
             os.fspath(directory / "eval_model.onnx") if with_eval else None,  # see Trainer.load(evaluation=)
             _CPU,

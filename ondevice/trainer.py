@@ -19,7 +19,7 @@ from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
 from .pages import page_lookups_by_row
 from .schedules import Schedule
-from .session import ORT_VERSION, C, OrtTraining, ort_error_message
+from .session import ORT_VERSION, C, OrtTraining, ort_error_message, training_graph
 
 __all__ = ["Trainer", "StepResult", "History"]
 
@@ -105,16 +105,16 @@ class Trainer:
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
+        options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation,
+                   "graph": training_graph(manifest.variants)}  # fmt: skip
         try:
             if checkpoint is None:
-                session = OrtTraining(directory, threads=threads, lean_memory=lean_memory, with_eval=evaluation)
+                session = OrtTraining(directory, **options)
             else:
                 from ._checkpoint import unpacked
 
                 with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
-                    session = OrtTraining(
-                        directory, checkpoint=raw, threads=threads, lean_memory=lean_memory, with_eval=evaluation
-                    )
+                    session = OrtTraining(directory, checkpoint=raw, **options)
         except OndeviceError:
             raise
         except Exception as exc:

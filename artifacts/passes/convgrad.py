@@ -15,8 +15,11 @@ input took 4.1 ms alone in an inference session, but 12 ms of Slices inside the 
 (the step went to 44 ms); a convolution of the transposed input with the transposed ``dY`` took
 12.5 ms alone.
 
-Rewritten: 2-D, one group, no dilation, padding within the kernel's reach, static channel and
-spatial sizes (others keep their ``ConvGrad`` as it is). Verification against PyTorch covers it.
+Rewritten: 2-D, one group (or depthwise at stride 1: one group per channel, whose kernel needs no
+channel swap; MobileNet-style benchmark model 47 -> 44.5 ms a train step), no dilation, padding
+within the kernel's reach, static channel and spatial sizes (others keep their ``ConvGrad`` as it
+is). The flipped kernels' shapes go into the graph's value_info for later passes (the NCHWc
+variant). Verification against PyTorch covers it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def rewrite_conv_grad(training: onnx.ModelProto) -> int:
     for init in graph.initializer:
         shapes[init.name] = list(init.dims)
     nodes: list[onnx.NodeProto] = []
+    shaped: list[onnx.ValueInfoProto] = []  # the flipped kernels' shapes, for later passes
     done = 0
     for node in graph.node:
-        new = _rewrite(node, shapes) if node.op_type == "ConvGrad" and node.domain == "com.microsoft" else None
+        convgrad = node.op_type == "ConvGrad" and node.domain == "com.microsoft"
+        new = _rewrite(node, shapes, shaped) if convgrad else None
         if new is None:
             nodes.append(node)
         else:
@@ -58,10 +63,13 @@ def rewrite_conv_grad(training: onnx.ModelProto) -> int:
     if done:
         del graph.node[:]
         graph.node.extend(nodes)
+        graph.value_info.extend(shaped)
     return done
 
 
-def _rewrite(node: onnx.NodeProto, shapes: dict[str, list[int | str]]) -> list[onnx.NodeProto] | None:
+def _rewrite(
+    node: onnx.NodeProto, shapes: dict[str, list[int | str]], shaped: list[onnx.ValueInfoProto]
+) -> list[onnx.NodeProto] | None:
     a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
     dy, x, w = node.input
     x_shape, w_shape = shapes.get(x, []), shapes.get(w, [])
@@ -71,9 +79,13 @@ def _rewrite(node: onnx.NodeProto, shapes: dict[str, list[int | str]]) -> list[o
     pads = list(a.get("pads") or [0, 0, 0, 0])  # top, left, bottom, right
     strides = list(a.get("strides") or [1, 1])
     auto_pad = a.get("auto_pad", b"NOTSET")
-    plain = a.get("group", 1) == 1 and all(d == 1 for d in a.get("dilations") or [1, 1])
+    group = a.get("group", 1)
+    depthwise = group > 1 and group == w_shape[0] == x_shape[1] and w_shape[1] == 1
+    plain = (group == 1 or depthwise) and all(d == 1 for d in a.get("dilations") or [1, 1])
     if not plain or auto_pad not in (b"NOTSET", "NOTSET") or any(p > k - 1 for p, k in zip(pads, kernel + kernel)):
         return None
+    if depthwise and strides != [1, 1]:
+        return None  # a grouped ConvTranspose is no faster than ConvGrad
     size = [int(s) for s in x_shape[2:]]
     out = [(size[i] + pads[i] + pads[i + 2] - kernel[i]) // strides[i] + 1 for i in range(2)]
     prefix = f"{node.name or node.output[0]}/odt_convgrad"
@@ -88,12 +100,17 @@ def _rewrite(node: onnx.NodeProto, shapes: dict[str, list[int | str]]) -> list[o
         return None  # no input gradient to take out (a first layer)
     if strides == [1, 1]:
         swapped, flipped = f"{prefix}/w_swapped", f"{prefix}/w_flipped"
-        made.append(helper.make_node("Transpose", [w], [swapped], perm=[1, 0, 2, 3]))
+        if depthwise:  # one input and one output channel per group: nothing to swap
+            swapped = w
+        else:
+            made.append(helper.make_node("Transpose", [w], [swapped], perm=[1, 0, 2, 3]))
         ends = const("flip_ends", [LOWEST, LOWEST])
         made.append(helper.make_node("Slice", [swapped, const("flip_starts", [-1, -1]), ends, const("hw", [2, 3]),
                                                const("flip_steps", [-1, -1])], [flipped]))  # fmt: skip
+        flipped_shape = w_shape if depthwise else [w_shape[1], w_shape[0], *w_shape[2:]]
+        shaped.append(helper.make_tensor_value_info(flipped, TensorProto.FLOAT, flipped_shape))
         border = [kernel[i % 2] - 1 - pads[i] for i in range(4)]
-        made.append(helper.make_node("Conv", [dy, flipped], [dx], pads=border, kernel_shape=kernel))
+        made.append(helper.make_node("Conv", [dy, flipped], [dx], pads=border, kernel_shape=kernel, group=group))
     else:
         extra = [size[i] - ((out[i] - 1) * strides[i] + kernel[i] - pads[i] - pads[i + 2]) for i in range(2)]
         if any(e < 0 or e >= s for e, s in zip(extra, strides)):

@@ -28,6 +28,7 @@ LAYERS = {
     "stride-2-odd-size": lambda: nn.Conv2d(4, 5, 3, stride=2, padding=0),
     "1x1-no-bias": lambda: nn.Conv2d(4, 6, 1, bias=False),
     "rectangular-asymmetric": lambda: nn.Conv2d(4, 3, (2, 3), padding=(1, 0)),
+    "depthwise": lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4),
 }
 
 
@@ -45,18 +46,20 @@ def test_convolution_gradients_match_pytorch_without_convgrad(tmp_path, name):
                for n in graph.node)  # fmt: skip
 
 
-@pytest.mark.parametrize("stride, pads", [(1, [1, 1, 1, 1]), (2, [1, 0, 1, 1]), (3, [0, 0, 0, 0])])
-def test_the_input_gradient_equals_convgrads(stride, pads):
-    """The pass alone on one ConvGrad: ORT's results before and after agree, all three gradients."""
+@pytest.mark.parametrize("stride, pads, group", [(1, [1, 1, 1, 1], 1), (2, [1, 0, 1, 1], 1), (3, [0, 0, 0, 0], 1),
+                                                (1, [1, 1, 1, 1], 4), (1, [0, 1, 0, 0], 4)])  # fmt: skip
+def test_the_input_gradient_equals_convgrads(stride, pads, group):
+    """The pass alone on one ConvGrad: ORT's results before and after agree, all three gradients
+    (group 4: a depthwise convolution of 4 channels)."""
     import onnxruntime as ort
 
-    n, cin, cout, h, w, k = 2, 3, 4, 10, 9, 3
+    n, cin, cout, h, w, k = 2, 3 if group == 1 else group, 4, 10, 9, 3
     oh, ow = ((h + pads[0] + pads[2] - k) // stride + 1), ((w + pads[1] + pads[3] - k) // stride + 1)
     inputs = [helper.make_tensor_value_info("dy", TensorProto.FLOAT, ["n", cout, oh, ow]),
               helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", cin, h, w]),
-              helper.make_tensor_value_info("w", TensorProto.FLOAT, [cout, cin, k, k])]  # fmt: skip
+              helper.make_tensor_value_info("w", TensorProto.FLOAT, [cout, cin // group, k, k])]  # fmt: skip
     node = helper.make_node("ConvGrad", ["dy", "x", "w"], ["dx", "dw", "db"], domain="com.microsoft", pads=pads,
-                            strides=[stride, stride], kernel_shape=[k, k], group=1, dilations=[1, 1])  # fmt: skip
+                            strides=[stride, stride], kernel_shape=[k, k], group=group, dilations=[1, 1])  # fmt: skip
     outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("dx", "dw", "db")]
     graph = helper.make_graph([node], "g", inputs, outputs)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
@@ -64,14 +67,14 @@ def test_the_input_gradient_equals_convgrads(stride, pads):
     rng = np.random.default_rng(stride)
     feeds = {"dy": rng.standard_normal((n, cout, oh, ow)).astype(np.float32),
              "x": rng.standard_normal((n, cin, h, w)).astype(np.float32),
-             "w": rng.standard_normal((cout, cin, k, k)).astype(np.float32)}  # fmt: skip
+             "w": rng.standard_normal((cout, cin // group, k, k)).astype(np.float32)}  # fmt: skip
     before = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
     assert rewrite_conv_grad(model) == 1
     assert {n.op_type for n in model.graph.node} >= {"ConvGrad", "Conv" if stride == 1 else "ConvTranspose"}
     after = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
     xt = torch.from_numpy(feeds["x"]).requires_grad_()
     y = nn.functional.conv2d(nn.functional.pad(xt, (pads[1], pads[3], pads[0], pads[2])), torch.from_numpy(feeds["w"]),
-                             stride=stride)  # fmt: skip
+                             stride=stride, groups=group)  # fmt: skip
     y.backward(torch.from_numpy(feeds["dy"]))
     np.testing.assert_allclose(after[0], xt.grad.numpy(), rtol=1e-4, atol=1e-4)
     for a, b in zip(after, before):
