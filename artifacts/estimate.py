@@ -12,7 +12,7 @@ in the micro-batch. ORT's step holds more than PyTorch saves (the activation gra
 backward, its arena's chunks); the two constants were chosen against ``ondevice.measure`` on MiniLM
 and the benchmark models (``python -m benchmarks.planner``, docs/performance.md): within 25 % of
 the measured peaks on every row but the MobileNet-style model's, whose depthwise convolutions ORT
-trains with about 3.5x what PyTorch saves (the estimate is 25-43 % low there).
+trains with about 3.7x what PyTorch saves (the estimate is 27-45 % low there).
 """
 
 from __future__ import annotations

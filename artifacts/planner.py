@@ -231,15 +231,27 @@ def _micro_batches(batch_size: int) -> list[int]:
 
 
 def _fit(directory: Path, batch: Path, steps: int, budget: int) -> dict[str, Any]:
-    """One measurement at one micro-batch, and again without ORT's arena when that alone is over."""
-    measured: dict[str, Any] = {**measure(directory, batch, steps), "lean_memory": False}
-    measured["fits"] = measured["peak_rss"] <= budget
+    """One measurement at one micro-batch, and again without ORT's arena when that alone is over.
+
+    A peak within the budget is measured once more in another fresh process and the larger one
+    counts: without the arena, peaks of one batch spread by up to 9 % between processes here (MiniLM
+    LoRA at 2 x 64: 157 to 171 MB), and a plan must hold when the device measures it again."""
+    measured: dict[str, Any] = {**_peak(directory, batch, steps, budget, lean=False), "lean_memory": False}
     if not measured["fits"]:  # the arena's doubling chunks may be all that is over: try without it
-        lean = measure(directory, batch, steps, lean_memory=True)
+        lean = _peak(directory, batch, steps, budget, lean=True)
         measured["peak_rss_lean"] = lean["peak_rss"]
-        if lean["peak_rss"] <= budget:
-            measured.update(lean, fits=True, lean_memory=True, peak_rss_arena=measured["peak_rss"])
+        if lean["fits"]:
+            measured.update(lean, lean_memory=True, peak_rss_arena=measured["peak_rss"])
     return measured
+
+
+def _peak(directory: Path, batch: Path, steps: int, budget: int, *, lean: bool) -> dict[str, Any]:
+    first = measure(directory, batch, steps, lean_memory=lean)
+    if first["peak_rss"] > budget:
+        return {**first, "fits": False}
+    second = measure(directory, batch, steps, lean_memory=lean)
+    worse = max(first, second, key=lambda m: m["peak_rss"])
+    return {**worse, "fits": worse["peak_rss"] <= budget}
 
 
 def chosen_changes(result: Plan) -> dict[str, Any]:

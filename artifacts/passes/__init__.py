@@ -113,8 +113,8 @@ REGISTRY: tuple[Pass, ...] = (
          "the CPU ConvGrad is slow: 11.6 ms for a 32 -> 16 channel 3x3 convolution's gradient at batch 32 x 28x28, "
          "where PyTorch runs the layer's forward and backward in 5.2 ms",
          "the input gradient is a Conv of dY with the flipped, channel-swapped kernel (per channel for a depthwise "
-         "Conv; a ConvTranspose for strides above 1) and the bias gradient a ReduceSum of dY: the same products in another order; ConvGrad "
-         "keeps the weight gradient",
+         "Conv; a ConvTranspose for strides above 1) and the bias gradient a ReduceSum of dY: the same products "
+         "in another order; ConvGrad keeps the weight gradient",
          "tests/artifacts/test_convgrad.py::test_convolution_gradients_match_pytorch_without_convgrad"),
     Pass("batched-weight-grad", "training", lambda m, c: batch_weight_gradients(m),
          "a weight used at every step of an unrolled recurrence gets a Gemm per step whose inner dimension is the "
