@@ -5,7 +5,8 @@ ONNX Runtime memory-maps ``frozen.bin``. When the file is in the page cache in l
 it), one touch maps a whole folio: on MiniLM (LoRA r8 + head, one text of 64 tokens a step)
 64 rows of the 47 MB word table put 38 MB into the process's RSS. For the tables the manifest
 names as lookups, the runtime drops their cached pages and marks ORT's mappings random access,
-so each touched row faults in alone: the peak went from 168 to 130 MB (``docs/performance.md``).
+so each touched row faults in alone: the peak went from 178 to 138 MB (``ondevice.measure``,
+docs/performance.md).
 
 Advice only: nothing changes what the graph computes, and any failure (another OS, no
 ``/proc``, a kernel that refuses) leaves the default behaviour.

@@ -77,7 +77,7 @@ _NCHWC_PROBE = base64.b64decode(
     "CAQKAggBCgIIAWIJCgF5EgQKAggBQgQKABARQhcKE2NvbS5taWNyb3NvZnQubmNod2MQAQ=="
 )
 """One ``ReorderInput`` (com.microsoft.nchwc) of a [1, 4, 1, 1] input, serialized by onnx 1.17 (rebuilt
-and compared in tests/ondevice/test_session.py): its output has the block size as channels."""
+and compared in tests/artifacts/test_nchwc.py): its output has the block size as channels."""
 
 
 @functools.cache
