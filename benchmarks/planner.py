@@ -64,12 +64,17 @@ def run(work: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _saved(row: dict[str, Any]) -> float:
+    """Bytes PyTorch saves for the backward at the row's micro-batch (what the factor multiplies)."""
+    return max(row["saved_constant"], 0) + row["saved_per_row"] * row["micro_batch"]
+
+
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float]:
     """Least squares: peak - weights = BASE + FACTOR x saved bytes."""
     from artifacts.estimate import BASE_BYTES
 
     weights = np.array([r["fixed"] - BASE_BYTES for r in rows], float)
-    saved = np.array([max(r["saved_constant"], 0) + r["saved_per_row"] * r["micro_batch"] for r in rows], float)
+    saved = np.array([_saved(r) for r in rows], float)
     peak = np.array([r["peak_rss"] for r in rows], float)
     (base, factor), *_ = np.linalg.lstsq(np.stack([np.ones_like(saved), saved], 1), peak - weights, rcond=None)
     return float(base), float(factor)
@@ -84,7 +89,7 @@ def table(result: dict[str, Any]) -> str:
              "| model | trainable set | micro-batch | weights and runtime | saved for backward | estimate | measured "
              "| estimate / measured |", "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
-        saved = max(r["saved_constant"], 0) + r["saved_per_row"] * r["micro_batch"]
+        saved = _saved(r)
         lines.append(f"| {r['model']} | {r['trainable']} | {r['micro_batch']} | {r['fixed'] / 1e6:.0f} MB | "
                      f"{saved / 1e6:.1f} MB | {r['estimate'] / 1e6:.0f} MB | {r['peak_rss'] / 1e6:.0f} MB | "
                      f"{r['estimate'] / r['peak_rss']:.2f} |")  # fmt: skip

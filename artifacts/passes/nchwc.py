@@ -10,11 +10,12 @@ step, the input is reordered to blocks of ``B`` channels (``ReorderInput``), and
 graph from the shape ``ReorderInput`` gives one value, so one graph serves both.
 
 NCHWc kernels exist only in ORT's x86 builds: the result is a variant training graph beside the
-portable one, which the runtime loads when its ORT has the kernels (``ondevice.session``). Only
-forward convolutions are rewritten; ``ConvGrad`` still computes their gradients from the same
-weight and input. Rewritten: 2-D, ``group`` = channels (a multiple of 16), a weight that is a graph
-input or initializer of static shape, explicit padding. The same products in another order:
-verification against PyTorch covers it.
+portable one, which the runtime loads when its ORT has the kernels (``ondevice.session``). Every
+qualifying ``Conv`` is rewritten: the model's depthwise layers and, at stride 1, the grouped Conv
+the conv-grad pass made for their input gradient (its flipped kernel's shape is in value_info);
+``ConvGrad`` still computes the weight gradients. Rewritten: 2-D, ``group`` = channels (a multiple
+of 16), a weight of known static shape (graph input, initializer or value_info), explicit padding.
+The same products in another order: verification against PyTorch covers it.
 """
 
 from __future__ import annotations
