@@ -28,6 +28,7 @@ from .batchnorm import expose_batchnorm_updates
 from .convgrad import rewrite_conv_grad
 from .finite import FINITE_CHECK, add_finite_check
 from .gathergrad import rewrite_gather_grad
+from .gelugrad import rewrite_gelu_grad
 from .linear import linear_to_gemm
 from .nchwc import depthwise_to_nchwc
 from .outputs import complete_gradient_outputs
@@ -105,6 +106,11 @@ REGISTRY: tuple[Pass, ...] = (
          "the CPU ReluGrad is a slow per-element loop",
          "Mul(dY, Cast(Greater(X, 0))) is the same values bit for bit",
          "tests/artifacts/test_activations.py::test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit"),
+    Pass("gelu-grad", "training", lambda m, c: rewrite_gelu_grad(m),
+         "the CPU GeluGrad and BiasGeluGrad_dX evaluate erf one element at a time (2.7 ms for 384 x 1536 values, "
+         "PyTorch 0.25 ms)",
+         "dY * (Phi(x) + x phi(x)) with Erf, Exp, Mul and Add (1.7 ms): the same formula, rounded in another order",
+         "tests/artifacts/test_activations.py::test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel"),
     Pass("lookup-grad", "training", lambda m, c: rewrite_gather_grad(m),
          "the CPU GatherGrad takes one shared lock per element",
          "ScatterElements(add) into zeros sums the same rows, in index order",

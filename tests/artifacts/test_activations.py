@@ -103,6 +103,63 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
     _train_alike(OrtTraining(tmp_path / "ort"), OrtTraining(tmp_path / "fast"), names, np.s_[:, :, :2], 0.0)
 
 
+class _BiasGelu(nn.Module):
+    """GELU after a matmul plus bias: ORT fuses it into BiasGelu, whose gradient is BiasGeluGrad_dX."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 32) / 3), nn.Parameter(torch.randn(32))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.gelu(torch.matmul(x, self.weight) + self.bias).mean(1))
+
+
+@pytest.mark.parametrize(
+    "model, shape, kernel",
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 3)), (6, 8), "GeluGrad"),
+        (_BiasGelu, (6, 5, 8), "BiasGeluGrad_dX"),
+    ],
+    ids=["GeluGrad", "BiasGeluGrad_dX"],
+)
+def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeypatch, model, shape, kernel):
+    from artifacts import passes
+    from artifacts.passes.gelugrad import rewrite_gelu_grad
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = model()
+    manifest = generate(model, torch.randn(*shape) * 4, tmp_path / "fast")  # verified against PyTorch
+    assert manifest.verification.passed
+    ops = [n.op_type for n in onnx.load(tmp_path / "fast" / "training_model.onnx").graph.node]
+    assert kernel not in ops and ops.count("Erf") == 1  # the forward's GELU stays one fused kernel
+
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("gelu-grad"))
+    generate(model, torch.randn(*shape), tmp_path / "ort", verify=False)
+    graph = onnx.load(tmp_path / "ort" / "training_model.onnx")
+    assert [n.op_type for n in graph.graph.node].count(kernel) == 1
+    assert rewrite_gelu_grad(graph) == 1
+    onnx.save(graph, tmp_path / "ort" / "rewritten.onnx")
+
+    reference, candidate = OrtTraining(tmp_path / "ort"), OrtTraining(tmp_path / "ort", graph="rewritten.onnx")
+    rng = np.random.default_rng(0)
+    for scale in (1.0, 4.0, 30.0):  # the middle, both tails, and values where exp underflows and erf saturates
+        x = (scale * rng.standard_normal(shape)).astype(np.float32)
+        x[0] = 0.0  # GELU's derivative at 0 is exactly 1/2
+        batch = [x, rng.integers(0, 3, shape[0])]
+        for session in (reference, candidate):
+            session.train_step(batch)
+        for name in (p.name for p in manifest.trainable):
+            expected = reference.get_gradient(name)
+            tolerance = 1e-6 * np.abs(expected).max()
+            np.testing.assert_allclose(candidate.get_gradient(name), expected, rtol=1e-5, atol=tolerance)
+        for session in (reference, candidate):
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_allclose(candidate.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-6)
+
+
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
     from artifacts import passes
     from ondevice.session import OrtTraining
