@@ -107,9 +107,10 @@ REGISTRY: tuple[Pass, ...] = (
          "Mul(dY, Cast(Greater(X, 0))) is the same values bit for bit",
          "tests/artifacts/test_activations.py::test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit"),
     Pass("gelu-grad", "training", lambda m, c: rewrite_gelu_grad(m),
-         "the CPU GeluGrad and BiasGeluGrad_dX evaluate erf one element at a time (2.7 ms for 384 x 1536 values, "
-         "PyTorch 0.25 ms)",
-         "dY * (Phi(x) + x phi(x)) with Erf, Exp, Mul and Add (1.7 ms): the same formula, rounded in another order",
+         "the CPU GeluGrad and BiasGeluGrad_dX evaluate erf one element at a time: 41.89 ms (11 %) of MiniLM "
+         "LoRA's profiled step at 16 x 64 tokens",
+         "dY * (Phi(x) + x phi(x)) with Erf, Exp, Neg, Mul and Add on vectorized kernels (20.4 ms in the same "
+         "profile): the same formula, rounded in another order",
          "tests/artifacts/test_activations.py::test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel"),
     Pass("lookup-grad", "training", lambda m, c: rewrite_gather_grad(m),
          "the CPU GatherGrad takes one shared lock per element",
