@@ -167,3 +167,18 @@ def test_cli_generates_lora_artifacts(tmp_path):
     assert [(a.weight, a.scale) for a in manifest.adapters] == [("query.weight", 2.0), ("value.weight", 2.0)]
     assert manifest.labels == ("x", "y", "z")
     assert manifest.trainable_size == 2 * (2 * 8 + 8 * 2) + 3 * 8 + 3
+
+
+def test_adapters_in_the_top_layers_build_no_backward_below_them(tmp_path):
+    """The layers under the lowest adapter run forward only: their frozen weights feed the forward
+    pass alone, while a frozen weight between two adapters also carries the gradient down."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(16, 16), nn.ReLU())), nn.Linear(16, 3))
+    generate(model, torch.randn(8, 16), tmp_path / "a", lora=Lora(rank=2, targets=("2", "4")), trainable=["6"])
+    manifest = Manifest.load(tmp_path / "a")
+    adapters = {f"{layer}.lora_{side}" for layer in (2, 4) for side in "AB"}
+    assert {p.name for p in manifest.trainable} == adapters | {"6.weight", "6.bias"}
+    nodes = onnx.load(tmp_path / "a" / "training_model.onnx").graph.node
+    readers = {w: sum(w in n.input for n in nodes) for w in ("0.weight", "2.weight", "4.weight")}
+    assert readers == {"0.weight": 1, "2.weight": 1, "4.weight": 2}, readers
+    assert manifest.verification.passed
