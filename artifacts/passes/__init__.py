@@ -29,6 +29,7 @@ from .convgrad import rewrite_conv_grad
 from .finite import FINITE_CHECK, add_finite_check
 from .gathergrad import rewrite_gather_grad
 from .gelugrad import rewrite_gelu_grad
+from .hardswish import rewrite_hardswish
 from .linear import linear_to_gemm
 from .nchwc import depthwise_to_nchwc
 from .outputs import complete_gradient_outputs
@@ -106,6 +107,13 @@ REGISTRY: tuple[Pass, ...] = (
          "the CPU ReluGrad is a slow per-element loop",
          "Mul(dY, Cast(Greater(X, 0))) is the same values bit for bit",
          "tests/artifacts/test_activations.py::test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit"),
+    Pass("hardswish", "training", lambda m, c: rewrite_hardswish(m),
+         "no gradient for HardSwish; written as x * Clip(x / 6 + 1/2, 0, 1), ORT keeps three intermediate "
+         "tensors per activation for the backward, and its Clip gradient passes the gradient at x = -3 and 3 "
+         "(-1/2 and 3/2 where PyTorch has 0 and 1)",
+         "ORT's HardSwish kernel forward; the gradient is the same product rule recomputed from x with strict "
+         "bounds, PyTorch's hardswish_backward up to rounding",
+         "tests/artifacts/test_activations.py::test_hardswish_runs_orts_kernel_with_pytorchs_gradient"),
     Pass("gelu-grad", "training", lambda m, c: rewrite_gelu_grad(m),
          "the CPU GeluGrad and BiasGeluGrad_dX evaluate erf one element at a time: 41.89 ms (11 %) of MiniLM "
          "LoRA's profiled step at 16 x 64 tokens",

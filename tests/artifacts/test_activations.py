@@ -67,7 +67,8 @@ def test_rewrite_trains_everything_and_matches_pytorch(tmp_path, op, model):
     assert manifest.verification.passed
     assert {p.name for p in manifest.trainable} == {n for n, _ in model.named_parameters()}
     training = onnx.load(tmp_path / "a" / "training_model.onnx")
-    assert op not in {n.op_type for n in training.graph.node}
+    if op != "HardSwish":  # its own kernel comes back with PyTorch's gradient: the test below
+        assert op not in {n.op_type for n in training.graph.node}
 
 
 def test_frozen_path_keeps_the_original_operator(tmp_path):
@@ -158,6 +159,44 @@ def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeyp
             session.optimizer_step()
             session.reset_grad()
     np.testing.assert_allclose(candidate.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-6)
+
+
+class _ShiftedHardswish(nn.Module):
+    """Hardswish of the input plus a trained shift (zeros): the pre-activation is the input exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.hardswish(x + self.shift))
+
+
+def test_hardswish_runs_orts_kernel_with_pytorchs_gradient(tmp_path):
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = _ShiftedHardswish()
+    manifest = generate(model, torch.randn(6, 16) * 4, tmp_path / "a")  # verified against PyTorch
+    assert manifest.verification.passed
+    ops = [n.op_type for n in onnx.load(tmp_path / "a" / "training_model.onnx").graph.node]
+    # one kernel forward; the gradient recomputes the gate from x, with strict bounds (not ORT's Clip gradient)
+    assert ops.count("HardSwish") == 1 and "GreaterOrEqual" not in ops and "LessOrEqual" not in ops
+
+    # the pieces' ends and both boundaries, where PyTorch's derivative is 0 (at -3) and 1 (at 3)
+    edges = np.array([-3.0, 3.0, 0.0, -2.9999, 2.9999, -3.0001, 3.0001, -10.0, 10.0, 1.5, -1.5, 0.25], np.float32)
+    x = np.random.default_rng(0).standard_normal((6, 16)).astype(np.float32) * 4
+    x[:, :12] = edges
+    labels = np.array([0, 1, 2, 0, 1, 2])
+    session = OrtTraining(tmp_path / "a")
+    session.train_step([x, labels])
+    reference = _ShiftedHardswish()
+    reference.load_state_dict(model.state_dict())
+    loss = nn.functional.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(labels))
+    loss.backward()
+    for name, parameter in reference.named_parameters():
+        np.testing.assert_allclose(session.get_gradient(name), parameter.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
