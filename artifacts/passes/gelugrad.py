@@ -8,9 +8,9 @@ of MiniLM's LoRA step at 16 texts x 64 tokens in ORT's profile (``benchmarks/res
 
 (x = X + B for the bias form), written with ``Erf``, ``Exp``, ``Neg``, ``Mul`` and ``Sum``, runs on
 ORT's vectorized kernels in 17.6 ms of the same profile. With ORT's arena the step's peak RSS
-grows by one more doubling of the arena (387 -> 434 MB at 16 x 64); with lean memory it does not. It is the formula PyTorch's
-``gelu_backward`` and ORT's kernels evaluate; rounding differs in the last bits, and verification
-against PyTorch covers it."""
+grows by one more doubling of the arena (387 -> 434 MB at 16 x 64); with lean memory it does
+not. It is the formula PyTorch's ``gelu_backward`` and ORT's kernels evaluate; rounding differs
+in the last bits, and verification against PyTorch covers it."""
 
 from __future__ import annotations
 
