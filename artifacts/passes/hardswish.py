@@ -18,8 +18,8 @@ to rounding. The gate is recomputed in the backward (three cheap passes) instead
 MobileNet-style benchmark the step's peak RSS fell from 277 to 143 MiB
 (``python -m benchmarks --only MobileNet``), and the step took 0.96x its time without the pass
 (one-off: 15 interleaved blocks; ORT's profile 48.1 against 53.2 ms of kernels).
-(``Where`` over the three pieces, PyTorch's own form, measured 6.6 ms against 1.4 ms for these
-ten passes over 32 x 64 x 16 x 16 values.) It rewrites only a forward chain of exactly that
+(``Where`` over the three pieces, PyTorch's own form, measured 6.6 ms against 1.4 ms for the
+product rule's passes over 32 x 64 x 16 x 16 values in a one-off.) It rewrites only a forward chain of exactly that
 shape whose intermediate values nothing but its own gradient reads, and whose gradient for
 ``x`` ends in one ``Sum``; anything else is left as ORT built it.
 """
@@ -62,7 +62,9 @@ def _chain(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], constants:
 def rewrite_hardswish(training: onnx.ModelProto) -> int:
     """Rewrite every qualifying Hardswish of ORT's training graph in place; returns how many."""
     graph = training.graph
-    constants = {i.name: float(numpy_helper.to_array(i)) for i in graph.initializer if not i.dims}
+    numbers = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+    constants = {i.name: float(numpy_helper.to_array(i)) for i in graph.initializer
+                 if not i.dims and i.data_type in numbers}  # fmt: skip
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
