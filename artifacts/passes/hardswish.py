@@ -82,7 +82,7 @@ def rewrite_hardswish(training: onnx.ModelProto) -> int:
         y = node.output[0]
         inner = {n.output[0] for n in forward[:3]}
         grad = f"{y}_grad"
-        gradient = _gradient_nodes(y, inner, forward, consumers)
+        gradient = _gradient_nodes(grad, inner, forward, consumers)
         if gradient is None or inner & outputs or grad not in producer:
             continue
         nodes, partials, total = gradient
@@ -120,13 +120,13 @@ def rewrite_hardswish(training: onnx.ModelProto) -> int:
     return done
 
 
-def _gradient_nodes(y: str, inner: set[str], forward: list[onnx.NodeProto], consumers):  # type: ignore[no-untyped-def]
+def _gradient_nodes(grad: str, inner: set[str], forward: list[onnx.NodeProto], consumers):  # type: ignore[no-untyped-def]
     """ORT's gradient of the chain: ``(nodes, partial gradients of x, the Sum adding them)`` or None.
 
-    The nodes are every reader of ``y``'s gradient and of the chain's inner values, and every
+    The nodes are every reader of ``grad`` (the output's gradient) and of the chain's inner values, and every
     reader of what those compute, up to the Sum that adds the partial gradients of ``x``."""
     forward_ids = {id(n) for n in forward}
-    frontier = [f"{y}_grad", *inner]
+    frontier = [grad, *inner]
     seen: dict[int, onnx.NodeProto] = {}
     sums: dict[int, onnx.NodeProto] = {}
     while frontier:

@@ -134,7 +134,7 @@ def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeyp
     manifest = generate(model, torch.randn(*shape) * 4, tmp_path / "fast")  # verified against PyTorch
     assert manifest.verification.passed
     ops = [n.op_type for n in onnx.load(tmp_path / "fast" / "training_model.onnx").graph.node]
-    assert kernel not in ops and ops.count("Erf") == 1  # the forward's GELU stays one fused kernel
+    assert kernel not in ops and ops.count("Erf") == 1  # the gradient's one Erf; the forward stays a fused GELU
 
     monkeypatch.setattr(passes, "REGISTRY", passes.without("gelu-grad"))
     generate(model, torch.randn(*shape), tmp_path / "ort", verify=False)
