@@ -117,7 +117,8 @@ def test_grus_and_rnns_generate_and_verify(tmp_path, layer):
 
 def test_recurrent_weight_gradients_are_one_gemm_and_match_pytorch(tmp_path):
     """The training graph sums no per-step weight gradients: each recurrent weight's gradient is one
-    Gemm over the stacked steps (each bias's one ReduceSum), and every gradient still equals PyTorch's."""
+    Gemm over the stacked steps, each bias's one ReduceSum over all steps' rows (both biases are the
+    input projection's C, so they share it), and every gradient still equals PyTorch's."""
     import onnx
 
     torch.manual_seed(0)
@@ -127,8 +128,13 @@ def test_recurrent_weight_gradients_are_one_gemm_and_match_pytorch(tmp_path):
     producer = {o: n for n in graph.node for o in n.output}
     for name in ("lstm.weight_hh_l0", "lstm.weight_hh_l1", "lstm.bias_hh_l0", "lstm.bias_hh_l1"):
         node = producer[f"{name}_grad"]
+        while node.op_type == "Identity":
+            node = producer[node.input[0]]
         assert node.op_type == ("Gemm" if "weight" in name else "ReduceSum"), (name, node.op_type)
         stacked = producer[node.input[0]]
+        if "bias" in name:  # the projection's gradient: the steps' rows, as one matrix
+            assert stacked.op_type == "Reshape", stacked.op_type
+            stacked = producer[stacked.input[0]]
         assert stacked.op_type == "Concat" and len(stacked.input) == 6  # the 6 steps
         assert any(r.item.endswith(name) and r.passed for r in manifest.verification.rows)
     assert not [n for n in graph.node if n.op_type == "Sum" and len(n.input) >= 3]
