@@ -26,6 +26,7 @@ from .activations import rewrite_activations
 from .avgpool import average_pool_to_conv
 from .batchnorm import expose_batchnorm_updates
 from .convgrad import rewrite_conv_grad
+from .crossentropy import rewrite_cross_entropy
 from .finite import FINITE_CHECK, add_finite_check
 from .gathergrad import rewrite_gather_grad
 from .gelugrad import rewrite_gelu_grad
@@ -131,6 +132,13 @@ REGISTRY: tuple[Pass, ...] = (
          "Conv; a ConvTranspose for strides above 1) and the bias gradient a ReduceSum of dY: the same products "
          "in another order; ConvGrad keeps the weight gradient",
          "tests/artifacts/test_convgrad.py::test_convolution_gradients_match_pytorch_without_convgrad"),
+    Pass("cross-entropy", "training", lambda m, c: rewrite_cross_entropy(m),
+         "the CPU SoftmaxCrossEntropyLoss and its gradient walk the scores element by element on one thread: "
+         "1.3 ms of the next-word LSTM's step for 32 x 5000 scores, where PyTorch takes 0.12 ms",
+         "LogSoftmax, GatherElements and a mean (or sum) give the loss; the gradient is exp(log_prob) with p - 1 "
+         "scattered in at each label, times dLoss / count: ORT's kernels' formula, rounded in another order "
+         "(with class weights or ignore_index, ORT's kernels stay)",
+         "tests/artifacts/test_losses.py::test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch"),
     Pass("batched-weight-grad", "training", lambda m, c: batch_weight_gradients(m),
          "a weight used at every step of an unrolled recurrence gets a Gemm per step whose inner dimension is the "
          "batch, then a Sum of as many weight-sized tensors (5.1 ms of the next-word LSTM's step)",

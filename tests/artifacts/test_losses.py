@@ -1,0 +1,57 @@
+"""The cross-entropy rewrite against ORT's own kernels and PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from artifacts import CrossEntropy, generate
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch(tmp_path, monkeypatch, reduction):
+    from artifacts import passes
+    from artifacts.passes.crossentropy import rewrite_cross_entropy
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 50))
+    loss = CrossEntropy(reduction=reduction)
+    manifest = generate(model, torch.randn(6, 8), tmp_path / "fast", loss=loss)  # verified against PyTorch
+    assert manifest.verification.passed
+    ops = {n.op_type for n in onnx.load(tmp_path / "fast" / "training_model.onnx").graph.node}
+    assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"} and "LogSoftmax" in ops
+
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("cross-entropy"))
+    generate(model, torch.randn(6, 8), tmp_path / "ort", loss=loss, verify=False)
+    graph = onnx.load(tmp_path / "ort" / "training_model.onnx")
+    assert rewrite_cross_entropy(graph) == 1
+    onnx.save(graph, tmp_path / "ort" / "rewritten.onnx")
+
+    reference, candidate = OrtTraining(tmp_path / "ort"), OrtTraining(tmp_path / "ort", graph="rewritten.onnx")
+    rng = np.random.default_rng(0)
+    for scale, rows in ((1.0, 6), (40.0, 9), (1.0, 1)):  # other batch sizes; scores where softmax saturates
+        batch = [(scale * rng.standard_normal((rows, 8))).astype(np.float32), rng.integers(0, 50, rows)]
+        batch[1][0] = batch[1][-1]  # a label twice
+        losses = [session.train_step(batch)[0] for session in (reference, candidate)]
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+        for name in (p.name for p in manifest.trainable):
+            expected = reference.get_gradient(name)
+            tolerance = 1e-6 * np.abs(expected).max()
+            np.testing.assert_allclose(candidate.get_gradient(name), expected, rtol=1e-5, atol=tolerance)
+        for session in (reference, candidate):
+            session.optimizer_step()
+            session.reset_grad()
+    np.testing.assert_allclose(candidate.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_cross_entropy_keeps_orts_kernels(tmp_path):
+    manifest = generate(
+        nn.Linear(8, 4), torch.randn(6, 8), tmp_path / "w", loss=CrossEntropy(weight=(1.0, 2.0, 0.5, 1.5))
+    )
+    assert manifest.verification.passed
+    ops = {n.op_type for n in onnx.load(tmp_path / "w" / "training_model.onnx").graph.node}
+    assert {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"} <= ops
