@@ -137,7 +137,7 @@ REGISTRY: tuple[Pass, ...] = (
          "1.3 ms of the next-word LSTM's step for 32 x 5000 scores, where PyTorch takes 0.12 ms",
          "LogSoftmax, GatherElements and a mean (or sum) give the loss; the gradient is exp(log_prob) with p - 1 "
          "scattered in at each label, times dLoss / count: ORT's kernels' formula, rounded in another order "
-         "(with class weights or ignore_index, ORT's kernels stay)",
+         "(with class weights or ignore_index, ORT's kernels stay; the eval graph gets the same loss)",
          "tests/artifacts/test_losses.py::test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch"),
     Pass("batched-weight-grad", "training", lambda m, c: batch_weight_gradients(m),
          "a weight used at every step of an unrolled recurrence gets a Gemm per step whose inner dimension is the "

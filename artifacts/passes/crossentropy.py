@@ -12,7 +12,8 @@ element at a time on one thread: for the next-word LSTM's 32 x 5000 scores they 
 where ``exp(log_prob) - onehot`` is ``exp(log_prob)`` with ``p - 1`` scattered in at each label.
 The formula is the one ORT's kernels compute (they also take the gradient from ``exp`` of the
 log-probabilities), rounded in another order. Only the plain loss is rewritten: with class
-weights or an ``ignore_index``, ORT's kernels stay. Verification against PyTorch covers it.
+weights or an ``ignore_index``, ORT's kernels stay. The eval graph gets the same forward (its
+loss took 0.75 of the LSTM's 6.6 ms eval step). Verification against PyTorch covers it.
 """
 
 from __future__ import annotations
@@ -42,26 +43,30 @@ def _reduction(node: onnx.NodeProto) -> str | None:
     return reduction if plain else None
 
 
-def _forward(node: onnx.NodeProto, reduction: str, index: str) -> list[onnx.NodeProto]:
+def _forward(node: onnx.NodeProto, reduction: str) -> list[onnx.NodeProto]:
     scores, labels = node.input
-    loss, log_prob = node.output
+    loss = node.output[0]
+    log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else f"{loss}.log_prob"
     return [
         helper.make_node("LogSoftmax", [scores], [log_prob], axis=1),
-        helper.make_node("Unsqueeze", [labels, AXES], [index]),
-        helper.make_node("GatherElements", [log_prob, index], [f"{loss}.picked"], axis=1),
+        helper.make_node("Unsqueeze", [labels, AXES], [f"{loss}.index"]),
+        helper.make_node("GatherElements", [log_prob, f"{loss}.index"], [f"{loss}.picked"], axis=1),
         helper.make_node(REDUCE[reduction], [f"{loss}.picked"], [f"{loss}.total"], keepdims=0),
         helper.make_node("Neg", [f"{loss}.total"], [loss]),
     ]
 
 
-def _backward(node: onnx.NodeProto, reduction: str, index: str) -> list[onnx.NodeProto]:
+def _backward(node: onnx.NodeProto, reduction: str) -> list[onnx.NodeProto]:
     grad, log_prob, labels = node.input
     out = node.output[0]
     nodes = [
         helper.make_node("Exp", [log_prob], [f"{out}.p"]),
-        helper.make_node("GatherElements", [f"{out}.p", index], [f"{out}.p_label"], axis=1),
+        helper.make_node("Unsqueeze", [labels, AXES], [f"{out}.index"]),
+        helper.make_node("GatherElements", [f"{out}.p", f"{out}.index"], [f"{out}.p_label"], axis=1),
         helper.make_node("Sub", [f"{out}.p_label", ONE], [f"{out}.p_label_minus_1"]),
-        helper.make_node("ScatterElements", [f"{out}.p", index, f"{out}.p_label_minus_1"], [f"{out}.diff"], axis=1),
+        helper.make_node(
+            "ScatterElements", [f"{out}.p", f"{out}.index", f"{out}.p_label_minus_1"], [f"{out}.diff"], axis=1
+        ),
     ]
     scale = grad
     if reduction == "mean":
@@ -74,39 +79,31 @@ def _backward(node: onnx.NodeProto, reduction: str, index: str) -> list[onnx.Nod
     return [*nodes, helper.make_node("Mul", [f"{out}.diff", scale], [out])]
 
 
-def rewrite_cross_entropy(training: onnx.ModelProto) -> int:
-    """Replace every plain float cross-entropy of ORT's training graph, and its gradient, in place;
-    returns how many."""
-    opset = next((o.version for o in training.opset_import if o.domain in ("", "ai.onnx")), 0)
+def rewrite_cross_entropy(model: onnx.ModelProto) -> int:
+    """Replace every plain cross-entropy of a training or eval graph, and its gradient, in place;
+    returns how many losses."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
         return 0
-    graph = training.graph
-    losses = {
-        node.output[1]: node
-        for node in graph.node
-        if node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx") and len(node.input) == 2
-        and len(node.output) == 2 and _reduction(node)
-    }  # fmt: skip
-    gradients = {
-        node.input[1]: node
-        for node in graph.node
-        if node.op_type == "SoftmaxCrossEntropyLossGrad" and len(node.input) == 3 and node.input[1] in losses
-        and _reduction(node) == _reduction(losses[node.input[1]])
-    }  # fmt: skip
-    if not gradients:
-        return 0
     nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node.op_type == "SoftmaxCrossEntropyLoss" and node.output[-1] in gradients:
-            nodes += _forward(node, _reduction(node), f"{node.output[1]}.index")  # type: ignore[arg-type]
-        elif node.op_type == "SoftmaxCrossEntropyLossGrad" and gradients.get(node.input[1]) is node:
-            nodes += _backward(node, _reduction(node), f"{node.input[1]}.index")  # type: ignore[arg-type]
+    done = 0
+    for node in model.graph.node:
+        kind = (node.op_type, len(node.input))
+        reduction = (
+            _reduction(node) if kind in (("SoftmaxCrossEntropyLoss", 2), ("SoftmaxCrossEntropyLossGrad", 3)) else None
+        )
+        if reduction and node.op_type == "SoftmaxCrossEntropyLoss":
+            nodes += _forward(node, reduction)
+            done += 1
+        elif reduction:
+            nodes += _backward(node, reduction)  # log_prob is the same tensor whichever node computed it
         else:
             nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([1], np.int64), AXES),
-        numpy_helper.from_array(np.array(1.0, np.float32), ONE),
-    ])  # fmt: skip
-    return len(gradients)
+    if len(nodes) != len(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        model.graph.initializer.extend([
+            numpy_helper.from_array(np.array([1], np.int64), AXES),
+            numpy_helper.from_array(np.array(1.0, np.float32), ONE),
+        ])  # fmt: skip
+    return done
