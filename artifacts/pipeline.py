@@ -285,7 +285,7 @@ def _write_variants(work: Path, context: passes.Context) -> dict[str, str]:
     """Variant training graphs (the registry's ``variant`` stage) beside the finished one, by kind."""
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     passes.run_stage("variant", model, context)
-    if not context.results.get("nchwc-depthwise"):
+    if not context.results.get("nchwc-conv"):
         return {}
     onnx.save(model, work / NCHWC_GRAPH)
     return {NCHWC: NCHWC_GRAPH}

@@ -1,4 +1,4 @@
-"""The NCHWc variant: depthwise convolutions on ORT's blocked kernels train like the portable graph and PyTorch."""
+"""The NCHWc variant: convolutions on ORT's blocked kernels train like the portable graph and PyTorch."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _separable(channels: int = 16) -> nn.Module:
         nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.Hardswish(),
         nn.Conv2d(channels, channels, 3, padding=1, groups=channels), nn.ReLU(),  # depthwise, stride 1
         nn.Conv2d(channels, 2 * channels, 1), nn.ReLU(),
+        nn.Conv2d(2 * channels, 2 * channels, 3, padding=1), nn.ReLU(),  # a full Conv on blocked channels
         nn.Conv2d(2 * channels, 2 * channels, 3, stride=2, padding=1, groups=2 * channels), nn.Hardswish(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * channels, 5),
     )  # fmt: skip
@@ -37,12 +38,18 @@ def _batch(step: int) -> list[np.ndarray]:
     return [rng.standard_normal((4, 3, 12, 12)).astype(np.float32), rng.integers(0, 5, 4)]
 
 
-def test_depthwise_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
+def test_nchwc_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
     manifest = generate(_separable(), EXAMPLE, tmp_path / "a")
     assert manifest.variants == {"nchwc": "training_model.nchwc.onnx"}
     variant = onnx.load(tmp_path / "a" / manifest.variants["nchwc"], load_external_data=False).graph
     blocked = [n for n in variant.node if n.op_type == "Conv" and n.domain == NCHWC_DOMAIN]
-    assert len(blocked) == 3  # two depthwise forwards and the stride-1 one's input gradient
+    # the stem (read as NCHW), two depthwise and one full 3x3 forward, and the stride-1 ones' input gradients
+    assert len(blocked) == 6
+    shapes = {
+        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*variant.input, *variant.value_info]
+    }
+    plain = [shapes[n.input[1]] for n in variant.node if n.op_type == "Conv" and n.domain == ""]
+    assert plain == [[32, 16, 1, 1], [16, 32, 1, 1]]  # the pointwise Conv and its input gradient stay
     assert nchwc_block_size() in (8, 16)  # CI and this machine are x86: the variant is what a device here loads
     assert manifest.verification.passed
     checked = [r.item for r in manifest.verification.rows if r.item.startswith("training_model.nchwc.onnx: grad ")]
