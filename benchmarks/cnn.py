@@ -1,7 +1,8 @@
-"""CNN benchmark: where the benchmark CNN's training step goes, and what the ReLU rewrites buy.
+"""CNN benchmark: where the benchmark CNN's training step goes, and what the rewrites buy.
 
 ORT's profiler over the step (milliseconds per op type) of the graph as generated (max pooling
-moved before ReLU, ReLU's gradient rewritten), without the pooling swap, and without either
+moved before ReLU, ReLU's gradient rewritten), of its NCHWc variant (what an x86 device loads:
+the convolutions on ORT's blocked kernels), without the pooling swap, and without either ReLU
 rewrite (ORT's own ReluGrad); the step time of each, and of the generated graph with thread
 spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
 Run: .venv/bin/python -m benchmarks.cnn [--out benchmarks/results]
@@ -28,25 +29,35 @@ from benchmarks._machine import machine  # noqa: E402
 BATCH, THREADS, STEPS, BLOCKS, PROFILED = 64, 2, 5, 21, 12
 
 
-GENERATED, NO_SWAP, NO_REWRITES = "generated", "without the pooling swap", "no rewrites (ORT's ReluGrad)"
+GENERATED, NCHWC, NO_SWAP, NO_REWRITES = (
+    "generated",
+    "NCHWc variant",
+    "without the pooling swap",
+    "no rewrites (ORT's ReluGrad)",
+)
 
 
 def build(work: Path) -> dict[str, Path]:
-    """The benchmark CNN as generated, without the pooling swap, and without either ReLU rewrite."""
+    """Training graphs: the benchmark CNN as generated, its NCHWc variant, without the pooling swap,
+    and without either ReLU rewrite."""
     from artifacts import generate, passes
     from benchmarks.models import cases
+    from ondevice.session import TRAINING_GRAPH
 
     case = next(c for c in cases() if c.name == "CNN")
-    paths = {GENERATED: work / "generated", NO_SWAP: work / "no-swap", NO_REWRITES: work / "no-rewrites"}
-    generate(case.build(), case.inputs(BATCH), paths[GENERATED], verify=False)
+    dirs = {GENERATED: work / "generated", NO_SWAP: work / "no-swap", NO_REWRITES: work / "no-rewrites"}
+    manifest = generate(case.build(), case.inputs(BATCH), dirs[GENERATED], verify=False)
     with mock.patch.object(passes, "REGISTRY", passes.without("pool-before-relu")):
-        generate(case.build(), case.inputs(BATCH), paths[NO_SWAP], verify=False)
+        generate(case.build(), case.inputs(BATCH), dirs[NO_SWAP], verify=False)
     with mock.patch.object(passes, "REGISTRY", passes.without("pool-before-relu", "relu-grad")):
-        generate(case.build(), case.inputs(BATCH), paths[NO_REWRITES], verify=False)
-    return paths
+        generate(case.build(), case.inputs(BATCH), dirs[NO_REWRITES], verify=False)
+    paths = {name: directory / TRAINING_GRAPH for name, directory in dirs.items()}
+    paths[NCHWC] = dirs[GENERATED] / manifest.variants["nchwc"]
+    return {name: paths[name] for name in (GENERATED, NCHWC, NO_SWAP, NO_REWRITES)}
 
 
-def _objects(directory: Path, *, spinning: bool = True, profile: str | None = None):  # type: ignore[no-untyped-def]
+def _objects(graph: Path, *, spinning: bool = True, profile: str | None = None):  # type: ignore[no-untyped-def]
+    """ORT's module and optimizer over the training graph file ``graph`` (its directory's checkpoint)."""
     from ondevice.session import _CPU, C, session_options
 
     options = session_options(THREADS)
@@ -55,8 +66,9 @@ def _objects(directory: Path, *, spinning: bool = True, profile: str | None = No
     if profile:
         options.enable_profiling = True
         options.profile_file_prefix = profile
+    directory = graph.parent
     state = C.load_checkpoint(str(directory / "checkpoint"))
-    module = C.Module(str(directory / "training_model.onnx"), state, str(directory / "eval_model.onnx"), _CPU, options)
+    module = C.Module(str(graph), state, str(directory / "eval_model.onnx"), _CPU, options)
     optimizer = C.Optimizer(str(directory / "optimizer_model.onnx"), state, _CPU, session_options(THREADS))
     return module, optimizer, state  # the state must outlive the module
 
@@ -70,13 +82,16 @@ def _step(objects, batch) -> None:  # type: ignore[no-untyped-def]
     module.lazy_reset_grad()
 
 
-def profile(directory: Path, batch: list[np.ndarray], work: Path) -> dict[str, float]:
-    """Milliseconds per step by op type, from ORT's profiler over PROFILED steps."""
-    objects = _objects(directory, profile=str(work / f"profile-{directory.name}"))
+def profile(graph: Path, batch: list[np.ndarray], work: Path) -> dict[str, float]:
+    """Milliseconds per step by op type, from ORT's profiler over PROFILED steps of ``graph`` (a
+    training graph file, or an artifact directory for its portable graph)."""
+    graph = graph / "training_model.onnx" if graph.is_dir() else graph
+    tag = f"{graph.parent.name}-{graph.stem}"
+    objects = _objects(graph, profile=str(work / f"profile-{tag}"))
     for _ in range(PROFILED):
         _step(objects, batch)
     del objects  # ORT writes the trace when the session goes
-    trace = max(work.glob(f"profile-{directory.name}*.json"), key=lambda p: p.stat().st_mtime)
+    trace = max(work.glob(f"profile-{tag}*.json"), key=lambda p: p.stat().st_mtime)
     per_op: collections.Counter[str] = collections.Counter()
     for event in json.loads(trace.read_text()):
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
