@@ -12,8 +12,8 @@ element at a time on one thread: for the next-word LSTM's 32 x 5000 scores they 
 where ``exp(log_prob) - onehot`` is ``exp(log_prob)`` with ``p - 1`` scattered in at each label.
 The formula is the one ORT's kernels compute (they also take the gradient from ``exp`` of the
 log-probabilities), rounded in another order. Only the plain loss is rewritten: with class
-weights or an ``ignore_index``, ORT's kernels stay. The eval graph gets the same forward (its
-loss took 0.75 of the LSTM's 6.6 ms eval step). Verification against PyTorch covers it.
+weights or an ``ignore_index``, ORT's kernels stay. The eval graph gets the same forward (the
+kernel took 0.75 of the 6.6 ms of kernels in the LSTM's eval step). Verification against PyTorch covers it.
 """
 
 from __future__ import annotations
