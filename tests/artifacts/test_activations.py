@@ -221,6 +221,32 @@ def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_p
     np.testing.assert_array_equal(swapped.eval_step(batch)[1], plain.eval_step(batch)[1])
 
 
+def test_max_pool_gradient_without_indices_equals_orts_and_pytorchs(tmp_path, monkeypatch):
+    """The 2x2 pooling's gradient routed from its input: verified against PyTorch on windows of tied
+    maxima, and bit for bit ORT's MaxPoolGrad over three AdamW steps; a pooling of an odd side
+    (floor mode drops its last row) keeps ORT's kernels."""
+    from artifacts import passes
+    from ondevice.session import OrtTraining
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(2), nn.ReLU(),  # 8x8 -> 4x4: rewritten
+        nn.Conv2d(4, 4, 2), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 3),  # 3x3 -> 1x1: ORT's kernels
+    )  # fmt: skip
+    example = torch.randn(8, 2, 8, 8)
+    example[:4, :, :5] = 1.0  # constant rows: windows of tied maxima
+    manifest = generate(model, example, tmp_path / "fast")  # verified against PyTorch, ties included
+    assert manifest.verification.passed
+    ops = [n.op_type for n in onnx.load(tmp_path / "fast" / "training_model.onnx").graph.node]
+    assert ops.count("MaxPoolGrad") == 1 and ops.count("MaxPool") == 2
+
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("max-pool-grad"))
+    generate(model, example, tmp_path / "ort", verify=False)
+    assert [n.op_type for n in onnx.load(tmp_path / "ort" / "training_model.onnx").graph.node].count("MaxPoolGrad") == 2
+    ort, fast = OrtTraining(tmp_path / "ort"), OrtTraining(tmp_path / "fast")
+    _train_alike(ort, fast, [n for n, _ in model.named_parameters()], np.s_[:4, :, :5], 1.0)
+
+
 def test_relu_with_another_consumer_keeps_its_place():
     from onnx import TensorProto, helper
 
