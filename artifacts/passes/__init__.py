@@ -114,7 +114,8 @@ REGISTRY: tuple[Pass, ...] = (
          "0.2 ms on the benchmark CNN's first pooling), and MaxPoolGrad scatters by them (2.6 to 3.5 ms)",
          "for 2x2 windows with stride 2 the windows do not overlap: dY goes to the first maximum of a b / c d in "
          "row-major order (top row if max(a, b) >= max(c, d), then left if a >= b), the element the indices name, "
-         "ties included: the same values routed to the same places",
+         "ties included: the same values routed to the same places (costs memory: CNN + BatchNorm peak RSS 101 -> "
+         "137 MiB for 0.83x the step time)",
          "tests/artifacts/test_activations.py::test_max_pool_gradient_without_indices_equals_orts_and_pytorchs"),
     Pass("hardswish", "training", lambda m, c: rewrite_hardswish(m),
          "no gradient for HardSwish; written as x * Clip(x / 6 + 1/2, 0, 1), ORT keeps three intermediate "
