@@ -1,4 +1,4 @@
-"""2x2 max pooling without ORT's indices: the gradient routed from the pooling's input.
+"""2x2 max pooling without ORT's indices: the gradient routed by the forward's choices.
 
 For its gradient, ORT's training graph runs ``MaxPool`` with its second output, the index of each
 window's maximum, and ``MaxPoolGrad`` scatters ``dY`` to those indices. Both are slow on the CPU:
@@ -6,15 +6,14 @@ on the benchmark CNN's first pooling (64 x 32 x 28x28) ``MaxPool`` took 3.8 ms w
 and 0.2 ms without, and ``MaxPoolGrad`` 2.6 to 3.5 ms (PyTorch's pooling backward: 0.74 ms for
 both of its poolings). For a 2x2 window with stride 2 (no padding, even sides) the windows do not
 overlap, so the gradient is a choice among the window's four elements ``a b / c d``: the pass
-keeps the fast ``MaxPool`` for the forward and, in the backward, splits the input into the four
-phases (``Split`` of a reshaped view) and sends ``dY`` to
+keeps the fast ``MaxPool`` for the forward, splits its input into the four phases there
+(``Split`` of a reshaped view) and records, as three bool tensors (smaller than the indices),
 
     top row if max(a, b) >= max(c, d), then the left element if a >= b (c >= d below)
 
 which is the first maximum in row-major order: the element PyTorch's and ORT's indices pick,
-ties included, so the routed values are the same bit for bit. The forward computes the three
-choices as bool tensors right after the pooling (smaller than the indices); the backward turns
-them into ``dY``'s four destinations and concatenates those into the input's shape. Verification
+ties included. The backward turns the choices into ``dY``'s four destinations and concatenates
+those into the input's shape, so the routed values are the same bit for bit. Verification
 against PyTorch covers it, and a test compares it with ``MaxPoolGrad`` on windows full of ties.
 
 Cost: memory. The backward's float masks, the four destinations and their concatenation are
