@@ -12,7 +12,7 @@ in the micro-batch. ORT's step holds more than PyTorch saves (the activation gra
 backward, its arena's chunks); the two constants were chosen against ``ondevice.measure`` on MiniLM
 and the benchmark models (``python -m benchmarks.planner``, docs/performance.md): within 25 % of
 the measured peaks on 17 of the 18 rows; the last 8 modules of MiniLM at 8 rows measured 26 %
-above their estimate in the latest two runs (21 % in one before).
+above their estimate in this evening's three runs (21 % in one before).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import math
 import onnx
 from onnx import helper
 
+from ._nodes import attributes
+
 __all__ = ["average_pool_to_conv"]
 
 
@@ -25,7 +27,7 @@ def average_pool_to_conv(model: onnx.ModelProto) -> int:
     for node in model.graph.node:
         if node.op_type != "AveragePool":
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = attributes(node)
         kernel = list(attrs["kernel_shape"])
         pads = list(attrs.get("pads", [0] * 2 * len(kernel)))
         channels = (shapes.get(node.input[0]) or [0, 0])[1]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from ._nodes import attributes
 from .padding import constant
 
 __all__ = ["rewrite_conv_grad"]
@@ -70,7 +71,7 @@ def rewrite_conv_grad(training: onnx.ModelProto) -> int:
 def _rewrite(
     node: onnx.NodeProto, shapes: dict[str, list[int | str]], shaped: list[onnx.ValueInfoProto]
 ) -> list[onnx.NodeProto] | None:
-    a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    a = attributes(node)
     dy, x, w = node.input
     x_shape, w_shape = shapes.get(x, []), shapes.get(w, [])
     if len(x_shape) != 4 or len(w_shape) != 4 or not _static(x_shape[1:]) or not _static(w_shape):

@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._nodes import attributes
+
 __all__ = ["rewrite_cross_entropy"]
 
 MIN_OPSET = 13
@@ -30,16 +32,12 @@ AXES, ONE = "odt.cross_entropy_axes", "odt.cross_entropy_one"
 REDUCE = {"mean": "ReduceMean", "sum": "ReduceSum"}
 
 
-def _attributes(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _reduction(node: onnx.NodeProto) -> str | None:
     """The reduction of a plain (unweighted, no ignore_index) cross-entropy node, else None."""
-    attributes = _attributes(node)
-    reduction = attributes.get("reduction", b"mean")
+    given = attributes(node)
+    reduction = given.get("reduction", b"mean")
     reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
-    plain = "ignore_index" not in attributes and reduction in REDUCE
+    plain = "ignore_index" not in given and reduction in REDUCE
     return reduction if plain else None
 
 

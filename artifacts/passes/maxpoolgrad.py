@@ -26,9 +26,13 @@ phases as strided ``Slice``s (1.22x the step, the same peak), and the backward a
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from ._nodes import attributes
 
 __all__ = ["rewrite_max_pool_grad"]
 
@@ -36,13 +40,8 @@ WINDOW = {"kernel_shape": [2, 2], "strides": [2, 2]}
 DEFAULTS = {"pads": [0, 0, 0, 0], "dilations": [1, 1], "ceil_mode": 0, "storage_order": 0}
 
 
-def _attributes(node: onnx.NodeProto) -> dict[str, object]:
-    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-
-
 def _plain_window(node: onnx.NodeProto) -> bool:
-    a = _attributes(node)
+    a = attributes(node)
     auto_pad = a.pop("auto_pad", b"NOTSET")
     return (
         auto_pad in (b"NOTSET", "NOTSET")
@@ -56,14 +55,16 @@ MASKS = ("top", "left_top", "left_bottom")
 of the bottom row (ties go to the first element)."""
 
 
+def _node(p: str, op: str, inputs: list[str], outputs: list[str], **kw: object) -> onnx.NodeProto:
+    """A node whose inputs and outputs are all named under the prefix ``p``."""
+    return helper.make_node(op, [f"{p}/{i}" for i in inputs], [f"{p}/{o}" for o in outputs], **kw)
+
+
 def _masks(x: str, prefix: str, height: int, width: int) -> tuple[list[onnx.NodeProto], list]:
     """Forward nodes computing the bool tensors ``{prefix}.{name}`` of :data:`MASKS` from ``x``."""
     p = f"{prefix}/odt"
     windows = numpy_helper.from_array(np.array([0, 0, height // 2, 2, width // 2, 2], np.int64), f"{p}/windows")
-
-    def node(op: str, inputs: list[str], outputs: list[str], **kw: object) -> onnx.NodeProto:
-        return helper.make_node(op, [f"{p}/{i}" for i in inputs], [f"{p}/{o}" for o in outputs], **kw)
-
+    node = functools.partial(_node, p)
     nodes = [
         helper.make_node("Reshape", [x, f"{p}/windows"], [f"{p}/x6"]),
         node("Split", ["x6"], ["top_row", "bottom_row"], axis=3),
@@ -86,10 +87,7 @@ def _backward(prefix: str, grad: str, out: str, height: int, width: int) -> tupl
         numpy_helper.from_array(np.array([0, 0, height // 2, 1, width // 2, 1], np.int64), f"{p}/dy_shape"),
         numpy_helper.from_array(np.array([0, 0, height, width], np.int64), f"{p}/x_shape"),
     ]
-
-    def node(op: str, inputs: list[str], outputs: list[str], **kw: object) -> onnx.NodeProto:
-        return helper.make_node(op, [f"{p}/{i}" for i in inputs], [f"{p}/{o}" for o in outputs], **kw)
-
+    node = functools.partial(_node, p)
     nodes = [
         *(helper.make_node("Cast", [f"{prefix}.{m}"], [f"{p}/{m}"], to=onnx.TensorProto.FLOAT) for m in MASKS),
         helper.make_node("Reshape", [grad, f"{p}/dy_shape"], [f"{p}/dy6"]),
@@ -119,7 +117,7 @@ def rewrite_max_pool_grad(training: onnx.ModelProto) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
-    pools: dict[str, tuple[onnx.NodeProto, int, int]] = {}  # indices -> (pooling, height, width)
+    pools: dict[str, tuple[int, int]] = {}  # indices -> the pooled input's (height, width)
     for node in graph.node:
         if node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or len(node.output) != 2:
             continue
@@ -131,7 +129,7 @@ def rewrite_max_pool_grad(training: onnx.ModelProto) -> int:
             len(sides) == 2 and all(s and s % 2 == 0 for s in sides) and _plain_window(node) and indices not in outputs
             and grads and all(g.op_type == "MaxPoolGrad" and list(g.input[1:]) == [indices] for g in grads)
         ):  # fmt: skip
-            pools[indices] = (node, sides[0], sides[1])
+            pools[indices] = (sides[0], sides[1])
     if not pools:
         return 0
     nodes: list[onnx.NodeProto] = []
@@ -139,12 +137,11 @@ def rewrite_max_pool_grad(training: onnx.ModelProto) -> int:
         if node.op_type == "MaxPool" and len(node.output) == 2 and node.output[1] in pools:
             indices = node.output[1]
             del node.output[1]  # ORT's fast pooling kernel runs without the indices
-            made, constants = _masks(node.input[0], f"{indices}.odt", *pools[indices][1:])
+            made, constants = _masks(node.input[0], f"{indices}.odt", *pools[indices])
             nodes += [node, *made]
             graph.initializer.extend(constants)
         elif node.op_type == "MaxPoolGrad" and len(node.input) == 2 and node.input[1] in pools:
-            _, height, width = pools[node.input[1]]
-            made, constants = _backward(f"{node.input[1]}.odt", node.input[0], node.output[0], height, width)
+            made, constants = _backward(f"{node.input[1]}.odt", node.input[0], node.output[0], *pools[node.input[1]])
             nodes += made
             graph.initializer.extend(constants)
         else:

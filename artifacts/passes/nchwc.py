@@ -29,6 +29,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from ._nodes import attributes
 from .padding import constant
 
 __all__ = ["convs_to_nchwc", "NCHWC_DOMAIN"]
@@ -69,7 +70,7 @@ def convs_to_nchwc(model: onnx.ModelProto) -> int:
 
 
 def _rewrite(node: onnx.NodeProto, shapes: dict[str, list[int]], block: str) -> list[onnx.NodeProto] | None:
-    a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    a = attributes(node)
     if len(node.input) < 2:
         return None
     w = node.input[1]

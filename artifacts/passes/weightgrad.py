@@ -21,18 +21,16 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
+from ._nodes import attributes
+
 __all__ = ["batch_weight_gradients"]
 
 MIN_PARTS = 3
 """Fewer partial gradients than this are left alone (a weight used twice: nothing to win)."""
 
 
-def _attributes(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _is_weight_gemm(node: onnx.NodeProto) -> bool:
-    a = _attributes(node)
+    a = attributes(node)
     return (node.op_type == "Gemm" and len(node.input) == 2 and a.get("transA") == 1 and not a.get("transB", 0)
             and a.get("alpha", 1.0) == 1.0)  # fmt: skip
 
@@ -69,7 +67,7 @@ def batch_weight_gradients(training: onnx.ModelProto) -> int:
             new.append(helper.make_node("Gemm", stacked, [out], transA=1, name=f"{out}/odt_gemm"))
         elif all(p.op_type == "ReduceSum" and len(p.input) == 2 for p in parts):  # type: ignore[union-attr]
             axes = [constants.get(p.input[1]) for p in parts]  # type: ignore[union-attr]
-            keep = {_attributes(p).get("keepdims", 1) for p in parts}  # type: ignore[arg-type]
+            keep = {attributes(p).get("keepdims", 1) for p in parts}  # type: ignore[arg-type]
             values = {None if a is None else tuple(a.ravel().tolist()) for a in axes}
             if len(values) != 1 or None in values or keep != {0} or 0 not in next(iter(values)):  # type: ignore[operator]
                 continue

@@ -11,6 +11,8 @@ from torch import nn
 
 from artifacts import generate
 
+from .parity import gradients_close_then_step
+
 
 def _dense(activation: nn.Module) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), activation, nn.Linear(16, 3))
@@ -151,13 +153,7 @@ def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeyp
         batch = [x, rng.integers(0, 3, shape[0])]
         for session in (reference, candidate):
             session.train_step(batch)
-        for name in (p.name for p in manifest.trainable):
-            expected = reference.get_gradient(name)
-            tolerance = 1e-6 * np.abs(expected).max()
-            np.testing.assert_allclose(candidate.get_gradient(name), expected, rtol=1e-5, atol=tolerance)
-        for session in (reference, candidate):
-            session.optimizer_step()
-            session.reset_grad()
+        gradients_close_then_step(reference, candidate, (p.name for p in manifest.trainable))
     np.testing.assert_allclose(candidate.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-6)
 
 
