@@ -9,10 +9,12 @@ from typing import Iterable
 import onnx
 from onnx import helper
 
-__all__ = ["expose_batchnorm_updates", "strip_batchnorm_training"]
+__all__ = ["expose_batchnorm_updates", "reuse_batch_statistics", "strip_batchnorm_training"]
 
 UPDATED = "/updated"
 SCRATCH = "/bn_scratch"
+RUNNING = "/odt_running_stats"
+BATCH_MEAN, BATCH_VARIANCE = "batch_mean", "batch_variance"
 
 
 def expose_batchnorm_updates(model: onnx.ModelProto, buffers: Iterable[str], opset: int) -> dict[str, str]:
@@ -56,7 +58,7 @@ def expose_batchnorm_updates(model: onnx.ModelProto, buffers: Iterable[str], ops
 def _running_stat_nodes(
     prefix: str, x: str, mean_in: str, var_in: str, keep: float, new_mean: str, new_var: str, opset: int
 ) -> list[onnx.NodeProto]:
-    p = f"{prefix}/odt_running_stats"
+    p = f"{prefix}{RUNNING}"
     nodes: list[onnx.NodeProto] = []
 
     def add(op: str, inputs: list[str], **attrs: object) -> str:
@@ -79,14 +81,16 @@ def _running_stat_nodes(
             return add("ReduceMean", [data, const([0, 2], onnx.TensorProto.INT64)], keepdims=1)
         return add("ReduceMean", [data], axes=[0, 2], keepdims=1)
 
-    def per_channel(data: str) -> str:
-        return add("Reshape", [data, const([-1], onnx.TensorProto.INT64)])
+    def named(name: str, data: str) -> str:  # the batch's statistics, which reuse_batch_statistics finds by name
+        nodes.append(helper.make_node("Reshape", [data, const([-1], onnx.TensorProto.INT64)], [f"{p}/{name}"],
+                                      name=f"{p}/{name}"))  # fmt: skip
+        return f"{p}/{name}"
 
     shaped = add("Reshape", [x, const([0, 0, -1], onnx.TensorProto.INT64)])
     mean_keep = reduce_mean(shaped)
     centered = add("Sub", [shaped, mean_keep])
-    batch_mean = per_channel(mean_keep)
-    biased = per_channel(reduce_mean(add("Mul", [centered, centered])))
+    batch_mean = named(BATCH_MEAN, mean_keep)
+    biased = named(BATCH_VARIANCE, reduce_mean(add("Mul", [centered, centered])))
     count = add("Cast", [add("Div", [add("Size", [x]), add("Size", [batch_mean])])], to=onnx.TensorProto.FLOAT)
     unbiased = add("Div", [add("Mul", [biased, count]), add("Sub", [count, const(1.0)])])
     momentum = 1.0 - keep
@@ -94,6 +98,53 @@ def _running_stat_nodes(
         blended = add("Add", [add("Mul", [old, const(keep)]), add("Mul", [batch, const(momentum)])])
         nodes.append(helper.make_node("Identity", [blended], [out], name=f"{p}/{out}"))
     return nodes
+
+
+def reuse_batch_statistics(training: onnx.ModelProto) -> int:
+    """Feed the running-statistics update from the batch mean and variance ORT's BatchNorm computes.
+
+    In ORT's training graph each BatchNorm is a ``BatchNormInternal`` whose outputs 3 and 4 are the
+    batch mean and ``1 / sqrt(variance + epsilon)`` (its gradient reads them). The update added by
+    :func:`expose_batchnorm_updates` computed both again from ``X``: two ``ReduceMean`` and two
+    full-size passes per BatchNorm (3.65 ms of the MobileNet-style benchmark's 40 ms of kernels).
+    Here the mean is ORT's and the biased variance ``1 / inv_std**2 - epsilon`` (the same value,
+    rounded differently), and the passes over ``X`` go. Returns how many BatchNorms changed.
+    """
+    graph = training.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.op_type != "BatchNormInternal" or len(node.output) < 5 or not node.output[3] or not node.output[4]:
+            continue
+        readers = [n for n in graph.node if n.op_type == "Reshape" and n.input[0] == node.input[0]]
+        prefixes = [n.name[: n.name.index(RUNNING) + len(RUNNING)] for n in readers if RUNNING in n.name]
+        if len(prefixes) != 1:
+            continue
+        mean, variance = producer.get(f"{prefixes[0]}/{BATCH_MEAN}"), producer.get(f"{prefixes[0]}/{BATCH_VARIANCE}")
+        if mean is None or variance is None:
+            continue
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        p, inv_std = f"{prefixes[0]}/saved", node.output[4]
+        replaced[id(mean)] = [helper.make_node("Identity", [node.output[3]], list(mean.output), name=mean.name)]
+        replaced[id(variance)] = [
+            helper.make_node("Mul", [inv_std, inv_std], [f"{p}/inv_variance"], name=f"{p}/inv_variance"),
+            helper.make_node("Reciprocal", [f"{p}/inv_variance"], [f"{p}/shifted"], name=f"{p}/shifted"),
+            helper.make_node("Constant", [], [f"{p}/epsilon"], name=f"{p}/epsilon",
+                             value=helper.make_tensor(f"{p}/epsilon", onnx.TensorProto.FLOAT, [], [epsilon])),
+            helper.make_node("Sub", [f"{p}/shifted", f"{p}/epsilon"], list(variance.output), name=variance.name),
+        ]  # fmt: skip
+    if not replaced:
+        return 0
+    nodes = [new for n in graph.node for new in replaced.get(id(n), [n])]
+    needed = {o.name for o in graph.output} | {i for n in nodes if RUNNING not in n.name for i in n.input}
+    kept = []
+    for n in reversed(nodes):  # drop the passes over X that nothing reads any more
+        if RUNNING not in n.name or any(o in needed for o in n.output):
+            kept.append(n)
+            needed.update(n.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    return len(replaced) // 2
 
 
 def strip_batchnorm_training(model: onnx.ModelProto) -> None:

@@ -270,11 +270,16 @@ def test_lazy_accuracy_counts_like_an_argmax_per_batch(digits_artifacts, monkeyp
     assert meter.result()["top3_accuracy"] == top3 / sum(y.size for _, y in pairs) > meter.result()["accuracy"]
 
 
-def test_batchnorm_statistics_are_updated_by_training(tmp_path):
+@pytest.mark.parametrize("momentum, eps", [(0.1, 1e-5), (1.0, 1e-2)])
+def test_batchnorm_statistics_are_updated_by_training(tmp_path, momentum, eps):
+    import onnx
+
     from artifacts import generate
     from tests.artifacts import models
 
     model = models.cnn()
+    for bn in (model.features[1], model.features[5]):  # momentum 1: the running statistics are the batch's own
+        bn.momentum, bn.eps = momentum, eps
     generate(model, torch.randn(4, 1, 12, 12), tmp_path / "cnn", verify=False)
     trainer = Trainer.load(tmp_path / "cnn")
     x = np.random.default_rng(0).standard_normal((16, 1, 12, 12), dtype=np.float32)
@@ -282,10 +287,16 @@ def test_batchnorm_statistics_are_updated_by_training(tmp_path):
     trainer.train_step(batch)
     reference = copy.deepcopy(model).train()
     reference(torch.from_numpy(x))
-    for name in ("features.1.running_mean", "features.5.running_var"):
-        np.testing.assert_allclose(
-            trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), atol=1e-5
-        )
+    for layer in ("features.1", "features.5"):
+        for name in (f"{layer}.running_mean", f"{layer}.running_var"):
+            np.testing.assert_allclose(
+                trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), rtol=1e-5, atol=1e-6
+            )
+    # the update reads the batch statistics of ORT's BatchNorm, not the BatchNorm's input again
+    graph = onnx.load(tmp_path / "cnn" / "training_model.onnx").graph
+    inputs = {n.input[0] for n in graph.node if n.op_type == "BatchNormInternal"}
+    readers = [n for n in graph.node if "odt_running_stats" in n.name and set(n.input) & inputs]
+    assert len(inputs) == 2 and {n.op_type for n in readers} == {"Size"}
 
 
 def test_weights_round_trip_by_name_and_flat(digits_artifacts):
