@@ -22,6 +22,7 @@ from ondevice import ConfigError, Manifest, Schedule, Trainer
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
 from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
+from ondevice.session import LOSS_SCALE
 
 from .errors import BundleError, SignatureError
 from .signing import sign, verify
@@ -95,6 +96,7 @@ def make_bundle(
 
         from .frozen import internalize_frozen
         from .learning_rate import bake_learning_rate
+        from .loss_scale import expose_loss_scale
 
         if manifest.frozen_file is None:
             for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
@@ -102,6 +104,9 @@ def make_bundle(
         else:
             internalize_frozen(source, work, manifest)
 
+        training = onnx.load(work / "training_model.onnx")
+        expose_loss_scale(training, manifest.loss_output, list(manifest.feed_names))
+        onnx.save(training, work / "training_model.onnx")
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         _to_ort_format(work)
@@ -145,9 +150,12 @@ def _describe(
         "inputs": [tensor(t) for t in manifest.inputs],
         "targets": [tensor(t) for t in manifest.targets],
         "outputs": [tensor(t) for t in manifest.outputs],
-        "feed_order": list(manifest.feed_names),
+        "feed_order": [*manifest.feed_names, LOSS_SCALE],  # the training graph's inputs, for positional APIs
         "num_classes": manifest.num_classes,
         "finite_check": manifest.finite_check,
+        "loss_scale": LOSS_SCALE,
+        "optimizer": manifest.optimizer.kind,
+        "micro_batch_size": (manifest.plan or {}).get("micro_batch_size"),
         "loss": asdict(manifest.loss),
         "weights": {
             "dtype": "float32",

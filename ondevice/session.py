@@ -69,6 +69,9 @@ def ort_error_message(exc: BaseException) -> str:
 
 
 TRAINING_GRAPH = "training_model.onnx"
+LOSS_SCALE = "odt_loss_scale"
+"""A bundle's training graph input that scales the loss gradient (``mobile_bridge/loss_scale.py``):
+runtimes that cannot reach the gradient buffers feed ``part / batch`` to accumulate micro-batches."""
 NCHWC = "nchwc"
 """The variant training graph whose depthwise convolutions run on ORT's x86 NCHWc kernels
 (``artifacts/passes/nchwc.py``); the manifest's ``variants`` names its file."""
@@ -150,10 +153,19 @@ class OrtTraining:
             if with_optimizer
             else None
         )
+        names = self.input_names()
+        self._scale_at = names.index(LOSS_SCALE) if LOSS_SCALE in names else None
 
-    def train_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+        """One forward and backward pass; gradients add to the accumulated ones. ``scale`` multiplies
+        this pass's gradients where the graph has the loss-scale input (a bundle's), else it must be 1."""
+        feeds = list(feeds)
+        if self._scale_at is not None:
+            feeds.insert(self._scale_at, np.array(scale, np.float32))
+        elif scale != 1.0:
+            raise ValueError(f"this training graph has no {LOSS_SCALE} input to scale its gradients by {scale}")
         fetches = C.OrtValueVector()
-        self.module.train_step(list(feeds), fetches)
+        self.module.train_step(feeds, fetches)
         return _numpy(fetches)
 
     def eval_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:

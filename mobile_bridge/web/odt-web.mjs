@@ -192,6 +192,9 @@ export class OdtClient {
     this.session = session;
     this.description = description;
     this.specs = [...description.inputs, ...description.targets];
+    // Bundles name the loss-gradient input; a memory plan's micro-batch splits each step into parts.
+    this.scale = description.loss_scale ?? null;
+    this.micro = this.scale ? description.micro_batch_size ?? null : null;
   }
 
   /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT. */
@@ -214,6 +217,12 @@ export class OdtClient {
     const schemaBytes = await fetchBytes(`${base}${SCHEMA_FILE}`, headers);
     if ((await sha256Hex(schemaBytes)) !== schemaEntry.sha256) throw new BundleError(`${SCHEMA_FILE} was altered (sha256 differs)`);
     checkDescription(description, JSON.parse(new TextDecoder().decode(schemaBytes)));
+    if (description.optimizer === "sgd") {
+      // Measured: ONNX Runtime Web 1.19.2 opens the training and eval models but fails to create the SGD
+      // optimizer session (SGDOptimizerV2), with a bare number for an error.
+      throw new BundleError("this bundle trains with SGD, whose optimizer graph ONNX Runtime Web 1.19 cannot run; "
+                            + "generate the artifacts with --optimizer adamw for browsers");
+    }
     const files = {};
     for (const name of MODELS) {
       const entry = description.files[name];
@@ -221,12 +230,20 @@ export class OdtClient {
       files[name] = await fetchBytes(`${base}${name}`, headers);
       if ((await sha256Hex(files[name])) !== entry.sha256) throw new BundleError(`${name} was altered (sha256 differs)`);
     }
-    const session = await ort.TrainingSession.create({
-      checkpointState: files["checkpoint"],
-      trainModel: files["training_model.onnx"],
-      evalModel: files["eval_model.onnx"],
-      optimizerModel: files["optimizer_model.onnx"],
-    });
+    let session;
+    try {
+      session = await ort.TrainingSession.create({
+        checkpointState: files["checkpoint"],
+        trainModel: files["training_model.onnx"],
+        evalModel: files["eval_model.onnx"],
+        optimizerModel: files["optimizer_model.onnx"],
+      });
+    } catch (error) {
+      // ORT-web's WebAssembly throws a bare number (a C++ exception) for models it cannot run.
+      const cause = error instanceof Error ? error.message : `error ${error}`;
+      throw new BundleError(`ONNX Runtime Web could not open the bundle's models (${cause}); `
+                            + "check that the bundle was made for this client's ONNX Runtime Web (1.19)");
+    }
     return new OdtClient(ort, session, description);
   }
 
@@ -239,15 +256,39 @@ export class OdtClient {
     return feeds;
   }
 
-  /** One optimizer step on a batch of `size` examples, skipped when the loss or a gradient is not finite. */
+  /** The examples per part of a step of `size`: the largest divisor of `size` up to the plan's micro-batch
+   * (as Python's Trainer.micro_batches), or `size` without a plan. */
+  partSize(size) {
+    if (!this.micro || this.micro >= size) return size;
+    let part = this.micro;
+    while (size % part !== 0) part--;
+    return part;
+  }
+
+  /** One optimizer step on a batch of `size` examples, skipped when the loss or a gradient is not finite.
+   * With a memory plan the batch trains in parts whose gradients add up to the whole batch's: each part's
+   * loss gradient is scaled by part / size (a mean loss), ORT accumulates, then one optimizer step. */
   async trainStep(batch, size) {
-    const results = await this.session.runTrainStep(this.feeds(batch, size));
-    const outputs = Object.values(results);
-    const loss = Number(outputs[0].data[0]);
-    const correct = this.countCorrect(outputs[1], batch, size);
-    // The bundle's finite check: the L2 norm of the loss and every gradient, computed in the graph.
-    const check = this.description.finite_check;
-    const finite = check ? Number.isFinite(Number(results[check].data[0])) : Number.isFinite(loss);
+    const part = this.partSize(size);
+    const mean = (this.description.loss?.options?.reduction ?? "mean") === "mean";
+    let loss = 0;
+    let correct = null;
+    let finite = true;
+    const whole = this.feeds(batch, size); // checks the whole batch before any part trains
+    for (let start = 0; start < size; start += part) {
+      const piece = part === size ? batch : this.slice(batch, size, start, part);
+      const feeds = part === size ? whole : this.feeds(piece, part);
+      if (this.scale) feeds[this.scale] = new this.ort.Tensor("float32", new Float32Array([mean ? part / size : 1]), []);
+      const results = await this.session.runTrainStep(feeds);
+      const outputs = Object.values(results);
+      const partLoss = Number(outputs[0].data[0]);
+      loss += mean ? (partLoss * part) / size : partLoss;
+      const partCorrect = this.countCorrect(outputs[1], piece, part);
+      if (partCorrect !== null) correct = (correct ?? 0) + partCorrect;
+      // The bundle's finite check: the L2 norm of the loss and every gradient, computed in the graph.
+      const check = this.description.finite_check;
+      finite &&= check ? Number.isFinite(Number(results[check].data[0])) : Number.isFinite(partLoss);
+    }
     if (!finite) {
       await this.session.lazyResetGrad();
       return { loss, correct, applied: false };
@@ -255,6 +296,16 @@ export class OdtClient {
     await this.session.runOptimizerStep();
     await this.session.lazyResetGrad();
     return { loss, correct, applied: true };
+  }
+
+  /** Examples [start, start + count) of a batch of `size` (views, no copies). */
+  slice(batch, size, start, count) {
+    const piece = {};
+    for (const spec of this.specs) {
+      const per = batch[spec.name].length / size;
+      piece[spec.name] = batch[spec.name].subarray(start * per, (start + count) * per);
+    }
+    return piece;
   }
 
   /** Correct argmax predictions of a classifier's batch (null when the bundle is no classifier). */
@@ -279,12 +330,7 @@ export class OdtClient {
     for (let epoch = 0; epoch < epochs; epoch++) {
       for (let start = 0; start < count; start += batchSize) {
         const size = Math.min(batchSize, count - start);
-        const batch = {};
-        for (const spec of this.specs) {
-          const per = data[spec.name].length / count;
-          batch[spec.name] = data[spec.name].subarray(start * per, (start + size) * per);
-        }
-        const { loss, correct, applied } = await this.trainStep(batch, size);
+        const { loss, correct, applied } = await this.trainStep(this.slice(data, count, start, size), size);
         if (start === 0) this.lastEpoch = { correct: 0, seen: 0, skipped: this.lastEpoch.skipped };
         if (correct !== null) Object.assign(this.lastEpoch, { correct: this.lastEpoch.correct + correct, seen: this.lastEpoch.seen + size });
         if (!applied) this.lastEpoch.skipped++;

@@ -102,6 +102,45 @@ def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tm
     assert result["badInput"].startswith("InputError: input must be a Float32Array")
 
 
+def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_data, site, tmp_path):
+    """A plan's micro-batch splits each browser step into parts whose loss gradients are scaled by
+    part / batch; ORT-web accumulates them into one step. With AdamW's eps at 1 the update is about
+    linear in the gradient, so a wrong scale would show; the weights equal Python's whole-batch steps."""
+    import torch
+
+    from artifacts import AdamW, generate
+    from samples.digits.model import build
+
+    root, url = site
+    model = build()
+    model[2].p = 0.0
+    planned = tmp_path / "planned"
+    generate(model, {"input": torch.randn(32, 64)}, planned, optimizer=AdamW(lr=1.0, eps=1.0), verify=False)
+    manifest = json.loads((planned / "manifest.json").read_text())
+    manifest["plan"] = {"budget": 10**9, "batch_size": 16, "chosen": "everything", "rows": [], "micro_batch_size": 5}
+    (planned / "manifest.json").write_text(json.dumps(manifest))
+    assert make_bundle(planned, root / "bundle")["micro_batch_size"] == 5
+    steps = _steps(digits_data, 6)
+    result = _browser(url, {"steps": steps, "parts": 16}, tmp_path)
+    assert result["ok"], result
+    assert result["parts"] == 4  # the largest size up to the plan's 5 that tiles 16, like Trainer.micro_batches
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    assert np.abs(weights - result["initial"]).max() > 1e-2  # it trained
+
+
+def test_browser_refuses_an_sgd_bundle_with_a_clear_error(digits_sgd, site, tmp_path):
+    """ONNX Runtime Web 1.19 cannot create the SGD optimizer session (it throws a bare number):
+    the client names the optimizer and the remedy before ORT sees the bundle."""
+    root, url = site
+    make_bundle(digits_sgd, root / "bundle")
+    result = _browser(url, {"steps": []}, tmp_path)
+    assert not result["ok"]
+    assert result["error"].startswith("BundleError: this bundle trains with SGD")
+    assert "--optimizer adamw" in result["error"]
+
+
 def test_browser_skips_a_step_whose_gradient_is_not_finite(digits_data, site, tmp_path):
     import torch
 

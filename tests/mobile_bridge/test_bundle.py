@@ -10,7 +10,7 @@ import pytest
 from mobile_bridge import BundleError, SignatureError, keygen, load_trainer, make_bundle, verify_bundle
 from ondevice import Trainer, lr_at
 from ondevice.cli import main
-from ondevice.session import OrtTraining
+from ondevice.session import LOSS_SCALE, OrtTraining
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +61,36 @@ def test_baked_rate_equals_set_learning_rate(digits_no_dropout, digits_data, tmp
     assert not np.allclose(reference.get_flat(), OrtTraining(directory).get_flat())  # it trained
 
 
+def test_the_bundles_loss_scale_input_scales_gradients_and_changes_nothing_fed_one(digits_sgd, digits_data, tmp_path):
+    """The bundle's training graph reads the loss gradient's seed from an input: fed 1 it computes
+    what the artifacts' graph computes, bit for bit; fed 1/4 every gradient is a quarter."""
+    import onnx
+
+    description = make_bundle(digits_sgd, tmp_path / "bundle")
+    assert description["loss_scale"] == LOSS_SCALE and description["micro_batch_size"] is None
+    graph = onnx.load(tmp_path / "bundle" / "training_model.onnx").graph
+    assert [i.name for i in graph.input][:3] == ["input", "labels", LOSS_SCALE]
+    original, bundled = OrtTraining(digits_sgd), OrtTraining(tmp_path / "bundle")
+    feeds = _feeds(digits_data, 0)
+    names = [p.name for p in Trainer.load(digits_sgd).manifest.trainable]
+    losses = [session.train_step(feeds)[0] for session in (original, bundled)]
+    np.testing.assert_array_equal(losses[0], losses[1])
+    for name in names:
+        np.testing.assert_array_equal(bundled.get_gradient(name), original.get_gradient(name), err_msg=name)
+    bundled.reset_grad()
+    bundled.train_step(feeds, scale=0.25)
+    for name in names:
+        np.testing.assert_array_equal(bundled.get_gradient(name), original.get_gradient(name) * 0.25, err_msg=name)
+    with pytest.raises(ValueError, match=LOSS_SCALE):
+        original.train_step(feeds, scale=0.5)
+
+
 def test_bundle_contents(digits_artifacts, tmp_path, keys):
     description = make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
     names = set(description["files"])
     assert {"training_model.ort", "eval_model.ort", "optimizer_model.ort", "required_operators.config"} <= names
     assert {"checkpoint", "manifest.json", "training_model.onnx"} <= names
-    assert description["feed_order"] == ["input", "labels"]
+    assert description["feed_order"] == ["input", "labels", LOSS_SCALE]
     assert description["weights"]["size"] == 17226
     assert description["weights"]["tensors"][1] == {"name": "0.bias", "shape": [128], "offset": 8192}
     assert description["learning_rate"] == {

@@ -191,7 +191,8 @@ try {
       }
       return { ok: true, loadMs: loaded, longestStallMs, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
                applied: appliedSteps, isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
-               initial, weights: Array.from(await client.getWeights()), badInput };
+               initial, weights: Array.from(await client.getWeights()), badInput,
+               parts: task.parts ? client.partSize(task.parts) : null };
     } catch (error) {
       return { ok: false, error: `${error.name}: ${error.message}` };
     }
