@@ -4,20 +4,25 @@ peak = BASE_BYTES                           Python, numpy, ONNX Runtime, a sessi
      + 4 bytes x frozen weights read whole   (frozen embedding tables are paged in by the row: ~0)
      + 16 bytes x trainable weights           weight, gradient, AdamW's two moments
      + 4 bytes x trainable embedding tables   the dense gradient of a lookup
-     + ACTIVATION_FACTOR x what PyTorch saves for the backward at that micro-batch
+     + the larger of ACTIVATION_FACTOR x what PyTorch saves for the candidate's backward
+                 and FORWARD_FACTOR x what it saves when every weight trains (the whole forward)
 
-The saved tensors are counted, not guessed: one forward of the candidate in PyTorch (its
-trainable set, its LoRA adapters) under ``saved_tensors_hooks``, at 1 and 2 rows, gives a line
-in the micro-batch. ORT's step holds more than PyTorch saves (the activation gradients of the
-backward, its arena's chunks); the two constants were chosen against ``ondevice.measure`` on MiniLM
-and the benchmark models (``python -m benchmarks.planner``, docs/performance.md): within 25 % of
-the measured peaks on 17 of the 18 rows; the last 8 modules of MiniLM at 8 rows measured 26 %
-above their estimate in this evening's three runs (21 % in one before).
+The saved tensors are counted, not guessed: one forward of the model in PyTorch (the candidate's
+trainable set and LoRA adapters, then every weight trainable) under ``saved_tensors_hooks``, at 1
+and 2 rows, gives a line in the micro-batch. ORT's step holds more than PyTorch saves (the
+activation gradients of the backward, its arena's chunks); and when only the top layers train it
+still holds a share of the whole forward's activations (measured on MiniLM: about 10 MB a row
+with the last 8 modules training, where PyTorch saves 1.8 MB a row for them). The constants were
+chosen against ``ondevice.measure`` on MiniLM and the benchmark models (``python -m
+benchmarks.planner``, docs/performance.md): within 25 % of the measured peaks on all 18 rows
+(largest 15 %). FORWARD_FACTOR comes from MiniLM's three partly trained rows, the only ones it
+changes; before it, the last 8 modules at 8 rows were estimated 21-26 % low.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -26,25 +31,33 @@ from torch import nn
 from .lora import Lora, add_adapters
 from .selection import select_trainable
 
-__all__ = ["BASE_BYTES", "ACTIVATION_FACTOR", "Footprint", "footprint"]
+__all__ = ["BASE_BYTES", "ACTIVATION_FACTOR", "FORWARD_FACTOR", "Footprint", "footprint"]
 
 BASE_BYTES = 70_000_000
 ACTIVATION_FACTOR = 1.5
+FORWARD_FACTOR = 0.7
 
 
+@dataclass(frozen=True)
 class Footprint:
-    """One candidate's estimate as a function of the micro-batch size."""
+    """One candidate's estimate as a function of the micro-batch size: saved bytes are lines
+    ``constant + per_row x rows``, the candidate's own and (``forward_*``) the whole forward's."""
 
-    def __init__(self, fixed: int, per_row: float, constant_saved: float) -> None:
-        self.fixed, self.per_row, self.constant_saved = fixed, per_row, constant_saved
+    fixed: int
+    per_row: float
+    constant_saved: float
+    forward_per_row: float = 0.0
+    forward_constant: float = 0.0
 
     @property
     def floor(self) -> int:
         """What no micro-batch size takes away (the estimate at zero rows)."""
-        return self.fixed + int(ACTIVATION_FACTOR * max(self.constant_saved, 0.0))
+        return self.at(0)
 
     def at(self, rows: int) -> int:
-        return self.floor + int(ACTIVATION_FACTOR * self.per_row * rows)
+        own = ACTIVATION_FACTOR * (max(self.constant_saved, 0.0) + self.per_row * rows)
+        forward = FORWARD_FACTOR * (max(self.forward_constant, 0.0) + self.forward_per_row * rows)
+        return self.fixed + int(max(own, forward))
 
 
 def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Mapping[str, Any]) -> Footprint:
@@ -67,7 +80,8 @@ def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Ma
     looked_up = sum(params[n].numel() for n in tables & trainable)
     fixed = BASE_BYTES + 4 * frozen + 16 * trained + 4 * looked_up
     one, two = (_saved_bytes(adapted, example, trainable, rows) for rows in (1, 2))
-    return Footprint(fixed, per_row=two - one, constant_saved=2 * one - two)
+    whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows) for rows in (1, 2))
+    return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two)
 
 
 def _saved_bytes(model: nn.Module, example: Mapping[str, torch.Tensor], trainable: set[str], rows: int) -> int:
