@@ -49,11 +49,6 @@ class Footprint:
     forward_per_row: float = 0.0
     forward_constant: float = 0.0
 
-    @property
-    def floor(self) -> int:
-        """What no micro-batch size takes away (the estimate at zero rows)."""
-        return self.at(0)
-
     def at(self, rows: int) -> int:
         own = ACTIVATION_FACTOR * (max(self.constant_saved, 0.0) + self.per_row * rows)
         forward = FORWARD_FACTOR * (max(self.forward_constant, 0.0) + self.forward_per_row * rows)

@@ -65,9 +65,10 @@ def run(work: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _saved(row: dict[str, Any]) -> float:
-    """Bytes PyTorch saves for the backward at the row's micro-batch (what the factor multiplies)."""
-    return max(row["saved_constant"], 0) + row["saved_per_row"] * row["micro_batch"]
+def _saved(row: dict[str, Any], kind: str = "saved") -> float:
+    """Bytes PyTorch saves at the row's micro-batch: for the candidate's backward (``saved``, what
+    ACTIVATION_FACTOR multiplies) or with every weight training (``forward``, FORWARD_FACTOR's)."""
+    return max(row[f"{kind}_constant"], 0) + row[f"{kind}_per_row"] * row["micro_batch"]
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float]:
@@ -93,7 +94,7 @@ def table(result: dict[str, Any]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         saved = _saved(r)
-        forward = max(r.get("forward_constant", 0), 0) + r.get("forward_per_row", 0) * r["micro_batch"]
+        forward = _saved(r, "forward")
         lines.append(f"| {r['model']} | {r['trainable']} | {r['micro_batch']} | {r['fixed'] / 1e6:.0f} MB | "
                      f"{saved / 1e6:.1f} MB | {forward / 1e6:.1f} MB | {r['estimate'] / 1e6:.0f} MB | "
                      f"{r['peak_rss'] / 1e6:.0f} MB | {r['estimate'] / r['peak_rss']:.2f} |")  # fmt: skip

@@ -4,7 +4,7 @@ inference BatchNorm in the eval graph."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import onnx
 from onnx import helper
@@ -112,12 +112,15 @@ def reuse_batch_statistics(training: onnx.ModelProto) -> int:
     """
     graph = training.graph
     producer = {o: n for n in graph.node for o in n.output}
+    reshapes: dict[str, list[str]] = {}  # tensor -> names of the running-statistics Reshapes reading it
+    for n in graph.node:
+        if n.op_type == "Reshape" and RUNNING in n.name:
+            reshapes.setdefault(n.input[0], []).append(n.name)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for node in graph.node:
         if node.op_type != "BatchNormInternal" or len(node.output) < 5 or not node.output[3] or not node.output[4]:
             continue
-        readers = [n for n in graph.node if n.op_type == "Reshape" and n.input[0] == node.input[0]]
-        prefixes = [n.name[: n.name.index(RUNNING) + len(RUNNING)] for n in readers if RUNNING in n.name]
+        prefixes = [name[: name.index(RUNNING) + len(RUNNING)] for name in reshapes.get(node.input[0], [])]
         if len(prefixes) != 1:
             continue
         mean, variance = producer.get(f"{prefixes[0]}/{BATCH_MEAN}"), producer.get(f"{prefixes[0]}/{BATCH_VARIANCE}")
@@ -136,14 +139,9 @@ def reuse_batch_statistics(training: onnx.ModelProto) -> int:
     if not replaced:
         return 0
     nodes = [new for n in graph.node for new in replaced.get(id(n), [n])]
-    needed = {o.name for o in graph.output} | {i for n in nodes if RUNNING not in n.name for i in n.input}
-    kept = []
-    for n in reversed(nodes):  # drop the passes over X that nothing reads any more
-        if RUNNING not in n.name or any(o in needed for o in n.output):
-            kept.append(n)
-            needed.update(n.input)
     del graph.node[:]
-    graph.node.extend(reversed(kept))
+    graph.node.extend(nodes)
+    _prune_dead_nodes(training, lambda n: RUNNING in n.name)  # the passes over X that nothing reads any more
     return len(replaced) // 2
 
 
@@ -164,11 +162,12 @@ def strip_batchnorm_training(model: onnx.ModelProto) -> None:
     _prune_dead_nodes(model)
 
 
-def _prune_dead_nodes(model: onnx.ModelProto) -> None:
+def _prune_dead_nodes(model: onnx.ModelProto, prunable: Callable[[onnx.NodeProto], bool] = lambda n: True) -> None:
+    """Drop the ``prunable`` nodes whose outputs neither a graph output nor a kept node reads."""
     needed = {o.name for o in model.graph.output}
     keep = []
     for node in reversed(model.graph.node):
-        if any(o in needed for o in node.output):
+        if not prunable(node) or any(o in needed for o in node.output):
             keep.append(node)
             needed.update(node.input)
     del model.graph.node[:]

@@ -275,6 +275,8 @@ export class OdtClient {
     let correct = null;
     let finite = true;
     const whole = this.feeds(batch, size); // checks the whole batch before any part trains
+    // The bundle's finite check: the L2 norm of the loss and every gradient, computed in the graph.
+    const check = this.description.finite_check;
     for (let start = 0; start < size; start += part) {
       const piece = part === size ? batch : this.slice(batch, size, start, part);
       const feeds = part === size ? whole : this.feeds(piece, part);
@@ -285,8 +287,6 @@ export class OdtClient {
       loss += mean ? (partLoss * part) / size : partLoss;
       const partCorrect = this.countCorrect(outputs[1], piece, part);
       if (partCorrect !== null) correct = (correct ?? 0) + partCorrect;
-      // The bundle's finite check: the L2 norm of the loss and every gradient, computed in the graph.
-      const check = this.description.finite_check;
       finite &&= check ? Number.isFinite(Number(results[check].data[0])) : Number.isFinite(partLoss);
     }
     if (!finite) {
