@@ -13,8 +13,9 @@ from typing import Callable
 
 import onnx
 
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest
-from ondevice.session import OrtTraining, ort_error_message
+from ondevice.session import ort_error_message
 
 from .errors import ArtifactError, ExportError, UnsupportedOperatorError
 from .export import dropout_to_inference

@@ -18,8 +18,9 @@ import onnx
 import torch
 from onnx import helper
 
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import BATCH, Manifest, Verification
-from ondevice.session import OrtTraining, ort_error_message
+from ondevice.session import ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
 from .errors import InputSpecError, ModelLoadError

@@ -46,6 +46,7 @@ from .export import (
     reaching,
 )
 from .frozen import FROZEN_FILE, externalize_frozen, lookup_tables
+from .portable import write_portable
 from .selection import select_trainable
 from .spec import Spec
 from .verify import format_table
@@ -220,6 +221,8 @@ def _build(
     for param in [n for n in order if n in set(trainable)]:
         trainable_specs.append(ParamSpec(param, shapes[param], offset))
         offset += trainable_specs[-1].size
+    portable = write_portable(work, optimizer, [(p.name, p.shape) for p in trainable_specs], opset,
+                              lambda node: "{!r} ({})".format(*source.describe(node)))  # fmt: skip
     target = loss.target_spec(output_specs[loss_output])
     manifest = Manifest(
         name=name,
@@ -251,6 +254,7 @@ def _build(
         if offsets
         else None,
         variants=variants,
+        portable=portable,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,

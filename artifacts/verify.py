@@ -15,8 +15,9 @@ import onnx
 import torch
 from torch import nn
 
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest, Verification, VerificationRow
-from ondevice.session import TRAINING_GRAPH, OrtTraining, ort_error_message, training_graph
+from ondevice.session import TRAINING_GRAPH, ort_error_message, training_graph
 
 from .errors import ToleranceError, VerificationError
 from .export import zero_dropout

@@ -68,7 +68,7 @@ def measure(name, model, work: Path) -> dict:
 
     from artifacts import generate
     from mobile_bridge import make_bundle
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     artifacts, site = work / name.replace(" ", "_"), work / "site"
     generate(model, {"input": torch.randn(BATCH, 64)}, artifacts, verify=False)

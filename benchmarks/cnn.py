@@ -58,7 +58,8 @@ def build(work: Path) -> dict[str, Path]:
 
 def _objects(graph: Path, *, spinning: bool = True, profile: str | None = None):  # type: ignore[no-untyped-def]
     """ORT's module and optimizer over the training graph file ``graph`` (its directory's checkpoint)."""
-    from ondevice.session import _CPU, C, session_options
+    from ondevice.engines.classic import _CPU
+    from ondevice.session import C, session_options
 
     options = session_options(THREADS)
     if not spinning:

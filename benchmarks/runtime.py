@@ -88,7 +88,7 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
 
     from benchmarks.compare import ratio_interval
     from ondevice import Trainer
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     trainer = Trainer.load(artifacts)
     # The raw loop drives the trainer's own ORT objects: one set of threads and one memory arena,
@@ -151,7 +151,8 @@ def fetch_reading(artifacts: Path, train: dict) -> dict[str, float]:
     (how ORT's own Python API reads them) against indexing it (what ondevice.session does)."""
     import timeit
 
-    from ondevice.session import C, OrtTraining
+    from ondevice.engines.classic import OrtTraining
+    from ondevice.session import C
 
     session = OrtTraining(artifacts)
     fetches = C.OrtValueVector()

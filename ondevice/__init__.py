@@ -8,6 +8,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     DataError,
+    EngineError,
     ManifestError,
     OdtError,
     OndeviceError,
@@ -49,6 +50,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "ConfigError",
+    "EngineError",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

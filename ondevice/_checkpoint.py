@@ -26,11 +26,14 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from .errors import CheckpointCorruptError, CheckpointError
 from .files import fsync_dir, pid_alive, public_mode
-from .session import C, OrtTraining, ort_error_message
+from .session import ort_error_message
+
+if TYPE_CHECKING:
+    from .engines import Engine
 
 __all__ = ["save_state", "unpacked", "read_header", "previous_of", "writer_lock", "export_inference"]
 
@@ -73,8 +76,9 @@ def _sha256(handle: IO[bytes], size: int) -> str:
     return digest.hexdigest()
 
 
-def save_state(state: C.CheckpointState, path: Path, header: dict[str, Any]) -> Path:
-    """Write ``state`` (with its optimizer state) to ``path``; on any failure the old file is untouched.
+def save_state(write: Callable[[Path], None], path: Path, header: dict[str, Any]) -> Path:
+    """Write the ORT checkpoint bytes ``write(raw_path)`` produces (an engine's state, optimizer state
+    included) to ``path`` with the odt header; on any failure the old file is untouched.
 
     ``header`` must hold ``manifest_sha256``; epoch and step are welcome (they name the file in errors).
     """
@@ -82,7 +86,7 @@ def save_state(state: C.CheckpointState, path: Path, header: dict[str, Any]) -> 
     _remove_stale_temps(path)
     raw, tmp = _temp_beside(path, ".ort"), _temp_beside(path)
     try:
-        C.save_checkpoint(state, os.fspath(raw), True)
+        write(raw)
         size = raw.stat().st_size
         with open(raw, "rb") as source:
             digest = _sha256(source, size)
@@ -231,7 +235,7 @@ def writer_lock(path: Path) -> Iterator[None]:
 
 
 def export_inference(
-    session: OrtTraining,
+    session: Engine,
     outputs: list[str],
     path: Path,
     adapters: tuple = (),
@@ -250,7 +254,7 @@ def export_inference(
     _make_parent(path, "export directory")
     tmp = _temp_beside(path)
     try:
-        session.module.export_model_for_inferencing(os.fspath(tmp), outputs)
+        session.export_model(tmp, outputs)
         if adapters or metadata or external:
             import onnx
             from onnx.external_data_helper import load_external_data_for_model

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "ConfigError",
+    "EngineError",
 ]
 
 
@@ -64,3 +65,7 @@ class CheckpointCorruptError(CheckpointError):
 
 class ConfigError(OndeviceError, UsageError, ValueError):
     """An option is out of range or of the wrong kind (epochs, batch size, learning rate, schedule)."""
+
+
+class EngineError(OndeviceError, RuntimeError):
+    """The engine asked for cannot run here or these artifacts lack its graphs (the message says which to use)."""

@@ -32,7 +32,7 @@ def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untype
         merged = fold_weight(w, a, b, adapter.scale)
         initializers[adapter.weight].CopyFrom(numpy_helper.from_array(merged, adapter.weight))
         _bypass(graph, adapter)
-    _prune(graph)
+    prune(graph)
     return model
 
 
@@ -67,8 +67,8 @@ def _bypass(graph, adapter: Adapter) -> None:  # type: ignore[no-untyped-def]
     raise CheckpointError(f"cannot fold the LoRA adapter of {adapter.weight}: no Add joins it to the base layer.")
 
 
-def _prune(graph) -> None:  # type: ignore[no-untyped-def]
-    """Drop nodes no graph output needs, then initializers no node reads (graph inputs stay)."""
+def prune(graph) -> None:  # type: ignore[no-untyped-def]
+    """Drop nodes no graph output needs, then initializers and graph inputs no node reads."""
     needed = {o.name for o in graph.output}
     keep = []
     for node in reversed(graph.node):
@@ -80,3 +80,6 @@ def _prune(graph) -> None:  # type: ignore[no-untyped-def]
     used = [i for i in graph.initializer if i.name in needed]
     del graph.initializer[:]
     graph.initializer.extend(used)
+    inputs = [i for i in graph.input if i.name in needed]
+    del graph.input[:]
+    graph.input.extend(inputs)

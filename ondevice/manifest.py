@@ -183,6 +183,10 @@ class Manifest:
     """Training graphs for runtimes with faster kernels, by kind: ``{"nchwc": "training_model.nchwc.onnx"}``
     when depthwise convolutions can run on ORT's x86 NCHWc kernels. Same inputs, outputs, parameters and
     values as ``training_model.onnx``; the runtime loads one (:func:`ondevice.session.training_graph`)."""
+    portable: Mapping[str, str] | None = None
+    """The portable engine's graphs, ``{"training": file, "optimizer": file}`` (with ``eval_model.onnx``), or
+    ``{"unsupported": why}`` naming the operator and layer that did not lower; None in artifacts made
+    before the portable engine (:mod:`ondevice.engines`)."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
@@ -191,6 +195,17 @@ class Manifest:
     def trainable_size(self) -> int:
         """Number of float32 values in the trainable parameter buffer."""
         return sum(p.size for p in self.trainable)
+
+    @property
+    def portable_files(self) -> tuple[str, str] | None:
+        """``(training graph, optimizer graph)`` of the portable engine, or None when the artifacts lack them."""
+        files = self.portable or {}
+        return (files["training"], files["optimizer"]) if "training" in files else None
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines these artifacts carry graphs for."""
+        return ("classic", "portable") if self.portable_files else ("classic",)
 
     @property
     def frozen_size(self) -> int:
@@ -337,6 +352,7 @@ def _from_dict(data: Any) -> Manifest:
             hf_config=data.get("hf_config"),
             frozen_file=data.get("frozen_file"),
             variants={str(k): str(v) for k, v in data.get("variants", {}).items()},
+            portable=None if data.get("portable") is None else {str(k): str(v) for k, v in data["portable"].items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(

@@ -14,12 +14,13 @@ import numpy as np
 
 from ._metrics import Meter, flatten_weights
 from .data import batch_indices, batches, check_data, padding_trimmer, trim_padding
+from .engines import Engine, open_engine, resolve
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
 from .manifest import MANIFEST_NAME, Manifest
 from .pages import page_lookups_by_row
 from .schedules import Schedule
-from .session import ORT_VERSION, C, OrtTraining, ort_error_message, training_graph
+from .session import ORT_VERSION, ort_error_message, set_seed, training_graph
 
 __all__ = ["Trainer", "StepResult", "History"]
 
@@ -54,7 +55,7 @@ class Trainer:
     0.97
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, session: OrtTraining, manifest_sha: str) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, session: Engine, manifest_sha: str) -> None:
         self.directory = directory
         self.manifest = manifest
         self._session = session
@@ -81,8 +82,14 @@ class Trainer:
         threads: int | None = None,
         lean_memory: bool | None = None,
         evaluation: bool = True,
+        engine: str = "auto",
     ) -> Trainer:
         """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming.
+
+        ``engine`` picks what trains (:mod:`ondevice.engines`): ``"classic"`` is ONNX Runtime's
+        training build, ``"portable"`` any stock ONNX Runtime running the artifacts' portable graphs;
+        ``"auto"`` takes the classic engine where the training build is installed, else the portable
+        one. Checkpoints of either load in the other.
 
         ``lean_memory`` trades some speed for a lower peak (ORT's memory arena off; see
         :func:`ondevice.session.session_options` for what it measured); by default it follows
@@ -96,8 +103,9 @@ class Trainer:
             raise ConfigError(f"evaluation must be True or False, got {evaluation!r}.")
         directory = Path(directory)
         manifest = Manifest.load(directory)
+        engine = resolve(engine, manifest)
         made_with = str(manifest.versions.get("onnxruntime", ""))
-        if made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:
+        if engine == "classic" and made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:
             raise VersionMismatchError(
                 f"artifacts were made for ONNX Runtime {made_with}, this device runs {ORT_VERSION}. "
                 f"Install onnxruntime-training=={made_with} or regenerate the artifacts."
@@ -109,12 +117,12 @@ class Trainer:
                    "graph": training_graph(manifest.variants)}  # fmt: skip
         try:
             if checkpoint is None:
-                session = OrtTraining(directory, **options)
+                session = open_engine(directory, manifest, engine, directory / "checkpoint", **options)
             else:
                 from ._checkpoint import unpacked
 
                 with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
-                    session = OrtTraining(directory, checkpoint=raw, **options)
+                    session = open_engine(directory, manifest, engine, raw, **options)
         except OndeviceError:
             raise
         except Exception as exc:
@@ -127,6 +135,16 @@ class Trainer:
         if checkpoint is not None:
             trainer._restore_progress()
         return trainer
+
+    @property
+    def engine(self) -> str:
+        """The engine that trains: ``"classic"`` or ``"portable"``."""
+        return self._session.name
+
+    @property
+    def ort_version(self) -> str:
+        """The ONNX Runtime version the engine runs on."""
+        return self._session.ort_version
 
     @property
     def manifest_sha256(self) -> str:
@@ -165,7 +183,7 @@ class Trainer:
         whether loss and gradients are finite. Lean on purpose: it is the loop's per-step Python."""
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
-        C.set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
+        set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
         fetched = self._session.train_step(self._trimmed(feeds))
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
@@ -458,11 +476,10 @@ class Trainer:
     def _save(self, path: Path) -> Path:
         from ._checkpoint import save_state
 
-        state = self._session.state
-        for key, value in self._progress().items():
-            state.add_property(key, value)
-        header = {"manifest_sha256": self._manifest_sha, "epoch": self.epoch, "step": self.step}
-        return save_state(state, path, header)
+        progress = self._progress()
+        header = {"manifest_sha256": self._manifest_sha, "epoch": self.epoch, "step": self.step,
+                  "engine": self.engine}  # fmt: skip
+        return save_state(lambda raw: self._session.write_checkpoint(raw, progress), path, header)
 
     def _progress(self) -> dict[str, int | str]:
         return {
@@ -476,14 +493,14 @@ class Trainer:
         }
 
     def _restore_progress(self) -> None:
-        state = self._session.state
-        self.epoch = int(state.get_property("odt.epoch"))
-        self.step = int(state.get_property("odt.step"))
-        self.seed = int(state.get_property("odt.seed"))
-        self.skipped_steps = int(state.get_property("odt.skipped_steps"))
-        self._lr = float(state.get_property("odt.lr"))
-        if state.has_property("odt.schedule") and state.get_property("odt.schedule"):
-            self.schedule = Schedule(**json.loads(str(state.get_property("odt.schedule"))))
+        get = self._session.get_property
+        self.epoch = int(get("odt.epoch"))
+        self.step = int(get("odt.step"))
+        self.seed = int(get("odt.seed"))
+        self.skipped_steps = int(get("odt.skipped_steps"))
+        self._lr = float(get("odt.lr"))
+        if get("odt.schedule"):
+            self.schedule = Schedule(**json.loads(str(get("odt.schedule"))))
         self._session.set_learning_rate(self._lr)
 
     def export(self, path: str | os.PathLike[str]) -> Path:

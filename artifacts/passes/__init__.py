@@ -8,9 +8,12 @@ the pipeline:
 - ``shaped``: the forward graph after symbolic shape inference, before ORT's generator;
 - ``training``: ORT's generated training graph;
 - ``variant``: a copy of the finished training graph for runtimes with faster kernels (written
-  beside it only when a pass changed something; the manifest's ``variants`` names it).
+  beside it only when a pass changed something; the manifest's ``variants`` names it);
+- ``portable``: a copy of the finished training graph with every training-only operator lowered to
+  standard ONNX, for the portable engine on stock ONNX Runtime (``artifacts/portable.py``).
 
-Each entry says what it fixes in ONNX Runtime 1.19, why the rewrite is exact, and which test
+Each entry says what it fixes in ONNX Runtime 1.19 (for ``portable`` passes: which operator stock
+ONNX Runtime lacks), why the rewrite is exact, and which test
 proves it against PyTorch; ``python -m artifacts.passes`` prints that table (the docs' page
 ``docs/passes.md`` holds it, and a test keeps the two equal).
 """
@@ -36,6 +39,7 @@ from .maxpoolgrad import rewrite_max_pool_grad
 from .nchwc import convs_to_nchwc
 from .outputs import complete_gradient_outputs
 from .padding import mask_padding_gradients, padding_rows
+from .portable import lower_accumulators, lower_operators
 from .relugrad import rewrite_relu_grad
 from .relupool import pool_before_relu
 from .slices import gather_to_slice
@@ -43,7 +47,7 @@ from .weightgrad import batch_weight_gradients
 
 __all__ = ["Pass", "Context", "REGISTRY", "STAGES", "run_stage", "without", "table", "FINITE_CHECK", "padding_rows"]
 
-STAGES = ("export", "forward", "shaped", "training", "variant")
+STAGES = ("export", "forward", "shaped", "training", "variant", "portable")
 
 
 @dataclass
@@ -173,6 +177,42 @@ REGISTRY: tuple[Pass, ...] = (
          "the filter reordered to blocks in the graph, the input and output reordered around ORT's NCHWc Conv: "
          "the same products in another order (x86 runtimes load this variant; others the portable graph)",
          "tests/artifacts/test_nchwc.py::test_nchwc_variant_trains_like_the_portable_graph_and_pytorch"),
+
+    Pass("portable-accumulators", "portable", lambda m, c: lower_accumulators(m),
+         "InPlaceAccumulatorV2 (gradient accumulation into buffers the training build owns) is not in stock ORT",
+         "the graph returns each parameter's gradient; the portable engine binds that output to the parameter's "
+         "accumulation buffer when the step starts a new optimizer step, else adds it in (numpy), as the kernel "
+         "does; the finite check reads the same gradient",
+         "tests/artifacts/test_portable.py::test_portable_step_equals_the_classic_engine_step_for_step"),
+    Pass("portable-finite-check", "portable", lambda m, c: lower_operators(m, c.opset, ("ReduceAllL2",)),
+         "ReduceAllL2 (the finite check's multi-tensor norm) is not in stock ORT",
+         "Sqrt(Sum(ReduceSumSquare(x) for each input)): the same sum of squares, summed per tensor first as the "
+         "kernel does",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-dropout-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("DropoutGrad",)),
+         "DropoutGrad is not in stock ORT",
+         "dY * Cast(mask) * (1 / (1 - ratio)), the kernel's product in its order; dY where training_mode is false",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-softmax-grad", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("SoftmaxGrad_13", "LogSoftmaxGrad_13")),
+         "SoftmaxGrad_13 and LogSoftmaxGrad_13 are not in stock ORT",
+         "Y * (dY - ReduceSum(dY * Y)) and dY - Exp(Y) * ReduceSum(dY) over the softmax axis: the kernels' formulas",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-layernorm-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("LayerNormalizationGrad",)),
+         "LayerNormalizationGrad is not in stock ORT",
+         "with x_hat = (X - mean) inv_std and a = dY scale: dX = inv_std (a - mean(a) - x_hat mean(a x_hat)), "
+         "dscale = sum(dY x_hat), dbias = sum(dY) over the rows: the kernel's formulas, rounded in another order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-concat-split", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("ConcatTraining", "SplitTraining")),
+         "ConcatTraining and SplitTraining (Concat and Split that pass each part's length) are not in stock ORT",
+         "Concat, plus the lengths as Shape slices when read; Split with the lengths as its split input",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-activation-grads", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("SigmoidGrad", "TanhGrad", "Scale")),
+         "SigmoidGrad, TanhGrad and Scale are not in stock ORT",
+         "dY * Y * (1 - Y), dY * (1 - Y * Y), and X * scale (or / scale): the kernels' formulas",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
 )  # fmt: skip
 
 

@@ -85,7 +85,7 @@ def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monke
 
     from artifacts import passes
     from artifacts.passes.relugrad import rewrite_relu_grad
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -129,7 +129,7 @@ class _BiasGelu(nn.Module):
 def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeypatch, model, shape, kernel):
     from artifacts import passes
     from artifacts.passes.gelugrad import rewrite_gelu_grad
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = model()
@@ -170,7 +170,7 @@ class _ShiftedHardswish(nn.Module):
 
 
 def test_hardswish_runs_orts_kernel_with_pytorchs_gradient(tmp_path):
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = _ShiftedHardswish()
@@ -197,7 +197,7 @@ def test_hardswish_runs_orts_kernel_with_pytorchs_gradient(tmp_path):
 
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
     from artifacts import passes
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -222,7 +222,7 @@ def test_max_pool_gradient_without_indices_equals_orts_and_pytorchs(tmp_path, mo
     maxima, and bit for bit ORT's MaxPoolGrad over three AdamW steps; a pooling of an odd side
     (floor mode drops its last row) keeps ORT's kernels."""
     from artifacts import passes
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -21,8 +21,8 @@ from artifacts import (
     VerificationError,
     generate,
 )
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest, TensorSpec
-from ondevice.session import OrtTraining
 from tests.artifacts import models
 
 

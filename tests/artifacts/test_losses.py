@@ -17,7 +17,7 @@ from .parity import gradients_close_then_step
 def test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch(tmp_path, monkeypatch, reduction):
     from artifacts import passes
     from artifacts.passes.crossentropy import rewrite_cross_entropy
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 50))

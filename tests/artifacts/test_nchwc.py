@@ -14,8 +14,9 @@ from torch import nn
 from artifacts import generate
 from artifacts.passes.nchwc import NCHWC_DOMAIN
 from ondevice import ManifestError, Trainer
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest
-from ondevice.session import _NCHWC_PROBE, TRAINING_GRAPH, OrtTraining, nchwc_block_size
+from ondevice.session import _NCHWC_PROBE, TRAINING_GRAPH, nchwc_block_size
 
 
 def _separable(channels: int = 16) -> nn.Module:

@@ -209,7 +209,7 @@ def test_lookup_gradient_sums_repeated_ids_like_pytorch_on_two_threads(tmp_path)
     """ORT's GatherGrad (one lock per element) is rewritten to a ScatterElements add. Its sums
     over ids repeated thousands of times in a batch match PyTorch's autograd on 2 threads, where
     a ScatterND add loses updates (it splits the ids over threads without a lock)."""
-    from ondevice.session import OrtTraining
+    from ondevice.engines.classic import OrtTraining
 
     torch.manual_seed(0)
     model = _Bag()

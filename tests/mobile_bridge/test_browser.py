@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mobile_bridge import BundleError, keygen, make_bundle, verify_bundle
-from ondevice.session import OrtTraining
+from ondevice.engines.classic import OrtTraining
 
 pytestmark = pytest.mark.browser
 

@@ -10,7 +10,8 @@ import pytest
 from mobile_bridge import BundleError, SignatureError, keygen, load_trainer, make_bundle, verify_bundle
 from ondevice import Trainer, lr_at
 from ondevice.cli import main
-from ondevice.session import LOSS_SCALE, OrtTraining
+from ondevice.engines.classic import OrtTraining
+from ondevice.session import LOSS_SCALE
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import torch
 from artifacts.optimizers import AdamW, ReferenceOptimizer
 from ondevice import ConfigError, Predictor, Schedule, Trainer, lr_at
 from ondevice.data import check_data
+from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest
-from ondevice.session import OrtTraining
 
 
 def _subset(data, n):
