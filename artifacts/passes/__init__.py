@@ -213,6 +213,25 @@ REGISTRY: tuple[Pass, ...] = (
          "SigmoidGrad, TanhGrad and Scale are not in stock ORT",
          "dY * Y * (1 - Y), dY * (1 - Y * Y), and X * scale (or / scale): the kernels' formulas",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-slice-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("SliceGrad",)),
+         "SliceGrad is not in stock ORT",
+         "the gradient of a unit-step Slice is dY padded with zeros to the input's shape, the pads being the clamped "
+         "starts and dim - clamped ends (computed in the graph, so dynamic shapes work): the same values copied",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-batchnorm", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("BatchNormInternal", "BatchNormalizationGrad")),
+         "BatchNormInternal (training-mode BatchNorm with its saved statistics) and BatchNormalizationGrad are not "
+         "in stock ORT",
+         "batch mean and biased variance over every axis but the channels, inv_std = 1 / sqrt(var + eps); the "
+         "gradient dX = scale inv_std (dY - mean(dY) - x_hat mean(dY x_hat)), dscale = sum(dY x_hat), dbias = "
+         "sum(dY): the kernels' formulas, rounded in another order",
+         "tests/artifacts/test_portable.py::test_every_benchmark_model_trains_alike_on_both_engines"),
+    Pass("portable-conv-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("ConvGrad",)),
+         "ConvGrad (what the conv-grad pass leaves of it: the weight gradient) is not in stock ORT",
+         "dW is a convolution of the input with dY, the batch axis as channels and stride and dilation swapped, "
+         "cropped to the kernel (depthwise: a grouped convolution, one group per channel); dB sums dY: the same "
+         "products summed in another order",
+         "tests/artifacts/test_portable.py::test_every_benchmark_model_trains_alike_on_both_engines"),
 )  # fmt: skip
 
 

@@ -88,11 +88,32 @@ def _rename_inputs(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
 # -- node lowerings: each returns the replacement nodes (and adds constants to ``constants``) --------
 
 
+class _GraphFacts:
+    """What lowerings read about the whole graph: ranks (from ONNX shape inference), the values some
+    node reads, and constant initializers."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        graph = model.graph
+        self.constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.data_location != 1}
+        self.used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+        except Exception:  # noqa: BLE001 - ranks are a help; a lowering that needs one declines without
+            inferred = graph
+        values = [v for v in (*inferred.input, *inferred.value_info, *inferred.output)
+                  if v.type.tensor_type.HasField("shape")]  # fmt: skip
+        self.ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values}
+        self.dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                     for v in values}  # fmt: skip
+
+
 class _Builder:
     """Names and constants for one lowered node."""
 
-    def __init__(self, node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], opset: int) -> None:
+    def __init__(self, node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], opset: int,
+                 graph: _GraphFacts) -> None:  # fmt: skip
         self.node, self.constants, self.opset = node, constants, opset
+        self.ranks, self.dims, self.used, self._known = graph.ranks, graph.dims, graph.used, graph.constants
         self.prefix = (node.name or node.output[0]) + ".portable"
         self.nodes: list[onnx.NodeProto] = []
 
@@ -101,6 +122,13 @@ class _Builder:
         name = f"odt.portable.{array.dtype}.{'_'.join(map(str, array.shape))}.{array.tobytes().hex()}"
         self.constants.setdefault(name, numpy_helper.from_array(array, name))
         return name
+
+    def constant_value(self, name: str) -> np.ndarray:
+        if name in self.constants:
+            return numpy_helper.to_array(self.constants[name])
+        if name not in self._known:
+            raise _Unlowerable(f"{name!r} is not a constant")
+        return self._known[name]
 
     def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: object) -> str:
         out = out or f"{self.prefix}.{len(self.nodes)}.{op_type}"
@@ -213,6 +241,145 @@ def _reduce_all_l2(b: _Builder, shapes: dict[str, list[int]]) -> None:
     b.op("Sqrt", [b.op("Sum", squares)], b.node.output[0])
 
 
+def _slice_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # The gradient of a unit-step Slice is dY padded with zeros back to the input's shape:
+    # pads at each sliced axis are the clamped start and (dim - clamped end).
+    node = b.node
+    dy, shape, starts, ends = node.input[:4]
+    axes = node.input[4] if len(node.input) > 4 and node.input[4] else None
+    steps = node.input[5] if len(node.input) > 5 and node.input[5] else None
+    if steps is not None and not np.all(b.constant_value(steps) == 1):
+        raise _Unlowerable("SliceGrad with steps other than 1")
+    rank = b.op("Size", [shape])
+    if axes is None:
+        axes = b.op("Range", [b.const(np.array(0, np.int64)), b.op("Size", [starts]), b.const(np.array(1, np.int64))])
+    axes = b.op("Where", [b.op("Less", [axes, b.const(np.array(0, np.int64))]), b.op("Add", [axes, rank]), axes])
+    dims = b.op("Gather", [shape, axes])
+    zero = b.const(np.array(0, np.int64))
+
+    def clamp(index: str) -> str:
+        wrapped = b.op("Where", [b.op("Less", [index, zero]), b.op("Add", [index, dims]), index])
+        return b.op("Max", [b.op("Min", [wrapped, dims]), zero])
+
+    begin, end = clamp(starts), clamp(ends)
+    twice = b.op("Reshape", [b.op("Mul", [rank, b.const(np.array(2, np.int64))]), b.const(np.array([1], np.int64))])
+    pads = b.op("ConstantOfShape", [twice], value=numpy_helper.from_array(np.array([0], np.int64)))
+    where = b.op("Concat", [axes, b.op("Add", [axes, rank])], axis=0)
+    amounts = b.op("Concat", [begin, b.op("Sub", [dims, end])], axis=0)
+    b.op("Pad", [dy, b.op("ScatterElements", [pads, where, amounts])], node.output[0])
+
+
+def _channel_shape(b: _Builder, rank: int) -> str:
+    """[C] -> [C, 1, ...] for broadcasting over a rank-``rank`` NC... tensor."""
+    return b.const(np.array([-1] + [1] * (rank - 2), np.int64))
+
+
+def _batchnorm_internal(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # Training-mode BatchNorm: batch mean and biased variance over every axis but 1,
+    # inv_std = 1 / sqrt(var + eps), Y = (X - mean) inv_std scale + B; saved_mean and saved_inv_std as [C].
+    node = b.node
+    x, scale, bias = node.input[:3]
+    if _out(node, 1) in b.used or _out(node, 2) in b.used:
+        raise _Unlowerable("BatchNormInternal's running statistics are read")
+    rank = b.ranks.get(x)
+    if rank is None:
+        raise _Unlowerable(f"the rank of BatchNorm's input {x!r} is unknown")
+    axes = [0, *range(2, rank)]
+    eps = float(attributes(node).get("epsilon", 1e-5))
+    mean = b.reduce("ReduceMean", x, axes, 1)
+    centered = b.op("Sub", [x, mean])
+    variance = b.reduce("ReduceMean", b.op("Mul", [centered, centered]), axes, 1)
+    inv_std = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [variance, b.const(eps)])])])
+    channel = _channel_shape(b, rank)
+    normalized = b.op("Mul", [centered, inv_std])
+    scaled = b.op("Mul", [normalized, b.op("Reshape", [scale, channel])])
+    b.op("Add", [scaled, b.op("Reshape", [bias, channel])], node.output[0])
+    flat = b.const(np.array([-1], np.int64))
+    if _out(node, 3):
+        b.op("Reshape", [mean, flat], node.output[3])
+    if _out(node, 4):
+        b.op("Reshape", [inv_std, flat], node.output[4])
+
+
+def _batchnorm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # x_hat = (X - mean) inv_std; dbias = sum dY; dscale = sum dY x_hat (over every axis but 1);
+    # dX = scale inv_std (dY - mean(dY) - x_hat mean(dY x_hat))
+    node = b.node
+    dy, x, scale, mean, inv_std = node.input[:5]
+    rank = b.ranks.get(x)
+    if rank is None:
+        raise _Unlowerable(f"the rank of BatchNorm's input {x!r} is unknown")
+    axes = [0, *range(2, rank)]
+    channel = _channel_shape(b, rank)
+    inv = b.op("Reshape", [inv_std, channel])
+    x_hat = b.op("Mul", [b.op("Sub", [x, b.op("Reshape", [mean, channel])]), inv])
+    product = b.op("Mul", [dy, x_hat])
+    if _out(node, 0):
+        inner = b.op("Sub", [b.op("Sub", [dy, b.reduce("ReduceMean", dy, axes, 1)]),
+                             b.op("Mul", [x_hat, b.reduce("ReduceMean", product, axes, 1)])])  # fmt: skip
+        b.op("Mul", [inner, b.op("Mul", [b.op("Reshape", [scale, channel]), inv])], node.output[0])
+    if _out(node, 1):
+        b.reduce("ReduceSum", product, axes, 0, node.output[1])
+    if _out(node, 2):
+        b.reduce("ReduceSum", dy, axes, 0, node.output[2])
+
+
+def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # The weight gradient as a convolution of the input with dY, batch as channels:
+    # dW[o, c] = Conv(X^T[c], dY^T[o]) with stride and dilation swapped, cropped to the kernel
+    # (one group; a depthwise layer as a grouped convolution, one group per channel).
+    node = b.node
+    dy, x, w = node.input[:3]
+    a = attributes(node)
+    w_shape = shapes.get(w)
+    if w_shape is None or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        raise _Unlowerable("ConvGrad with an unknown kernel shape or auto_pad")
+    spatial = len(w_shape) - 2
+    group = int(a.get("group", 1))
+    depthwise = group > 1 and group == w_shape[0] and w_shape[1] == 1
+    if group != 1 and not depthwise:
+        raise _Unlowerable("a grouped convolution that is not depthwise")
+    strides = list(a.get("strides") or [1] * spatial)
+    dilations = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * 2 * spatial)
+    if _out(node, 0):
+        _conv_input_grad(b, w_shape, strides, dilations, pads, group)
+    swap = [1, 0, *range(2, spatial + 2)]
+    xt, gt = b.op("Transpose", [x], perm=swap), b.op("Transpose", [dy], perm=swap)
+    settings = {"strides": dilations, "dilations": strides, "pads": pads}
+    if depthwise:
+        folded = b.op("Reshape", [xt, b.const(np.array([1, -1] + [0] * spatial, np.int64))])
+        full = b.op("Conv", [folded, gt], group=group, **settings)
+        full = b.op("Reshape", [full, b.const(np.array([-1, 1] + [0] * spatial, np.int64))])
+    else:
+        full = b.op("Transpose", [b.op("Conv", [xt, gt], **settings)], perm=swap)
+    kernel = list(w_shape[2:])
+    cropped = [b.const(np.zeros(spatial, np.int64)), b.const(np.array(kernel, np.int64)),
+               b.const(np.arange(2, spatial + 2, dtype=np.int64))]  # fmt: skip
+    if _out(node, 1):
+        b.op("Slice", [full, *cropped], node.output[1])
+    if _out(node, 2):
+        b.reduce("ReduceSum", dy, [0, *range(2, spatial + 2)], 0, node.output[2])
+
+
+
+def _conv_input_grad(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int], pads: list[int],
+                     group: int) -> None:  # fmt: skip
+    # dX is the transposed convolution of dY with the same weight; output_padding restores the
+    # input's size (the rows a strided window never reached), which needs static spatial sizes.
+    dy, x, w = b.node.input[:3]
+    size = (b.dims.get(x) or [None])[2:]
+    if len(size) != len(strides) or any(s is None for s in size):
+        raise _Unlowerable(f"ConvGrad's input gradient needs the static spatial size of {x!r}")
+    kernel = w_shape[2:]
+    spatial = len(kernel)
+    reach = [dilations[i] * (kernel[i] - 1) + 1 for i in range(spatial)]
+    out = [(size[i] + pads[i] + pads[i + spatial] - reach[i]) // strides[i] + 1 for i in range(spatial)]
+    extra = [size[i] - ((out[i] - 1) * strides[i] + reach[i] - pads[i] - pads[i + spatial]) for i in range(spatial)]
+    b.op("ConvTranspose", [dy, w], b.node.output[0], strides=strides, dilations=dilations, pads=pads, group=group,
+         kernel_shape=kernel, output_padding=extra)  # fmt: skip
+
+
 class _Unlowerable(ValueError):
     pass
 
@@ -228,6 +395,10 @@ LOWERINGS: dict[str, Callable[[_Builder, dict[str, list[int]]], None]] = {
     "TanhGrad": _tanh_grad,
     "Scale": _scale,
     "ReduceAllL2": _reduce_all_l2,
+    "SliceGrad": _slice_grad,
+    "BatchNormInternal": _batchnorm_internal,
+    "BatchNormalizationGrad": _batchnorm_grad,
+    "ConvGrad": _conv_grad,
 }
 """ORT training operator (com.microsoft) -> the standard operators that compute it."""
 
@@ -236,6 +407,7 @@ def lower_operators(model: onnx.ModelProto, opset: int, only: tuple[str, ...] | 
     """Replace every operator in ``LOWERINGS`` (or those in ``only``) in place; returns the types replaced."""
     graph = model.graph
     shapes = _static_shapes(graph)
+    facts = _GraphFacts(model)
     constants: dict[str, onnx.TensorProto] = {}
     nodes, done = [], []
     for node in graph.node:
@@ -244,7 +416,7 @@ def lower_operators(model: onnx.ModelProto, opset: int, only: tuple[str, ...] | 
         if lowering is None:
             nodes.append(node)
             continue
-        builder = _Builder(node, constants, opset)
+        builder = _Builder(node, constants, opset, facts)
         try:
             lowering(builder, shapes)
         except _Unlowerable:
