@@ -10,6 +10,7 @@ loads ours back into the training build.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import flatbuffers
@@ -132,7 +133,7 @@ def read_checkpoint(data: bytes | bytearray | memoryview) -> CheckpointData:
         return out
     except CheckpointFormatError:
         raise
-    except (IndexError, ValueError, TypeError, KeyError, OverflowError) as exc:
+    except (IndexError, ValueError, TypeError, KeyError, OverflowError, struct.error) as exc:
         raise CheckpointFormatError(f"damaged checkpoint flatbuffer ({exc})") from None
 
 

@@ -1,0 +1,172 @@
+"""The engine contract: the classic and the portable engine train, save, resume and export alike."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ondevice import ConfigError, EngineError, OndeviceError, Predictor, Trainer
+from ondevice._checkpoint import read_header
+from ondevice._ort_checkpoint import CheckpointFormatError, read_checkpoint, write_checkpoint
+from ondevice.engines.classic import OrtTraining
+from ondevice.engines.portable import adamw_rates
+from ondevice.manifest import MANIFEST_NAME
+
+ENGINES = ("classic", "portable")
+
+
+def _part(data, start, stop):
+    return {k: v[start:stop] for k, v in data.items()}
+
+
+@pytest.fixture(scope="module")
+def clipped_artifacts(tmp_path_factory):
+    """Digits without dropout, AdamW with weight decay and gradient clipping that binds."""
+    import torch
+
+    from artifacts import AdamW, generate
+    from samples.digits.model import build
+
+    model = build()
+    model[2].p = 0.0
+    out = tmp_path_factory.mktemp("clipped") / "artifacts"
+    generate(model, {"input": torch.randn(32, 64)}, out, optimizer=AdamW(lr=3e-3, weight_decay=0.05, max_grad_norm=0.3))
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["clipped_artifacts", "digits_sgd"])
+def test_engines_fit_alike_with_accumulation_clipping_decay_and_sgd(fixture, request, digits_data):
+    directory = request.getfixturevalue(fixture)
+    train = _part(digits_data["train"], 0, 320)
+    results = {}
+    for engine in ENGINES:
+        trainer = Trainer.load(directory, engine=engine)
+        history = trainer.fit(train, epochs=2, batch_size=16, accumulate=2, progress=False)
+        results[engine] = ([e["loss"] for e in history.epochs], trainer.get_flat_weights(), trainer.step)
+    (classic_loss, classic_w, classic_steps), (portable_loss, portable_w, portable_steps) = results.values()
+    assert classic_steps == portable_steps == 20
+    np.testing.assert_allclose(portable_loss, classic_loss, rtol=1e-6)
+    np.testing.assert_allclose(portable_w, classic_w, atol=2e-6)
+
+
+def test_accumulated_micro_batches_equal_one_large_batch_on_the_portable_engine(digits_no_dropout, digits_data):
+    directory, _ = digits_no_dropout
+    batch = _part(digits_data["train"], 0, 32)
+    whole = Trainer.load(directory, engine="portable")
+    whole.fit(batch, epochs=1, batch_size=32, shuffle=False, progress=False)
+    parts = Trainer.load(directory, engine="portable")
+    parts.fit(batch, epochs=1, batch_size=8, accumulate=4, shuffle=False, progress=False)
+    assert whole.step == parts.step == 1
+    np.testing.assert_allclose(parts.get_flat_weights(), whole.get_flat_weights(), atol=1e-6)
+
+
+def test_adamw_rates_follow_orts_float32_formula():
+    lr, corrected, decay = adamw_rates(1e-3, 3, (0.9, 0.999), 0.01)
+    one = np.float32(1)
+    alpha = one - np.float32(np.float64(np.float32(0.9)) ** 3)
+    beta = one - np.float32(np.float64(np.float32(0.999)) ** 3)
+    assert corrected == float(np.float32(1e-3) * (np.sqrt(beta) / alpha))
+    assert decay == float(np.float32(1e-3) * np.float32(0.01)) and lr == float(np.float32(1e-3))
+
+
+@pytest.mark.parametrize("first, second", [("classic", "portable"), ("portable", "classic")])
+def test_a_checkpoint_crosses_engines_bit_for_bit(first, second, clipped_artifacts, digits_data, tmp_path):
+    train = _part(digits_data["train"], 0, 96)
+    trainer = Trainer.load(clipped_artifacts, engine=first)
+    trainer.fit(train, epochs=1, batch_size=32, progress=False, checkpoint=tmp_path / "a.ckpt")
+    assert read_header(tmp_path / "a.ckpt")["engine"] == first
+    resumed = Trainer.load(clipped_artifacts, engine=second, checkpoint=tmp_path / "a.ckpt")
+    assert (resumed.engine, resumed.epoch, resumed.step) == (second, 1, 3)
+    resumed.save(tmp_path / "b.ckpt")
+    saved = [read_checkpoint(_payload(tmp_path / name)) for name in ("a.ckpt", "b.ckpt")]
+    for name, value in saved[0].trainable.items():
+        assert np.array_equal(saved[1].trainable[name], value), name
+        for a, b in zip(saved[0].momentums[name], saved[1].momentums[name], strict=True):
+            assert np.array_equal(a, b), name
+    assert saved[0].step == saved[1].step == 3
+    assert {k: v for k, v in saved[1].properties.items() if k != "odt.engine"} == saved[0].properties
+    # and both continue with the same step
+    again = Trainer.load(clipped_artifacts, engine=first, checkpoint=tmp_path / "a.ckpt")
+    batch = _part(train, 0, 32)
+    assert resumed.train_step(batch).loss == pytest.approx(again.train_step(batch).loss, rel=1e-6)
+    np.testing.assert_allclose(resumed.get_flat_weights(), again.get_flat_weights(), atol=1e-7)
+
+
+def _payload(path):
+    header = read_header(path)
+    return path.read_bytes()[header["payload_offset"] :]
+
+
+def test_orts_checkpoint_format_round_trips_through_the_portable_writer(clipped_artifacts, digits_data, tmp_path):
+    trainer = Trainer.load(clipped_artifacts, engine="classic")
+    trainer.fit(_part(digits_data["train"], 0, 64), epochs=1, batch_size=32, progress=False)
+    trainer.save(tmp_path / "c.ckpt")
+    original = _payload(tmp_path / "c.ckpt")  # written by ORT's own SaveCheckpoint
+    parsed = read_checkpoint(original)
+    rewritten = write_checkpoint(parsed)
+    again = read_checkpoint(rewritten)
+    assert again.properties == parsed.properties and again.step == parsed.step == 2
+    (tmp_path / "raw").write_bytes(rewritten)
+    loaded = OrtTraining(clipped_artifacts, checkpoint=tmp_path / "raw")  # ORT's own reader takes ours
+    for name in parsed.trainable:
+        assert np.array_equal(again.trainable[name], parsed.trainable[name])
+        assert np.array_equal(loaded.get_parameter(name), parsed.trainable[name])
+        assert all(np.array_equal(a, b) for a, b in zip(again.momentums[name], parsed.momentums[name], strict=True))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[:20],  # truncated inside the root table
+        lambda raw: raw[:4] + b"NOPE" + raw[8:],  # another file identifier
+        lambda raw: raw[: len(raw) // 2],  # half a file
+        lambda raw: b"\xff" * 64,  # garbage
+    ],
+)
+def test_a_damaged_flatbuffer_is_a_typed_error(damage, digits_artifacts):
+    raw = (digits_artifacts / "checkpoint").read_bytes()
+    with pytest.raises(CheckpointFormatError):
+        read_checkpoint(damage(raw))
+
+
+def test_engine_choice_is_checked_and_explained(digits_artifacts, tmp_path):
+    with pytest.raises(ConfigError, match="engine must be one of auto, classic, portable"):
+        Trainer.load(digits_artifacts, engine="gpu")
+    old = tmp_path / "old"
+    shutil.copytree(digits_artifacts, old)
+    data = json.loads((old / MANIFEST_NAME).read_text())
+    for name in data.pop("portable").values():
+        data["files"].pop(name)
+        (old / name).unlink()
+    (old / MANIFEST_NAME).write_text(json.dumps(data))  # as artifacts made before the portable engine
+    with pytest.raises(EngineError, match="no portable graphs .generated before the portable engine.*odt generate"):
+        Trainer.load(old, engine="portable")
+    assert Trainer.load(old).engine == "classic"  # auto: this environment has the training build
+
+
+def test_a_checkpoint_the_portable_engine_cannot_parse_is_a_checkpoint_error(digits_artifacts, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(digits_artifacts, broken)
+    data = json.loads((broken / MANIFEST_NAME).read_text())
+    (broken / "checkpoint").write_bytes(b"\x00" * 32)
+    from ondevice.files import sha256_file
+
+    data["files"]["checkpoint"] = sha256_file(broken / "checkpoint")
+    (broken / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(OndeviceError, match="cannot load the artifacts in .*not an ONNX Runtime training checkpoint"):
+        Trainer.load(broken, engine="portable")
+
+
+def test_exports_of_both_engines_predict_alike(digits_no_dropout, digits_data, tmp_path):
+    directory, _ = digits_no_dropout
+    test = _part(digits_data["test"], 0, 50)
+    predictions = {}
+    for engine in ENGINES:
+        trainer = Trainer.load(directory, engine=engine)
+        trainer.fit(_part(digits_data["train"], 0, 64), epochs=1, batch_size=32, progress=False)
+        trainer.export(tmp_path / f"{engine}.onnx")
+        predictions[engine] = Predictor(tmp_path / f"{engine}.onnx").predict({"input": test["input"]})["output"]
+    np.testing.assert_allclose(predictions["portable"], predictions["classic"], atol=1e-5)
