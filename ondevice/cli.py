@@ -112,6 +112,16 @@ def _unavailable(commands: argparse._SubParsersAction, name: str, exc: ImportErr
     parser.set_defaults(run=run)
 
 
+def _engine_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "classic", "portable"],
+        default="auto",
+        help="what trains: classic (onnxruntime-training 1.19.2) or portable (any stock onnxruntime; the artifacts' "
+        "portable graphs) (default auto: classic where the training build is installed, else portable)",
+    )
+
+
 def register_inspect(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("inspect", help="describe an artifact directory (no torch needed)")
     parser.add_argument("directory", help="artifact directory made by `odt generate`")
@@ -182,6 +192,7 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         "nothing is saved",
     )
     p.add_argument("--json", action="store_true", help="print the history (or the --lr-find curve) as JSON")
+    _engine_option(p)
     p.set_defaults(run=_run_train)
 
 
@@ -199,6 +210,7 @@ def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"evaluate CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.add_argument("--batch-size", type=int, default=256, help="default 256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    _engine_option(p)
     p.set_defaults(run=_run_evaluate)
 
 
@@ -217,6 +229,7 @@ def register_export(commands: argparse._SubParsersAction) -> None:
         "(default: from --out's suffix, .onnx or .safetensors)",
     )
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"export CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
+    _engine_option(p)
     p.set_defaults(run=_run_export)
 
 
@@ -237,6 +250,7 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
                    "artifact directory (default: the manifest and tokenizer inside the file)")  # fmt: skip
     p.add_argument("--out", help="also write every output to this .npz (default: print only)")
     p.add_argument("--json", action="store_true", help="print every output as JSON")
+    _engine_option(p)
     p.set_defaults(run=_run_predict)
 
 
@@ -257,7 +271,7 @@ def _run_predict(args: argparse.Namespace) -> int:
         directory = args.model
         data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
         with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
-            trainer, note = _load_trained(args.model, args.checkpoint)
+            trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
             manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
             outputs = Predictor(model, manifest).predict(data, progress=not args.json)
     if args.out:
@@ -317,7 +331,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
     # Without --val nothing evaluates: the eval graph's session is not loaded (less memory on a device).
-    options = {"threads": args.threads, "lean_memory": args.lean_memory, "evaluation": bool(args.val)}
+    options = {"threads": args.threads, "lean_memory": args.lean_memory, "evaluation": bool(args.val),
+               "engine": args.engine}  # fmt: skip
     trainer = (
         _load_checkpoint(args.directory, Path(_checkpoint_file(args.checkpoint)), **options)
         if args.resume
@@ -355,10 +370,12 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"warning: no --checkpoint given; the trained model is in {_checkpoint_file(args.checkpoint)}",
               file=sys.stderr)  # fmt: skip
     if args.json:
-        print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps}, indent=2))
+        print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps, "engine": trainer.engine,
+                          "onnxruntime": trainer.ort_version}, indent=2))  # fmt: skip
     else:
         for row in history.epochs:
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        print(f"engine: {trainer.engine} (ONNX Runtime {trainer.ort_version})")
         print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
     return 0
 
@@ -399,7 +416,7 @@ def _load_checkpoint(directory: str, checkpoint: Path, **options: Any):  # type:
     return Trainer.load(directory, checkpoint=previous, **options)
 
 
-def _load_trained(directory: str, checkpoint_dir: str | None):  # type: ignore[no-untyped-def]
+def _load_trained(directory: str, checkpoint_dir: str | None, engine: str = "auto"):  # type: ignore[no-untyped-def]
     """(trainer, note): the weights a user means: --checkpoint's, else the checkpoint `odt train DIRECTORY`
     saves by default (./NAME.ckpt/) when it belongs to these artifacts, else the initial weights. The note
     says which, for stderr once the command has succeeded (an error stays the only line)."""
@@ -409,18 +426,19 @@ def _load_trained(directory: str, checkpoint_dir: str | None):  # type: ignore[n
     from .trainer import Trainer
 
     if checkpoint_dir is not None:
-        return _load_checkpoint(directory, Path(_checkpoint_file(checkpoint_dir))), ""
+        return _load_checkpoint(directory, Path(_checkpoint_file(checkpoint_dir)), engine=engine), ""
     default = Path(_checkpoint_file(_default_checkpoint_dir(directory)))
     found = next((p for p in (default, previous_of(default)) if p.is_file()), None)
     untrained = "these are the untrained initial weights. Pass --checkpoint CKPT_DIR for trained ones."
     if found is None:
-        return Trainer.load(directory), f"warning: no --checkpoint given and none at {default}: {untrained}"
+        note = f"warning: no --checkpoint given and none at {default}: {untrained}"
+        return Trainer.load(directory, engine=engine), note
     try:
         read_header(found, sha256_file(Path(directory) / MANIFEST_NAME), verify=False)
     except (CheckpointError, OSError) as exc:
-        return Trainer.load(directory), f"warning: not using {found}: {exc} So {untrained}"
+        return Trainer.load(directory, engine=engine), f"warning: not using {found}: {exc} So {untrained}"
     note = f"note: the weights of {default.parent}/, where `odt train {directory}` saves (--checkpoint chooses)."
-    return _load_checkpoint(directory, default), note
+    return _load_checkpoint(directory, default, engine=engine), note
 
 
 def _default_checkpoint_dir(directory: str) -> str:
@@ -439,7 +457,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                                     batch_size=args.batch_size)  # fmt: skip
         print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return 0
-    trainer, note = _load_trained(args.directory, args.checkpoint)
+    trainer, note = _load_trained(args.directory, args.checkpoint, args.engine)
     metrics = trainer.evaluate(load_data(args.data, args.directory), batch_size=args.batch_size,
                                progress=not args.json)  # fmt: skip
     print(json.dumps(metrics) if args.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -455,7 +473,7 @@ def _run_export(args: argparse.Namespace) -> int:
     if kind is None:
         raise ConfigError(f"--out {args.out!r} ends in neither .onnx nor .safetensors: pass --format onnx, "
                           "safetensors, or peft or hf (folders).")  # fmt: skip
-    trainer, note = _load_trained(args.directory, args.checkpoint)
+    trainer, note = _load_trained(args.directory, args.checkpoint, args.engine)
     if kind == "onnx":
         print(f"inference model: {trainer.export(args.out)}")
     elif kind == "safetensors":

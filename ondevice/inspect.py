@@ -33,6 +33,8 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "loss": {"kind": manifest.loss.kind, **manifest.loss.options},
         "optimizer": {"kind": manifest.optimizer.kind, "lr": manifest.optimizer.lr, **manifest.optimizer.options},
         "versions": dict(manifest.versions),
+        "engines": {"carried": list(manifest.engines), "installed": list(_installed()), "runs": _runs(manifest),
+                    "portable": manifest.portable},  # fmt: skip
         "files": {name: (Path(directory) / name).stat().st_size for name in manifest.files},
         "labels": list(manifest.labels),
         "tokenizer": None
@@ -64,6 +66,24 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "note": verification.note,
         },
     }
+
+
+def _installed() -> tuple[str, ...]:
+    from .engines import installed_engines
+
+    return installed_engines()
+
+
+def _runs(manifest: Manifest) -> str | None:
+    """The engine `auto` picks here (with the ONNX Runtime version), or None when none can run."""
+    from .engines import resolve
+    from .errors import EngineError
+    from .session import ORT_VERSION
+
+    try:
+        return f"{resolve('auto', manifest)} (onnxruntime {ORT_VERSION})"
+    except EngineError:
+        return None
 
 
 def _rank(manifest: Manifest, adapter: Any) -> int:
@@ -99,6 +119,9 @@ def describe(summary: dict[str, Any]) -> str:
         f"loss:     {summary['loss']['kind']} ({options(summary['loss'])})",
         f"optimizer: {summary['optimizer']['kind']} ({options(summary['optimizer'])})",
         "versions: " + ", ".join(f"{k} {val}" for k, val in summary["versions"].items()),
+        f"engines:  {', '.join(summary['engines']['carried'])}; here: {summary['engines']['runs'] or 'none'}"
+        + ("" if "portable" in summary["engines"]["carried"] else
+           f" (no portable graphs: {(summary['engines']['portable'] or {}).get('unsupported', 'made before them')})"),
         "files:    " + ", ".join(f"{n} {size / 1024:.1f} KiB" for n, size in summary["files"].items()),
         f"verified: {verdict}",
     ]

@@ -27,7 +27,36 @@ class _NoTorch(importlib.abc.MetaPathFinder):
         return None
 
 
+_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-training", "onnxruntime-training-cpu")
+
+
+def _check_distributions() -> None:
+    """One ONNX Runtime distribution, or a typed error that says how to repair the environment."""
+    from importlib import metadata
+
+    from .errors import EngineError
+
+    found = []
+    for name in _DISTRIBUTIONS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    if not found:
+        raise EngineError(
+            "no ONNX Runtime is installed. Install the device runtime with "
+            "pip install 'ondevice-training[device]' (stock onnxruntime, every platform), or "
+            "'ondevice-training[classic]' for the training build (Linux x86_64, Python 3.11)."
+        )
+    if len(found) > 1:
+        raise EngineError(
+            f"two ONNX Runtime distributions are installed ({', '.join(found)}); they share the onnxruntime package "
+            "and overwrite each other. Uninstall all of them, then install one: ondevice-training[device] or [classic]."
+        )
+
+
 def _import_onnxruntime():  # type: ignore[no-untyped-def]
+    _check_distributions()
     if "onnxruntime" in sys.modules or "torch" in sys.modules:
         import onnxruntime
 

@@ -61,3 +61,23 @@ def digits_sgd(tmp_path_factory) -> Path:
     from artifacts import SGD
 
     return _generate(tmp_path_factory, "digits-sgd", dropout=False, optimizer=SGD(lr=0.05))[0]
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a clean copy of the tracked sources (plus the vendored web files)."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = tmp_path_factory.mktemp("source")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in [*tracked.split(), *(str(p.relative_to(ROOT)) for p in (ROOT / "mobile_bridge/web/ort").iterdir())]:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".", "-w",
+                    str(out)], cwd=source, check=True, capture_output=True)  # fmt: skip
+    (found,) = out.glob("ondevice_training-*.whl")
+    return found

@@ -1,10 +1,12 @@
 """Users install the package, not this clone: build the wheel, install it into fresh virtual
 environments OUTSIDE the repository, and run the digits flow from an empty directory.
 
-- device only (no extra): torch never needed; train/evaluate/export/predict on shipped artifacts;
-  `odt generate` says which extra it needs;
+- the device install (``[device]``: stock onnxruntime, the portable engine): torch never needed;
+  train/evaluate/export/predict on the artifacts the workstation made, `odt generate` says which
+  extra it needs;
 - the same environment plus ``[federated]``: a Flower simulation writes its report and plot;
-- ``[all]``: generate, train, evaluate, export, predict, fl simulate, keygen, bundle, and
+- ``[all]`` (the training build, the classic engine): generate, train, evaluate, export, predict,
+  fl simulate, keygen, bundle, and
   `bridge serve` answering ``/web/`` with the browser client and the onnxruntime-web files.
 Versions come from requirements/lock.txt (as constraints), like `make`.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -51,22 +52,6 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float = 60
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built from a clean copy of the tracked sources (plus the vendored web files)."""
-    source = tmp_path_factory.mktemp("source")
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for name in [*tracked.split(), *(str(p.relative_to(ROOT)) for p in (ROOT / "mobile_bridge/web/ort").iterdir())]:
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".", "-w", str(out)],
-         source, dict(os.environ))  # fmt: skip
-    (found,) = out.glob("ondevice_training-*.whl")
-    return found
 
 
 def _venv(path: Path, wheel: Path, extra: str) -> tuple[Path, dict[str, str]]:
@@ -126,11 +111,13 @@ def test_all_extra_runs_the_digits_flow_from_an_empty_directory(wheel, tmp_path)
         server.terminate()
         server.wait(timeout=30)
 
-    # the device side alone: no torch, every device command works on the artifacts made above
-    device_bin, device_env = _venv(tmp_path / "device", wheel, "")
+    # the device side alone: stock onnxruntime, no torch, every device command works on the artifacts made above
+    device_bin, device_env = _venv(tmp_path / "device", wheel, "[device]")
     device = str(device_bin / "odt")
     code = "import sys, ondevice; ondevice.Trainer; assert 'torch' not in sys.modules and 'flwr' not in sys.modules"
     _run([str(device_bin / "python"), "-c", code], work, device_env)
+    engines = json.loads(_run([device, "inspect", "art", "--json"], work, device_env))["engines"]
+    assert engines["installed"] == ["portable"] and engines["runs"].startswith("portable (onnxruntime 1.3"), engines
     _run([device, "train", "art", "--data", "data/train.npz", "--epochs", "1", "--checkpoint", "dev"], work,
          device_env)  # fmt: skip
     _run([device, "predict", "art", "--checkpoint", "dev", "--data", "data/test.npz", "--out", "p.npz"], work,
