@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test check bench clean chromium wheel nextword
+.PHONY: demo test check bench clean chromium arm64 wheel nextword
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,9 +45,30 @@ chromium:
 	    exit 1; \
 	  fi; }
 
-# Everything CI runs: lint, every test (real Flower processes, headless Chromium, wheel installs, the docs
-# site built with --strict), and the 15 slowest tests listed at the end.
-test: $(STAMP) $(WEB_STAMP) chromium
+# The arm64 test runs Debian arm64 under qemu-user: Debian's qemu-user-static and debootstrap, and the kernel's
+# binfmt_misc handler for aarch64 (set up here when running as root, else one line saying how).
+arm64:
+	@{ command -v qemu-aarch64-static >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's qemu-user-static and debootstrap for the arm64 test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static debootstrap \
+	      binfmt-support >/dev/null; \
+	  else \
+	    echo "make test needs arm64 emulation: run 'sudo apt-get install -y qemu-user-static debootstrap binfmt-support', then make test again" >&2; \
+	    exit 1; \
+	  fi; }
+	@[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    [ -e /proc/sys/fs/binfmt_misc/register ] || mount binfmt_misc -t binfmt_misc /proc/sys/fs/binfmt_misc; \
+	    update-binfmts --enable qemu-aarch64; \
+	  else \
+	    echo "make test needs the aarch64 binfmt handler: run 'sudo update-binfmts --enable qemu-aarch64', then make test again" >&2; \
+	    exit 1; \
+	  fi; }
+
+# Everything CI runs: lint, every test (real Flower processes, headless Chromium, wheel installs on other
+# Pythons and on arm64 under emulation, the docs site built with --strict), and the 15 slowest tests listed.
+test: $(STAMP) $(WEB_STAMP) chromium arm64
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
 	$(PY) -m pytest -q --durations=15
 

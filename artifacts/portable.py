@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 
 from ondevice.engines.contract import PORTABLE_OPTIMIZER, PORTABLE_TRAINING
@@ -53,6 +54,7 @@ def write_portable(
         log.warning("no portable engine for these artifacts: %s; they train on the classic engine only", reason)
         return {"unsupported": reason}
     onnx.save(model, work / PORTABLE_TRAINING)
-    update = build_optimizer_graph(optimizer, trainable, max(opset, 13), model.ir_version)
+    size = sum(int(np.prod(shape)) for _, shape in trainable)
+    update = build_optimizer_graph(optimizer, size, max(opset, 13), model.ir_version)
     onnx.save(update, work / PORTABLE_OPTIMIZER)
     return {"training": PORTABLE_TRAINING, "optimizer": PORTABLE_OPTIMIZER}

@@ -21,9 +21,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ondevice.engines.contract import gradient_output
+
 from ._nodes import attributes
 
-__all__ = ["LOWERINGS", "lower_accumulators", "lower_operators", "unportable", "gradient_output", "RUNS_ON_STOCK"]
+__all__ = ["LOWERINGS", "lower_accumulators", "lower_operators", "unportable", "RUNS_ON_STOCK"]
 
 ACCUMULATOR = "InPlaceAccumulatorV2"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
@@ -34,11 +36,6 @@ RUNS_ON_STOCK = {
     "com.microsoft.nchwc": set(),  # x86 only: the variant graphs, never the portable one
 }
 """Contrib operators with CPU kernels in stock ONNX Runtime (standard-domain operators always qualify)."""
-
-
-def gradient_output(parameter: str) -> str:
-    """The portable training graph's output that carries ``parameter``'s gradient of one step."""
-    return f"{parameter}_grad"
 
 
 def lower_accumulators(model: onnx.ModelProto) -> list[str]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PORTABLE_TRAINING", "PORTABLE_OPTIMIZER", "OPTIMIZER_INPUTS", "state_names"]
+__all__ = ["PORTABLE_TRAINING", "PORTABLE_OPTIMIZER", "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED",
+           "gradient_output"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
 """The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
@@ -10,13 +11,13 @@ PORTABLE_OPTIMIZER = "optimizer_model.portable.onnx"
 """The optimizer update as a standard graph (``artifacts/portable_optimizer.py``)."""
 OPTIMIZER_INPUTS = ("odt.lr", "odt.lr_corrected", "odt.lr_decay")
 """The optimizer graph's scalar inputs: the learning rate, AdamW's bias-corrected rate, rate x weight decay."""
+OPTIMIZER_STATE = ("odt.parameters", "odt.gradients", "odt.momentum0", "odt.momentum1")
+"""The optimizer graph's tensor inputs: every trainable parameter, gradient and moment as one flat float32
+vector each, in the manifest's order (the flat buffer's): one update of a few long element-wise passes."""
+OPTIMIZER_UPDATED = ("odt.parameters.updated", "odt.momentum0.updated", "odt.momentum1.updated")
+"""Its outputs (SGD: the parameters only), which the engine binds onto the inputs' buffers."""
 
 
-def state_names(parameter: str) -> dict[str, object]:
-    """The optimizer graph's tensor names for one parameter: value, gradient, moments, updated values."""
-    return {
-        "value": parameter,
-        "grad": f"{parameter}_grad",
-        "moments": (f"{parameter}.momentum0", f"{parameter}.momentum1"),
-        "updated": (f"{parameter}.updated", f"{parameter}.momentum0.updated", f"{parameter}.momentum1.updated"),
-    }
+def gradient_output(parameter: str) -> str:
+    """The portable training graph's output that carries ``parameter``'s gradient of one step."""
+    return f"{parameter}_grad"

@@ -1,0 +1,219 @@
+"""`python -m benchmarks.engines`: the portable engine on the newest stock onnxruntime beside the classic
+engine (onnxruntime-training 1.19.2) and PyTorch eager, on every benchmark model.
+
+The two ONNX Runtimes cannot share a process (or an environment): each side is a worker process, the
+portable one in its own virtual environment (``.venv-stock``, made from requirements/device-lock.txt
+on first use). The workers take turns: one block of steps each, in rotation, so all three see the same
+phases of the machine; a row's speed is the median over blocks of the per-block ratio. Each worker
+then reports its load time and its peak RSS (VmHWM: load, warm-up and every step).
+Writes benchmarks/results/engines.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._machine import machine
+from .compare import _batches
+from .models import cases
+
+ROOT = Path(__file__).resolve().parents[1]
+STOCK = ROOT / ".venv-stock"
+RESULTS = ROOT / "benchmarks" / "results"
+
+WORKER = r"""
+import json, sys, time
+import numpy as np
+kind, directory, data, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+batches = [dict(np.load(f"{data}/{i}.npz")) for i in range(int(sys.argv[5]))]
+start = time.perf_counter()
+if kind == "torch":
+    import torch
+    from benchmarks.compare import HFAdamW
+    from benchmarks.models import cases
+    torch.set_num_threads(threads)
+    case = next(c for c in cases() if c.name == sys.argv[6])
+    model = case.torch_model().train()
+    trainable = set(json.loads(sys.argv[7]))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
+    optimizer = HFAdamW([p for p in model.parameters() if p.requires_grad])
+    batches = [([torch.from_numpy(v) for k, v in b.items() if k != "labels"], torch.from_numpy(b["labels"]))
+               for b in batches]
+    def step(batch):
+        loss = torch.nn.functional.cross_entropy(model(*batch[0]), batch[1])
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+else:
+    from ondevice import Trainer
+    trainer = Trainer.load(directory, engine=kind, threads=threads)
+    step = trainer.train_step
+load_s = time.perf_counter() - start
+for i in range(3):
+    step(batches[i % len(batches)])
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.strip() == "quit":
+        break
+    n, offset = map(int, line.split())
+    t = time.perf_counter()
+    for i in range(n):
+        step(batches[(offset + i) % len(batches)])
+    print((time.perf_counter() - t) / n, flush=True)
+rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+print(json.dumps({"load_s": load_s, "peak_rss": rss}), flush=True)
+"""
+
+
+def stock_python() -> Path:
+    """The Python of ``.venv-stock`` (stock onnxruntime from the device lock), made on first use."""
+    python = STOCK / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(STOCK)], check=True)
+        lock = ROOT / "requirements" / "device-lock.txt"
+        packages = [line.split("==")[0] for line in lock.read_text().splitlines() if "==" in line]
+        subprocess.run([str(STOCK / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "-c", str(lock),
+                        *packages], check=True)  # fmt: skip
+    return python
+
+
+class Worker:
+    def __init__(self, python: Path, kind: str, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.process = subprocess.Popen([str(python), "-c", WORKER, kind, *args], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
+        assert self._line() == "ready", f"{kind} worker did not start"
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def block(self, steps: int, offset: int) -> float:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{steps} {offset}\n")
+        self.process.stdin.flush()
+        return float(self._line())
+
+    def finish(self) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write("quit\n")
+        self.process.stdin.flush()
+        report = json.loads(self._line())
+        self.process.wait(timeout=120)
+        return report
+
+
+def measure(case: Any, work: Path, threads: int, blocks: int) -> dict[str, Any]:
+    from artifacts import AdamW, Lora, generate
+
+    directory = work / "artifacts"
+    lora = Lora(**case.lora) if case.lora else None
+    manifest = generate(case.build(), case.inputs(case.batch), directory, trainable=case.trainable,
+                        optimizer=AdamW(), lora=lora, force=True, verify=False)  # fmt: skip
+    data = work / "batches"
+    data.mkdir(exist_ok=True)
+    batches = _batches(case, 4)
+    for i, batch in enumerate(batches):
+        np.savez(data / f"{i}.npz", **batch)
+    common = [str(directory), str(data), str(threads), str(len(batches))]
+    trainable = json.dumps([p.name for p in manifest.trainable])
+    workers = {
+        "torch": Worker(Path(sys.executable), "torch", [*common, case.name, trainable]),
+        "classic": Worker(Path(sys.executable), "classic", common),
+        "portable": Worker(stock_python(), "portable", common),
+    }
+    times: dict[str, list[float]] = {name: [] for name in workers}
+    order = list(workers)
+    for index in range(blocks):
+        for name in order[index % 3 :] + order[: index % 3]:  # rotate who goes first
+            times[name].append(workers[name].block(case.steps, index * case.steps))
+    reports = {name: worker.finish() for name, worker in workers.items()}
+    median = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "model": case.name,
+        "batch": case.batch,
+        "blocks": blocks,
+        "steps_per_block": case.steps,
+        "step_ms": {name: 1e3 * value for name, value in median.items()},
+        "portable_vs_classic": statistics.median(c / p for c, p in zip(times["classic"], times["portable"])),
+        "portable_vs_torch": statistics.median(t / p for t, p in zip(times["torch"], times["portable"])),
+        "classic_vs_torch": statistics.median(t / c for t, c in zip(times["torch"], times["classic"])),
+        "load_s": {name: r["load_s"] for name, r in reports.items()},
+        "peak_rss_mib": {name: r["peak_rss"] / 2**20 for name, r in reports.items()},
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Engines: portable (stock onnxruntime) beside classic (onnxruntime-training) and PyTorch",
+        "",
+        f"Machine: {result['machine']['cpu']} ({result['machine']['cores']} cores). Threads: {result['threads']}. "
+        f"Portable engine on onnxruntime {result['versions']['portable']}; classic on onnxruntime-training "
+        f"{result['versions']['classic']}; torch {result['versions']['torch']}.",
+        "Speed columns are medians of per-block ratios (>1: the first is faster), the three workers "
+        "taking turns block by block. Peak RSS is each worker process's VmHWM.",
+        "",
+        "| model | batch | portable ms | classic ms | PyTorch ms | portable vs classic | portable vs PyTorch "
+        "| classic vs PyTorch | peak RSS MiB portable / classic / PyTorch | load s portable / classic |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in result["rows"]:
+        ms, rss, load = row["step_ms"], row["peak_rss_mib"], row["load_s"]
+        lines.append(
+            f"| {row['model']} | {row['batch']} | {ms['portable']:.2f} | {ms['classic']:.2f} | {ms['torch']:.2f} "
+            f"| {row['portable_vs_classic']:.2f}x | {row['portable_vs_torch']:.2f}x | {row['classic_vs_torch']:.2f}x "
+            f"| {rss['portable']:.0f} / {rss['classic']:.0f} / {rss['torch']:.0f} "
+            f"| {load['portable']:.2f} / {load['classic']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated substrings of model names (default: all)")
+    parser.add_argument("--blocks", type=int, default=7, help="blocks per worker (default 7)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS), help="directory for engines.json/.md")
+    args = parser.parse_args(argv)
+    import tempfile
+
+    import onnxruntime
+    import torch
+
+    wanted = [w for w in args.only.split(",") if w]
+    rows = []
+    portable_version = subprocess.run([str(stock_python()), "-c", "import onnxruntime; print(onnxruntime.__version__)"],
+                                      capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    for case in cases():
+        if wanted and not any(w in case.name for w in wanted):
+            continue
+        with tempfile.TemporaryDirectory(prefix="odt-engines-") as tmp:
+            started = time.perf_counter()
+            rows.append(measure(case, Path(tmp), args.threads, args.blocks))
+            print(f"{case.name}: portable vs classic {rows[-1]['portable_vs_classic']:.2f}x "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    result = {
+        "machine": machine(),
+        "threads": args.threads,
+        "versions": {"portable": portable_version, "classic": onnxruntime.__version__, "torch": torch.__version__},
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engines.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "engines.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
