@@ -119,7 +119,8 @@ ARM64_PLATFORMS = ["--platform", "manylinux_2_28_aarch64", "--platform", "manyli
 def _chroot(root: Path, command: str, timeout: float = 1800) -> str:
     # /proc and /sys stay unmounted: with the host's /sys, `import onnxruntime` segfaults under qemu
     env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
-    result = subprocess.run(["chroot", str(root), "/bin/sh", "-c", command], capture_output=True, text=True,
+    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
+    result = subprocess.run([chroot, str(root), "/bin/sh", "-c", command], capture_output=True, text=True,
                             timeout=timeout, env=env)  # fmt: skip
     assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     return result.stdout
@@ -129,9 +130,9 @@ def _arm64_root(where: Path) -> Path:
     """Unpack the cached arm64 root into ``where`` (building the cache first when it is absent)."""
     root = where / "root"
     if not ARM64_ROOT_CACHE.is_file():
-        subprocess.run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv",
-                        "bookworm", str(root), "http://deb.debian.org/debian"], check=True, capture_output=True,
-                       timeout=3600)  # fmt: skip
+        debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
+        subprocess.run([debootstrap, "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
+                        str(root), "http://deb.debian.org/debian"], check=True, capture_output=True, timeout=3600)
         # the packages come from the host's pip (emulated pip would resolve for minutes, through TLS it
         # cannot verify), and install offline inside
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--only-binary",
