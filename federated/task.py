@@ -47,9 +47,13 @@ def file_signature(path: str | Path) -> tuple[tuple[str, int, int, int], ...]:
     return tuple((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats)
 
 
-def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_evaluation: bool = False) -> Trainer:
+def node_trainer(
+    artifacts: str, expected_sha256: str, tiers: str = "", *, for_evaluation: bool = False, engine: str = "auto"
+) -> Trainer:
     """A trainer over the node's artifacts (every file hash checked when loaded), refused when
     they are not the server's (or, in a mixed-tier run, not one of the comma-separated ``tiers``).
+    ``engine`` is the node's (its node config's ``engine``: auto, classic or portable): nodes of one
+    run may train on different engines.
 
     Training gets a fresh trainer per task (a round starts from fresh optimizer moments, and ORT
     cannot reset them), loaded without the eval graph it never runs; evaluation, which never
@@ -57,12 +61,12 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
     unchanged on disk, reset to its loaded state.
     """
     if for_evaluation:
-        trainer, initial = _evaluation_trainer(artifacts, file_signature(artifacts))
+        trainer, initial = _evaluation_trainer(artifacts, file_signature(artifacts), engine)
         trainer.set_weights(initial[0])
         if initial[1]:
             trainer.set_buffers(initial[1])
     else:
-        trainer = Trainer.load(artifacts, evaluation=False)
+        trainer = Trainer.load(artifacts, evaluation=False, engine=engine)
     if trainer.manifest_sha256 != expected_sha256 and trainer.manifest_sha256 not in tiers.split(","):
         raise ArtifactMismatchError(
             f"this node's artifacts ({artifacts}, manifest sha256 {trainer.manifest_sha256[:12]}...) differ from "
@@ -72,8 +76,8 @@ def node_trainer(artifacts: str, expected_sha256: str, tiers: str = "", *, for_e
 
 
 @functools.lru_cache(maxsize=4)
-def _evaluation_trainer(artifacts: str, signature: tuple) -> tuple[Trainer, tuple[dict, dict]]:
-    trainer = Trainer.load(artifacts)
+def _evaluation_trainer(artifacts: str, signature: tuple, engine: str) -> tuple[Trainer, tuple[dict, dict]]:
+    trainer = Trainer.load(artifacts, engine=engine)
     return trainer, (trainer.get_weights(), trainer.get_buffers())
 
 

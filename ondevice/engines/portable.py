@@ -149,6 +149,8 @@ class PortableEngine:
         binding = self._train_binding(reset)
         for name, value in zip(self._feeds, feeds):
             binding.bind_cpu_input(name, value)
+        for name in self._fetch:  # afresh: a bound output keeps the last step's shape, and batches vary
+            binding.bind_output(name, "cpu")
         self._train.run_with_iobinding(binding)
         if not reset:
             np.add(self._flat["grad"], self._scratch, out=self._flat["grad"])
@@ -160,6 +162,8 @@ class PortableEngine:
         assert self._eval is not None and self._eval_binding is not None, "created without the eval graph"
         for name, value in zip(self._feeds, feeds):
             self._eval_binding.bind_cpu_input(name, value)
+        for output in self._eval.get_outputs():
+            self._eval_binding.bind_output(output.name, "cpu")
         self._eval.run_with_iobinding(self._eval_binding)
         return self._eval_binding.copy_outputs_to_cpu()
 

@@ -339,3 +339,37 @@ def test_tls_deployment_with_secure_aggregation(digits_artifacts, data_dir, tmp_
         assert row["dp_epsilon"] == pytest.approx(gaussian_epsilon(0.001, row["round"], 1e-5))
     assert report["settings"]["secure_aggregation"] is True
     assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
+
+
+def test_a_round_with_a_classic_and_a_portable_node_averages_like_numpy(digits_no_dropout, data_dir, tmp_path):
+    """Real SuperNodes, one training on the classic engine and one on the portable engine (node config
+    ``engine``): the round's global weights are numpy's example-weighted average of what each engine
+    trains from the same start on that node's data."""
+    from federated.config import Settings
+    from federated.task import local_epochs, node_data
+    from ondevice import Trainer
+
+    artifacts = digits_no_dropout[0]
+    engines = ("classic", "portable")
+    config = _config(artifacts, data_dir, tmp_path / "out", **{"num-server-rounds": 1})
+    describe = lambda i: f'partition-id={i} num-partitions=2 engine="{engines[i]}"'  # noqa: E731
+    report = deploy(2, config, work=tmp_path / "work", node_config=describe, on_line=lambda line: None)
+    assert report["rounds"][-1]["round"] == 1 and not report["rounds"][-1]["excluded"], report["rounds"][-1]
+
+    settings = Settings.from_config(config)
+    updates, counts = [], []
+    for pid, engine in enumerate(engines):
+        train, _ = node_data(settings, {"partition-id": pid, "num-partitions": 2}, str(artifacts))
+        trainer = Trainer.load(artifacts, engine=engine, evaluation=False)
+        trainer.set_lr(settings.lr)
+        size = len(train["labels"])
+        epochs = local_epochs(settings.local_epochs, settings.local_steps, size, settings.batch_size)
+        trainer.fit(train, epochs=epochs, batch_size=min(settings.batch_size, size), seed=settings.seed * 100_003 + 1,
+                    progress=False)  # fmt: skip
+        updates.append(trainer.get_weights())
+        counts.append(size)
+    final = np.load(tmp_path / "out" / "global_weights.npz")
+    for name in updates[0]:
+        expected = np.average([u[name] for u in updates], axis=0, weights=counts)
+        np.testing.assert_allclose(final[name], expected, atol=2e-6, err_msg=name)
+    assert _alive_with_home(tmp_path / "work" / "flwr-home") == []

@@ -52,6 +52,20 @@ def test_engines_fit_alike_with_accumulation_clipping_decay_and_sgd(fixture, req
     np.testing.assert_allclose(portable_w, classic_w, atol=2e-6)
 
 
+def test_batches_of_every_size_train_and_evaluate_alike(digits_no_dropout, digits_data):
+    """A last batch smaller than the others (and evaluation in batches of another size) on both engines."""
+    directory, _ = digits_no_dropout
+    train, test = _part(digits_data["train"], 0, 100), _part(digits_data["test"], 0, 70)
+    results = {}
+    for engine in ENGINES:
+        trainer = Trainer.load(directory, engine=engine)
+        history = trainer.fit(train, epochs=2, batch_size=32, progress=False)  # 32, 32, 32, 4
+        results[engine] = ([e["loss"] for e in history.epochs], trainer.evaluate(test, batch_size=32)["loss"],
+                           trainer.eval_step(_part(test, 0, 5)).loss)  # fmt: skip
+    np.testing.assert_allclose(results["portable"][0], results["classic"][0], rtol=1e-6)
+    assert results["portable"][1:] == pytest.approx(results["classic"][1:], rel=1e-6)
+
+
 def test_accumulated_micro_batches_equal_one_large_batch_on_the_portable_engine(digits_no_dropout, digits_data):
     directory, _ = digits_no_dropout
     batch = _part(digits_data["train"], 0, 32)
