@@ -112,7 +112,10 @@ def make_bundle(
         _to_ort_format(work)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={})
+        # a bundle carries the classic graphs, for the training builds of onnxruntime-web and ORT Mobile 1.19.2
+        portable = {"unsupported": "a bundle carries the graphs of ONNX Runtime 1.19.2's training builds only"}
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={},
+                          portable=portable)  # fmt: skip
         bundled.save(work)
         artifacts_sha = sha256_file(source / MANIFEST_NAME)
         description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)
