@@ -30,13 +30,13 @@ def make_artifacts(out: Path) -> Path:
     return out / "artifacts"
 
 
-def train_on_device(artifacts: Path, data: dict[str, Path], out: Path) -> dict[str, float]:
+def train_on_device(artifacts: Path, data: dict[str, Path], out: Path, engine: str = "auto") -> dict[str, float]:
     """Device step (numpy + ONNX Runtime only): train, evaluate, export, plot."""
     from ondevice import Predictor, Schedule, Trainer
     from ondevice.data import load_npz
 
     train, val, test = (load_npz(str(data[split])) for split in ("train", "val", "test"))
-    trainer = Trainer.load(artifacts)
+    trainer = Trainer.load(artifacts, engine=engine)
     steps = EPOCHS * -(-len(train["labels"]) // BATCH)
     schedule = Schedule("cosine", 3e-3, total=steps, warmup=steps // 20)
     history = trainer.fit(
@@ -101,13 +101,16 @@ def plot(epochs: list[dict[str, float]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="out/digits", help="output directory (default out/digits)")
-    out = Path(parser.parse_args(argv).out)
+    parser.add_argument("--engine", choices=["auto", "classic", "portable"], default="auto",
+                        help="what trains on the device (default auto: the training build where installed)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
     print("1. data: scikit-learn's bundled digits -> .npz")
     data = prepare(out / "data")
     print("2. workstation: PyTorch model -> ONNX Runtime training artifacts, verified against PyTorch")
     artifacts = make_artifacts(out)
     print(f"3. device: train {EPOCHS} epochs with ONNX Runtime (no torch), evaluate, export")
-    metrics = train_on_device(artifacts, data, out)
+    metrics = train_on_device(artifacts, data, out, args.engine)
     print(
         f"   test accuracy {metrics['accuracy']:.4f} (exported model: {metrics['export_accuracy']:.4f}), "
         f"test loss {metrics['loss']:.4f}"

@@ -46,13 +46,15 @@ def make_artifacts(out: Path, labels: list[str], rank: int) -> Path:
     return out / "artifacts"
 
 
-def train_on_device(artifacts: Path, data: dict[str, Path], out: Path, epochs: int) -> dict[str, float]:
+def train_on_device(
+    artifacts: Path, data: dict[str, Path], out: Path, epochs: int, engine: str = "auto"
+) -> dict[str, float]:
     """Device step (numpy + ONNX Runtime + tokenizers): train on text, evaluate, export, classify."""
     from ondevice import Predictor, Schedule, Trainer
     from ondevice.text import TextEncoder, load_jsonl
 
     train, val, test = (load_jsonl(data[split], artifacts) for split in ("train", "val", "test"))
-    trainer = Trainer.load(artifacts)
+    trainer = Trainer.load(artifacts, engine=engine)
     steps = epochs * -(-len(train["labels"]) // BATCH)
     history = trainer.fit(
         train,
@@ -102,6 +104,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--federated", type=int, default=0, metavar="ROUNDS", help="also run Flower rounds per home")
+    parser.add_argument("--engine", choices=["auto", "classic", "portable"], default="auto",
+                        help="what trains on the device (default auto: the training build where installed)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     out = args.out.resolve()
@@ -116,7 +120,7 @@ def main() -> int:
     print("2/3 workstation: export MiniLM with LoRA adapters, verify against PyTorch")
     artifacts = make_artifacts(out, labels, args.rank)
     print("3/3 device: train on the commands (no torch), evaluate on the unseen homes")
-    metrics = train_on_device(artifacts, data, out, args.epochs)
+    metrics = train_on_device(artifacts, data, out, args.epochs, args.engine)
     print(f"   test accuracy (unseen homes): {metrics['accuracy']:.4f}")
     if args.federated:
         print(f"+ federated: {args.federated} rounds, one client per home, personal head")
