@@ -88,6 +88,7 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks.browser
 	$(PY) -m benchmarks.faults
 	$(PY) -m benchmarks.finetune
+	$(PY) -m benchmarks.engines
 
 # The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
 wheel: $(STAMP) $(WEB_STAMP)
