@@ -38,7 +38,8 @@ class CheckpointData:
     """What a checkpoint holds: parameters, optimizer state (one group) and properties.
 
     ``momentums`` maps a trainable parameter to its optimizer state tensors in ORT's order
-    (AdamW: first, then second moments); ``step`` counts optimizer steps taken.
+    (AdamW: first, then second moments); ``step`` counts optimizer steps taken. Arrays read from a
+    checkpoint are read-only views of its bytes (no copy): copy what you keep.
     """
 
     trainable: dict[str, np.ndarray] = field(default_factory=dict)
@@ -91,13 +92,13 @@ def _tensor(table: Table) -> tuple[str, np.ndarray]:
         raise CheckpointFormatError(f"tensor {name!r} keeps its data in an external file (checkpoints over 2 GB)")
     raw_at = _field(table, 4)
     raw = b"" if not raw_at else table.Bytes[table.Vector(raw_at) : table.Vector(raw_at) + table.VectorLen(raw_at)]
-    array = np.frombuffer(raw, dtype=np.dtype(_DTYPES[code]).newbyteorder("<")).astype(_DTYPES[code])
-    return name, array.reshape([int(d) for d in dims])
+    array = np.frombuffer(raw, dtype=np.dtype(_DTYPES[code]).newbyteorder("<"))
+    return name, array.astype(_DTYPES[code], copy=False).reshape([int(d) for d in dims])
 
 
 def read_checkpoint(data: bytes | bytearray | memoryview) -> CheckpointData:
-    """Parse ORT checkpoint bytes (every array is a fresh, writable copy)."""
-    buffer = bytearray(data)
+    """Parse ORT checkpoint bytes; the arrays are views of ``data`` (on MiniLM, a copy of 88 MB saved)."""
+    buffer = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
     if len(buffer) < 8 or bytes(buffer[4:8]) != IDENTIFIER:
         raise CheckpointFormatError("not an ONNX Runtime training checkpoint (no ODTC identifier)")
     try:
@@ -176,8 +177,11 @@ def _property(builder: flatbuffers.Builder, name: str, value: int | float | str)
     return builder.EndObject()
 
 
-def write_checkpoint(data: CheckpointData) -> bytes:
-    """Serialize ``data`` the way ORT's ``SaveCheckpoint`` lays it out (parameters in the given order)."""
+def write_checkpoint(data: CheckpointData) -> memoryview:
+    """Serialize ``data`` the way ORT's ``SaveCheckpoint`` lays it out (parameters in the given order).
+
+    Returns a view of the builder's buffer (write it to a file, or ``bytes()`` it): no second copy of
+    every parameter and moment at save time."""
     size = sum(a.nbytes for a in (*data.trainable.values(), *data.frozen.values()))
     size += sum(m.nbytes for moments in data.momentums.values() for m in moments)
     builder = flatbuffers.Builder(size + 4096)
@@ -224,4 +228,4 @@ def write_checkpoint(data: CheckpointData) -> bytes:
     builder.PrependUOffsetTRelativeSlot(2, group_vector, 0)
     builder.PrependUOffsetTRelativeSlot(3, bag, 0)
     builder.Finish(builder.EndObject(), file_identifier=IDENTIFIER)
-    return bytes(builder.Output())
+    return memoryview(builder.Bytes)[builder.Head() :]

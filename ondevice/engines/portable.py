@@ -94,12 +94,11 @@ class PortableEngine:
             self._views["value"][name][...] = state.trainable[name]
             for index, moment in enumerate(state.momentums.get(name, ())):
                 self._views[f"momentum{index}"][name][...] = moment
-        self._params = {**state.frozen, **self._views["value"]}
+        self._params = {**{n: a.copy() for n, a in state.frozen.items()}, **self._views["value"]}
+        self.step, self.properties, self._group = state.step, dict(state.properties), state.group
+        del state  # its arrays were views of the checkpoint's bytes, freed here
         self._grads = self._views["grad"]
         self._scratch = np.zeros(0, np.float32)  # gradients of later micro-batches, made when first needed
-        self.step = state.step
-        self.properties: dict[str, int | float | str] = dict(state.properties)
-        self._group = state.group
         self._lr = float(manifest.optimizer.lr)
         self._feeds = list(manifest.feed_names)
         outputs = [o.name for o in self._train.get_outputs()]
@@ -244,7 +243,8 @@ class PortableEngine:
             group=self._group,
             properties=dict(self.properties),
         )
-        path.write_bytes(write_checkpoint(data))
+        with open(path, "wb") as handle:
+            handle.write(write_checkpoint(data))
 
     def export_model(self, path: Path, outputs: list[str]) -> None:
         """The eval graph with the current parameters as initializers, the loss and labels removed."""
