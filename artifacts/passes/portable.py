@@ -322,9 +322,8 @@ def _batchnorm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
 
 
 def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
-    # The weight gradient as a convolution of the input with dY, batch as channels:
-    # dW[o, c] = Conv(X^T[c], dY^T[o]) with stride and dilation swapped, cropped to the kernel
-    # (one group; a depthwise layer as a grouped convolution, one group per channel).
+    # dX as a transposed convolution; dW of a one-group convolution as im2col times dY (static sizes),
+    # else (and for a depthwise one) as a convolution of the input with dY, batch as channels; dB sums dY.
     node = b.node
     dy, x, w = node.input[:3]
     a = attributes(node)
@@ -341,6 +340,53 @@ def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     pads = list(a.get("pads") or [0] * 2 * spatial)
     if _out(node, 0):
         _conv_input_grad(b, w_shape, strides, dilations, pads, group)
+    if _out(node, 1) and (depthwise or not _weight_grad_by_columns(b, w_shape, strides, dilations, pads)):
+        _weight_grad_by_convolution(b, w_shape, strides, dilations, pads, group, depthwise)
+    if _out(node, 2):
+        b.reduce("ReduceSum", dy, [0, *range(2, spatial + 2)], 0, node.output[2])
+
+
+def _weight_grad_by_columns(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int],
+                            pads: list[int]) -> bool:  # fmt: skip
+    """dW of a one-group convolution as im2col and a batched matrix product: the input's K = kh kw shifted,
+    strided windows stacked ([N, C K, P]), times dY ([N, O, P]) transposed, summed over the batch. False
+    (nothing emitted) without static spatial sizes."""
+    dy, x = b.node.input[:2]
+    out_size = (b.dims.get(dy) or [None])[2:]
+    kernel = w_shape[2:]
+    spatial = len(kernel)
+    if len(out_size) != spatial or any(s is None for s in out_size):
+        return False
+    padded = x
+    if any(pads):
+        amounts = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
+        padded = b.op("Pad", [x, b.const(np.array(amounts, np.int64))])
+    axes = b.const(np.arange(2, spatial + 2, dtype=np.int64))
+    steps = b.const(np.array(strides, np.int64))
+    windows = []
+    for offset in np.ndindex(*kernel):
+        start = [offset[i] * dilations[i] for i in range(spatial)]
+        end = [start[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
+        window = b.op("Slice", [padded, b.const(np.array(start, np.int64)), b.const(np.array(end, np.int64)), axes,
+                                steps])  # fmt: skip
+        windows.append(b.op("Unsqueeze", [window, b.const(np.array([2], np.int64))]))
+    columns = b.op("Concat", windows, axis=2)  # [N, C, K, *out]
+    rows = int(w_shape[1]) * int(np.prod(kernel))
+    columns = b.op("Reshape", [columns, b.const(np.array([0, rows, -1], np.int64))])
+    grads = b.op("Reshape", [dy, b.const(np.array([0, int(w_shape[0]), -1], np.int64))])
+    products = f"{b.prefix}.products"  # [N, O, C K]: FusedMatMul transposes the columns as it reads them
+    b.nodes.append(helper.make_node("FusedMatMul", [grads, columns], [products], domain="com.microsoft", transB=1))
+    summed = b.reduce("ReduceSum", products, [0], 0)
+    b.op("Reshape", [summed, b.const(np.array(w_shape, np.int64))], b.node.output[1])
+    return True
+
+
+def _weight_grad_by_convolution(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int],
+                                pads: list[int], group: int, depthwise: bool) -> None:  # fmt: skip
+    """dW as a convolution of the input with dY, the batch axis as channels (see _conv_grad)."""
+    node = b.node
+    dy, x = node.input[:2]
+    spatial = len(w_shape) - 2
     swap = [1, 0, *range(2, spatial + 2)]
     xt, gt = b.op("Transpose", [x], perm=swap), b.op("Transpose", [dy], perm=swap)
     settings = {"strides": dilations, "dilations": strides, "pads": pads}
@@ -353,11 +399,7 @@ def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     kernel = list(w_shape[2:])
     cropped = [b.const(np.zeros(spatial, np.int64)), b.const(np.array(kernel, np.int64)),
                b.const(np.arange(2, spatial + 2, dtype=np.int64))]  # fmt: skip
-    if _out(node, 1):
-        b.op("Slice", [full, *cropped], node.output[1])
-    if _out(node, 2):
-        b.reduce("ReduceSum", dy, [0, *range(2, spatial + 2)], 0, node.output[2])
-
+    b.op("Slice", [full, *cropped], node.output[1])
 
 
 def _conv_input_grad(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int], pads: list[int],
