@@ -224,10 +224,6 @@ class PortableEngine:
     def set_parameter(self, name: str, value: np.ndarray) -> None:
         self._params[name][...] = value
 
-    def input_names(self, training: bool = True) -> list[str]:
-        session = self._train if training else self._eval
-        return [i.name for i in session.get_inputs() if i.name not in self._params]  # type: ignore[union-attr]
-
     # -- state ---------------------------------------------------------------------------------
     def get_property(self, name: str) -> int | float | str | None:
         return self.properties.get(name)
