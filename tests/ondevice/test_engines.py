@@ -184,3 +184,16 @@ def test_exports_of_both_engines_predict_alike(digits_no_dropout, digits_data, t
         trainer.export(tmp_path / f"{engine}.onnx")
         predictions[engine] = Predictor(tmp_path / f"{engine}.onnx").predict({"input": test["input"]})["output"]
     np.testing.assert_allclose(predictions["portable"], predictions["classic"], atol=1e-5)
+
+
+def test_two_onnx_runtime_distributions_are_refused_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from ondevice.session import _check_distributions
+
+    package = SimpleNamespace(__file__=str(tmp_path / "onnxruntime" / "__init__.py"))
+    (tmp_path / "onnxruntime_training-1.19.2.dist-info").mkdir()
+    _check_distributions(package)  # one: fine
+    (tmp_path / "onnxruntime-1.32.0.dist-info").mkdir()
+    with pytest.raises(EngineError, match="two ONNX Runtime distributions are installed .onnxruntime, onnxruntime_"):
+        _check_distributions(package)
