@@ -30,6 +30,7 @@ from .avgpool import average_pool_to_conv
 from .batchnorm import expose_batchnorm_updates, reuse_batch_statistics
 from .convgrad import rewrite_conv_grad
 from .crossentropy import rewrite_cross_entropy
+from .dropout import activate_dropout, keep_dropout_masks
 from .finite import FINITE_CHECK, add_finite_check
 from .gathergrad import rewrite_gather_grad
 from .gelugrad import rewrite_gelu_grad
@@ -80,6 +81,13 @@ REGISTRY: tuple[Pass, ...] = (
          "builders read Mean/InvStdDev and the mask",
          "adds optional outputs; no value changes",
          "tests/artifacts/test_text_models.py::test_bert_family_verifies_with_everything_trainable"),
+    Pass("dropout-training-mode", "export", lambda m, c: activate_dropout(m),
+         "attention-probability dropout (F.scaled_dot_product_attention's dropout_p) is exported without a "
+         "training_mode input, so ORT's forward never drops while its DropoutGrad scales by 1 / (1 - p): the "
+         "gradient through every attention softmax was 11 % too large at p = 0.1",
+         "training_mode = True: the node drops with the exported rate as PyTorch does in training; the eval "
+         "graph switches every Dropout off",
+         "tests/artifacts/test_dropout.py::test_every_dropout_drops_in_training_and_matches_pytorchs_masks"),
     Pass("average-pool", "export", lambda m, c: average_pool_to_conv(m),
          "the CPU AveragePoolGrad dies with SIGFPE",
          "a depthwise Conv with 1/k weights is the same average (ceil_mode 0; padding counted or absent)",
@@ -193,6 +201,11 @@ REGISTRY: tuple[Pass, ...] = (
          "DropoutGrad is not in stock ORT",
          "dY * Cast(mask) * (1 / (1 - ratio)), the kernel's product in its order; dY where training_mode is false",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-dropout-masks", "portable", lambda m, c: keep_dropout_masks(m),
+         "stock ORT's basic optimizer deletes a Dropout whose mask output is unused, even in training mode, so a "
+         "Dropout on a frozen path (no gradient reads its mask) would stop dropping",
+         "Where(mask, Y, 0) reads the mask; Y is already 0 where the mask is false",
+         "tests/artifacts/test_dropout.py::test_a_dropout_on_a_frozen_path_still_drops_on_the_portable_engine"),
     Pass("portable-softmax-grad", "portable",
          lambda m, c: lower_operators(m, c.opset, ("SoftmaxGrad_13", "LogSoftmaxGrad_13")),
          "SoftmaxGrad_13 and LogSoftmaxGrad_13 are not in stock ORT",

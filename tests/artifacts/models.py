@@ -135,3 +135,51 @@ class SqrtGate(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.fc(input) * torch.sqrt(self.gate)
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(channels, squeezed, 1), nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = nn.functional.adaptive_avg_pool2d(x, 1)
+        return x * nn.functional.hardsigmoid(self.expand(nn.functional.relu(self.reduce(scale))))
+
+
+def _norm(channels: int) -> nn.Module:
+    return nn.BatchNorm2d(channels, eps=1e-3, momentum=0.01)  # MobileNetV3's BatchNorm settings
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, inp: int, expanded: int, out: int, kernel: int, stride: int, se: bool, act: type) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        if expanded != inp:
+            layers += [nn.Conv2d(inp, expanded, 1, bias=False), _norm(expanded), act()]
+        layers += [nn.Conv2d(expanded, expanded, kernel, stride, kernel // 2, groups=expanded, bias=False),
+                   _norm(expanded), act()]  # fmt: skip
+        if se:
+            layers.append(_SqueezeExcite(expanded, max(8, expanded // 4)))
+        layers += [nn.Conv2d(expanded, out, 1, bias=False), _norm(out)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and inp == out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+def mobilenet_v3() -> nn.Module:
+    """MobileNetV3-small's shape at a third of the width: squeeze-and-excitation, Hardswish, BatchNorm eps 1e-3."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), _norm(16), nn.Hardswish(),
+        _InvertedResidual(16, 16, 16, 3, 2, True, nn.ReLU),
+        _InvertedResidual(16, 48, 24, 3, 2, False, nn.ReLU),
+        _InvertedResidual(24, 64, 24, 3, 1, False, nn.ReLU),
+        _InvertedResidual(24, 64, 32, 5, 2, True, nn.Hardswish),
+        _InvertedResidual(32, 96, 32, 5, 1, True, nn.Hardswish),
+        nn.Conv2d(32, 96, 1, bias=False), _norm(96), nn.Hardswish(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(96, 128), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(128, 10),
+    )  # fmt: skip
