@@ -10,6 +10,7 @@ step against the reference optimizer applied to ORT's gradients.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,11 +25,12 @@ from ondevice.session import ort_error_message
 
 from ._edges import edge_batches, embedding_inputs
 from .errors import InputSpecError, ModelLoadError
+from .export import zero_dropout
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .spec import TORCH_ONLY, Spec
-from .verify import Tolerances, axis_sizes, compare, likely_causes, make_targets, merge_reports
+from .verify import Tolerances, axis_sizes, compare, dropout_free_twin, likely_causes, make_targets, merge_reports
 
 __all__ = ["generate_from_onnx", "onnx_example"]
 
@@ -219,12 +221,15 @@ def _prove(
     by_name = dict(zip(reference.output_names, outputs))
     rows += [compare(f"eval {s.name}", v, by_name[s.name], tol) for s, v in zip(manifest.outputs, ort[1:])]
 
-    session = OrtTraining(work)
-    session.set_learning_rate(optimizer.lr)
-    fetched = session.train_step(feeds + targets)
+    with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:  # the train step with every Dropout off
+        twin, dropouts = dropout_free_twin(work, Path(tmp))
+        session = OrtTraining(twin)
+        session.set_learning_rate(optimizer.lr)
+        fetched = session.train_step(feeds + targets)
+        gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+        session.optimizer_step()
+        stepped = {p.name: session.get_parameter(p.name) for p in manifest.trainable}
     rows.append(compare("train loss", fetched[0], np.float32(ref_loss), tol))
-    gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
-    session.optimizer_step()
     rng = np.random.default_rng(seed)
     weights = reference.weights()
     for spec in manifest.trainable:
@@ -240,23 +245,24 @@ def _prove(
         # Two step sizes agree where the loss is smooth and float32 rounding is small; where they
         # differ (a ReLU kink crossed, rounding), that difference bounds the estimate's own error.
         noise = abs(at[epsilon] - at[epsilon / 2])
-        tol = Tolerances(fd_tol.atol + 2 * noise, fd_tol.rtol)
+        widened = Tolerances(fd_tol.atol + 2 * noise, fd_tol.rtol)
         grad = gradients[spec.name]
         analytic = 0.0 if grad is None else float(np.sum(grad.astype(np.float64) * direction))
-        rows.append(compare(f"grad {spec.name} (finite difference)", np.float64(analytic), finite_difference, tol))
+        rows.append(compare(f"grad {spec.name} (finite difference)", np.float64(analytic), finite_difference,
+                            widened))  # fmt: skip
     params = [torch.from_numpy(weights[p.name].astype(np.float32)).requires_grad_(True) for p in manifest.trainable]
     for spec, param in zip(manifest.trainable, params):
         grad = gradients[spec.name]
         param.grad = torch.zeros_like(param) if grad is None else torch.from_numpy(grad.copy())
     ReferenceOptimizer(optimizer, params).step()
     rows += [
-        compare(f"step {s.name}", session.get_parameter(s.name), p.detach().numpy(), tol)
-        for s, p in zip(manifest.trainable, params)
+        compare(f"step {s.name}", stepped[s.name], p.detach().numpy(), tol) for s, p in zip(manifest.trainable, params)
     ]
     report = Verification(
         passed=all(r.passed for r in rows),
         rows=tuple(rows),
-        note="reference: ONNX Runtime inference of the original model; gradients by central finite differences",
+        note="reference: ONNX Runtime inference of the original model; gradients by central finite differences"
+        + (f"; train step checked with {dropouts} Dropout(s) off" if dropouts else ""),
     )
     return report
 
@@ -269,6 +275,7 @@ class _Reference:
 
         graph = onnx.ModelProto()
         graph.CopyFrom(model)
+        zero_dropout(graph)  # a training-mode export's Dropout would make the reference random
         self._weights = {}
         kept = []
         for init in graph.graph.initializer:

@@ -31,7 +31,9 @@ class Replay:
         self.names = list(names)
         self.used = 0
 
-    def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    def dropout(
+        self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
         if not training or self.off:
             return input
         return input * self._next(input, p)

@@ -35,6 +35,7 @@ __all__ = [
     "verify_artifacts",
     "verify_batches",
     "merge_reports",
+    "dropout_free_twin",
     "format_table",
 ]
 
@@ -131,8 +132,7 @@ def verify_batches(
             ) from exc
     report = merge_reports(reports, examples)
     report = replace(report, note="; ".join([report.note, *kinks]))
-    causes = likely_causes(report, manifest, [r.passed for r in reports])
-    return report, [c for c in causes if not kinks or "size is baked" not in c]
+    return report, likely_causes(report, manifest, [r.passed for r in reports])
 
 
 def _shape(example: Sequence[torch.Tensor]) -> str:
@@ -194,7 +194,7 @@ def _nearby(example: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor] | 
 def _kinks(directory: Path, graph: str, feeds: list[np.ndarray]) -> list[Kink]:
     """Inputs at a kink in the forward of ``graph`` (its twin with dropout off) on ``feeds``."""
     with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
-        twin, _ = _dropout_free_twin(directory, Path(tmp), graph, keep=True)
+        twin, _ = dropout_free_twin(directory, Path(tmp), graph, keep=True)
         training = onnx.load(twin / graph, load_external_data=False)
         nodes = kink_outputs(training)
         names = list(dict.fromkeys(node.input[0] for node, _ in nodes))
@@ -237,7 +237,9 @@ def likely_causes(report: Verification, manifest: Manifest, per_batch: Sequence[
             "only the second batch (another batch size or sequence length) fails: a size is baked into the "
             "graph, e.g. a reshape to a constant; use x.shape[...] in forward or name the axis dynamic"
         )
-    embeddings = [i for i in failed if i.startswith("grad ") and i[5:] in _embedding_weights(manifest)]
+    weights = _embedding_weights(manifest)
+    embeddings = [i for i in failed if i.removeprefix("dropout ").startswith("grad ")
+                  and i.removeprefix("dropout ")[5:] in weights]  # fmt: skip
     if embeddings:
         causes.append(
             f"{', '.join(embeddings)}: an embedding's padding row gets a gradient in ORT but not in PyTorch "
@@ -295,7 +297,7 @@ def verify_artifacts(
     graphs = dict.fromkeys([TRAINING_GRAPH, training_graph(manifest.variants)])  # and the variant this ORT loads
     for graph in graphs:
         with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
-            twin, dropouts = _dropout_free_twin(directory, Path(tmp), graph)
+            twin, dropouts = dropout_free_twin(directory, Path(tmp), graph)
             compared = _compare_train(twin, manifest, model, example, feeds, target, loss, loss_index, optimizer, tol,
                                       graph)  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
@@ -442,7 +444,9 @@ def _step_rows(
     rows = [compare(f"{prefix}train loss", fetched[0], ref_loss.detach().numpy(), tol)]
     by_name = _model_outputs_by_name(manifest, outputs, loss, loss_index)
     extra = fetched[1 : 1 + len(manifest.outputs)]
-    rows += [compare(f"{prefix}train {s.name}", v, by_name[s.name].numpy(), tol) for s, v in zip(manifest.outputs, extra)]
+    rows += [
+        compare(f"{prefix}train {s.name}", v, by_name[s.name].numpy(), tol) for s, v in zip(manifest.outputs, extra)
+    ]
     updates = fetched[1 + len(manifest.outputs) : 1 + len(manifest.outputs) + len(manifest.buffers)]
     rows += [
         compare(f"{prefix}buffer {b.name}", v, state[b.name].numpy(), tol) for b, v in zip(manifest.buffers, updates)
@@ -451,13 +455,14 @@ def _step_rows(
         grad = gradients[spec.name]
         ref_grad = param.grad if param.grad is not None else torch.zeros_like(param)
         rows.append(
-            compare(f"{prefix}grad {spec.name}", np.zeros_like(ref_grad) if grad is None else grad, ref_grad.numpy(),
-                    tol)  # fmt: skip
+            compare(
+                f"{prefix}grad {spec.name}", np.zeros_like(ref_grad) if grad is None else grad, ref_grad.numpy(), tol
+            )  # fmt: skip
         )
     return rows
 
 
-def _dropout_free_twin(directory: Path, tmp: Path, graph: str = TRAINING_GRAPH, keep: bool = False) -> tuple[Path, int]:
+def dropout_free_twin(directory: Path, tmp: Path, graph: str = TRAINING_GRAPH, keep: bool = False) -> tuple[Path, int]:
     """The training graph with every Dropout ratio 0, in ``tmp`` (or ``directory`` itself when it has
     no Dropout, unless ``keep``: a copy the caller may change)."""
     training = onnx.load(directory / graph, load_external_data=False)

@@ -17,7 +17,6 @@ from torch import nn
 import artifacts.passes as passes
 from artifacts import VerificationError, generate
 from artifacts.replay import replayed_dropout
-from ondevice import Trainer
 
 from .test_text_models import Classifier, _example
 

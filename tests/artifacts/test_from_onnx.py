@@ -121,3 +121,25 @@ def test_the_sdks_own_export_generates_again_and_the_fd_flags_reach_its_rows(dig
     err = capsys.readouterr().err
     assert "(finite difference)" in err and "--fd-atol" in err
     assert not (tmp_path / "strict").exists()
+
+
+def test_a_training_mode_export_with_dropout_verifies_with_dropout_off_and_drops_in_training(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)).train()
+    path = tmp_path / "drop.onnx"
+    torch.onnx.export(model, (torch.randn(4, 8),), path, input_names=["x"], output_names=["logits"],
+                      dynamic_axes={"x": {0: "b"}, "logits": {0: "b"}}, opset_version=17, dynamo=False,
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)  # fmt: skip
+    manifest = generate_from_onnx(path, tmp_path / "a")
+    assert manifest.verification.passed, manifest.verification
+    assert "train step checked with 1 Dropout(s) off" in manifest.verification.note
+    # the optimizer-step rows keep the given tolerance (they once took the last finite-difference row's)
+    assert {(r.atol, r.rtol) for r in manifest.verification.rows if r.item.startswith("step ")} == {(1e-5, 1e-3)}
+    trainer = Trainer.load(tmp_path / "a")
+    x = np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32)
+    start = trainer.get_flat_weights()
+    losses = set()
+    for _ in range(3):  # from the same weights each time: only the dropout masks differ
+        losses.add(trainer.train_step({"x": x, "labels": np.arange(32) % 3}).loss)
+        trainer.set_weights(start)
+    assert len(losses) == 3

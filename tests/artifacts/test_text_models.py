@@ -129,7 +129,8 @@ def test_verification_puts_the_padding_id_in_the_example_and_names_the_cause(tmp
         generate(distilbert(), example, tmp_path / "a")
     assert not (tmp_path / "a").exists()
     failed = [r.item for r in error.value.verification.rows if not r.passed]
-    assert failed == ["grad model.distilbert.embeddings.word_embeddings.weight"]
+    assert failed == [f"{check}grad model.distilbert.embeddings.word_embeddings.weight" for check in ("", "dropout ")]
+    assert str(error.value).count("likely cause:") == 1  # the padding row alone, named once
 
 
 def test_dynamic_sequence_length_trains_other_lengths(tmp_path):
@@ -184,11 +185,20 @@ def test_real_minilm_generates_with_everything_trainable_and_trains(tmp_path):
     axes = {"ids": {1: "seq"}, "mask": {1: "seq"}}
     manifest = generate(MeanPooled(), _example(seq=16, vocab=30522), tmp_path / "a", dynamic_axes=axes)
     assert manifest.verification.passed
+    # MiniLM's 19 Dropouts (embeddings; attention probabilities, attention output and FFN output per layer)
+    # all drop in training, the six attention-probability ones included, and were checked with ORT's masks
+    assert "19 Dropout(s) off, and on with ORT's masks replayed" in manifest.verification.note
+    from .test_dropout import _dropouts
+
+    found = _dropouts(tmp_path / "a" / "training_model.onnx")
+    assert len(found) == 19 and all(ratio == pytest.approx(0.1) and mode is True for _, ratio, mode in found)
+    assert all(mode is False for _, _, mode in _dropouts(tmp_path / "a" / "eval_model.onnx"))
     assert manifest.padding == {"encoder.embeddings.word_embeddings.weight": 0}
     assert manifest.trainable_size > 22_000_000
     trainer = Trainer.load(tmp_path / "a")
     data = _data(16, 10, vocab=30522)
     before = trainer.evaluate(data)["loss"]
+    trainer.set_lr(1e-4)  # the full fine-tuning rate (pretrained.md)
     trainer.fit(data, epochs=3, batch_size=8, progress=False)
     assert trainer.evaluate(data)["loss"] < before
 
