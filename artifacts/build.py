@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -89,6 +90,8 @@ def generate(
         log.info("%s", format_plan(result))
         spec = spec.but(**chosen_changes(result))
         plan_record = result.record()
+    if spec.adapter_lr is not None and (spec.lora is not None or spec.lora_from is not None):
+        spec = spec.but(optimizer=dataclasses.replace(spec.optimizer, lr=spec.adapter_lr))
     adapters: list = []
     start = None
     lora = spec.lora

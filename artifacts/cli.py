@@ -77,7 +77,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("what trains (default: every parameter)")
     t.add_argument("--trainable", action="append", default=[], metavar="GLOB", help="train only matches (repeatable)")
     t.add_argument("--freeze", action="append", default=[], metavar="GLOB", help="freeze matches (repeatable)")
-    t.add_argument("--train-last", type=int, metavar="N", help="train only the last N modules with parameters")
+    t.add_argument("--train-last", type=int, metavar="N",
+                   help="train only the last N modules with parameters the loss depends on")  # fmt: skip
     t.add_argument("--bias-only", action="store_true", help="train biases only (BitFit)")
     t.add_argument("--lora", type=int, metavar="RANK", help="add LoRA adapters of this rank (they train)")
     t.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: scale = alpha / rank (default 2 x rank)")
@@ -174,6 +175,9 @@ def _run(args: argparse.Namespace) -> int:
         f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
         f"({manifest.trainable_size * 4 / 1024:.1f} KiB)"
     )
+    adapters = " (the adapter rate)" if manifest.adapters else ""
+    rate = f"lr {manifest.optimizer.lr:g}{adapters}"
+    print(f"optimizer: {manifest.optimizer.kind}, {rate}; odt train uses it unless --lr")
     print(f"artifacts: {args.out}")
     return 0
 
@@ -261,11 +265,14 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
     model = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64, seed=args.seed)
     chosen = args.lora is not None or args.lora_from or args.trainable or args.freeze or args.train_last or \
         args.bias_only or args.memory_budget  # fmt: skip
+    adapter_lr = None
     if args.lr is None and args.optimizer == "adamw":  # the rates the intents sample and its benchmark proved
         adapters = args.lora is not None or args.lora_from or not chosen
         args.lr = HF_LORA_LR if adapters else HF_FINETUNE_LR
+        adapter_lr = HF_LORA_LR  # a memory plan that picks LoRA trains at the adapter rate
     trainable = ("head",) if not chosen or (args.memory_budget and not args.trainable) else args.trainable
     spec = _spec(args).but(
+        adapter_lr=adapter_lr,
         dynamic_axes=model.dynamic_axes,
         lora=_lora(args, args.lora if chosen else 8),
         trainable=trainable,  # the new head always trains (under a memory budget: beside LoRA)

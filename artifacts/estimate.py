@@ -61,13 +61,14 @@ def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Ma
     lora: Lora | None = options.get("lora")
     adapted = add_adapters(model, lora, seed=0)[0] if lora is not None else copy.deepcopy(model)
     names = [n for n, _ in adapted.named_parameters()]
+    reachable = reachable_parameters(adapted, example)  # the generator freezes the others
     if lora is not None:
         patterns = [*options.get("trainable", ()), *(n for n in names if n.endswith(("lora_A", "lora_B")))]
-        trainable = set(select_trainable(names, trainable=patterns))
+        trainable = set(select_trainable(names, trainable=patterns)) & reachable
     else:
         trainable = set(select_trainable(names, trainable=options.get("trainable", ()),
-                                         train_last=options.get("train_last"),
-                                         bias_only=bool(options.get("bias_only"))))  # fmt: skip
+                                         train_last=options.get("train_last"), bias_only=bool(options.get("bias_only")),
+                                         reachable=reachable)) & reachable  # fmt: skip
     tables = {f"{m}.weight".lstrip(".") for m, module in adapted.named_modules() if isinstance(module, nn.Embedding)}
     params = dict(adapted.named_parameters())
     frozen = sum(p.numel() for n, p in params.items() if n not in trainable and n not in tables)
@@ -77,6 +78,27 @@ def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Ma
     one, two = (_saved_bytes(adapted, example, trainable, rows) for rows in (1, 2))
     whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows) for rows in (1, 2))
     return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two)
+
+
+def reachable_parameters(model: nn.Module, example: Mapping[str, torch.Tensor]) -> set[str]:
+    """Names of the parameters the outputs depend on (one row of the example through autograd):
+    a BERT pooler under mean pooling is not among them."""
+    params = dict(model.named_parameters())
+    saved = {n: p.requires_grad for n, p in params.items()}
+    feeds = [t[:1] if t.dim() else t for t in example.values()]
+    try:
+        for p in params.values():
+            p.requires_grad_(True)
+        result = model(*feeds)
+        outputs = [o for o in (result if isinstance(result, (tuple, list)) else [result])
+                   if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
+        if not outputs:
+            return set(params)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outputs), list(params.values()), allow_unused=True)
+        return {n for n, g in zip(params, grads) if g is not None}
+    finally:
+        for n, p in params.items():
+            p.requires_grad_(saved[n])
 
 
 def _saved_bytes(model: nn.Module, example: Mapping[str, torch.Tensor], trainable: set[str], rows: int) -> int:

@@ -167,14 +167,15 @@ def _build(
     context = passes.Context(opset=opset)
     passes.run_stage("export", onnx_model, context)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
-    trainable = select_trainable(
-        source.params, trainable=spec.trainable, freeze=spec.freeze, train_last=spec.train_last,
-        bias_only=spec.bias_only,
-    )  # fmt: skip
     loss_output = spec.loss_output or outputs[0]
     if loss_output not in outputs:
         raise InputSpecError(f"loss output {loss_output!r} is not a model output; outputs are {outputs}.")
-    unreachable = [n for n in trainable if n not in reaching(onnx_model, trainable, loss_output)]
+    reachable = reaching(onnx_model, source.params, loss_output)
+    trainable = select_trainable(
+        source.params, trainable=spec.trainable, freeze=spec.freeze, train_last=spec.train_last,
+        bias_only=spec.bias_only, reachable=reachable,
+    )  # fmt: skip
+    unreachable = [n for n in trainable if n not in reachable]
     if unreachable:
         log.warning("frozen because the loss on %r does not depend on them: %s", loss_output, ", ".join(unreachable))
         trainable = [n for n in trainable if n not in unreachable]

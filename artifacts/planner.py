@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .errors import OptionError, SelectionError
-from .estimate import Footprint, footprint
+from .estimate import Footprint, footprint, reachable_parameters
 from .lora import Lora
 from .spec import Spec
 
@@ -103,14 +103,16 @@ def candidates(
     head: Sequence[str],
 ) -> list[Candidate]:
     """Trainable sets of ``model`` with their sizes and estimates, in the order the planner tries them."""
-    params = dict(model.named_parameters())
+    reachable = reachable_parameters(model, example)  # the generator freezes the rest (a pooler never used)
+    params = {n: p for n, p in model.named_parameters() if n in reachable}
     total = sum(p.numel() for p in params.values())
     owners = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
 
     def candidate(name: str, options: Mapping[str, Any], trainable: int, layers: str = "") -> Candidate:
         return Candidate(name, options, trainable, footprint(model, example, options), layers)
 
-    everything = [candidate("everything", {}, total)]
+    unused = sum(p.numel() for n, p in model.named_parameters() if n not in reachable)
+    everything = [candidate("everything", {}, total, f"{unused:,} parameters do not reach the loss" if unused else "")]
     adapters: list[Candidate] = []
     if lora is not None:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Sequence
+from typing import Collection, Sequence
 
 from .errors import SelectionError
 
@@ -28,12 +28,15 @@ def select_trainable(
     freeze: Sequence[str] = (),
     train_last: int | None = None,
     bias_only: bool = False,
+    reachable: Collection[str] | None = None,
 ) -> list[str]:
     """Return the trainable subset of ``names`` (kept in their order).
 
     Everything trains by default; ``trainable`` globs restrict to their matches, ``train_last``
-    keeps the parameters of the last N modules that own parameters, ``bias_only`` keeps biases,
-    and ``freeze`` globs remove their matches last.
+    keeps the parameters of the last N modules that own parameters (counting only modules with a
+    parameter in ``reachable``, the ones the loss depends on, when given: a BERT pooler under mean
+    pooling is not one of the "last 2"), ``bias_only`` keeps biases, and ``freeze`` globs remove
+    their matches last.
 
     Examples
     --------
@@ -50,7 +53,7 @@ def select_trainable(
     if train_last is not None:
         if train_last < 1:
             raise SelectionError(f"--train-last must be at least 1, got {train_last}.")
-        owners = list(dict.fromkeys(_owner(n) for n in names))
+        owners = list(dict.fromkeys(_owner(n) for n in names if reachable is None or n in reachable))
         last = set(owners[-train_last:])
         chosen = [n for n in chosen if _owner(n) in last]
     if bias_only:

@@ -7,6 +7,7 @@ its fields (``generate(model, x, "out", lora=Lora(8))`` is ``spec=Spec(lora=Lora
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
@@ -43,6 +44,11 @@ class Spec:
     loss_output: str | None = None
     """Which output the loss reads (default: the first)."""
     optimizer: AdamW | SGD = field(default_factory=AdamW)
+    adapter_lr: float | None = None
+    """The optimizer's rate when LoRA adapters are what trains, chosen by ``lora`` or by the memory
+    plan (default: ``optimizer.lr`` either way). ``odt generate --model hf:...`` without ``--lr``
+    sets 2e-3 here beside 1e-4 for the model's own weights, so a budget that picks LoRA trains at
+    the adapter rate."""
 
     # What trains (default: every parameter)
     trainable: tuple[str, ...] = ()
@@ -77,6 +83,11 @@ class Spec:
                 if isinstance(value, str):
                     raise InputSpecError(f"{name} takes a list of names, got the string {value!r}.")
                 object.__setattr__(self, name, tuple(value))
+
+        if self.adapter_lr is not None and not (
+            isinstance(self.adapter_lr, (int, float)) and math.isfinite(self.adapter_lr) and self.adapter_lr > 0
+        ):
+            raise InputSpecError(f"adapter_lr must be a positive finite rate or None, got {self.adapter_lr!r}.")
 
     def but(self, **changes: Any) -> Spec:
         """This spec with ``changes`` (field names); an unknown name is an error that lists the fields."""

@@ -61,7 +61,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
     option("--rounds", "num-server-rounds", "server rounds")
     option("--artifacts", "artifacts", "artifact directory")
-    option("--data", "data", "directory with train.npz and test.npz")
+    option("--data", "data", "directory with train.npz (partitioning iid or dirichlet) or clients/*.npz|*.jsonl, "
+           "one file per node (partitioning files), and test.npz or test.jsonl for the global evaluation")
     option("--out", "output", "where metrics.json, rounds.png and logs go")
     option("--strategy", "strategy", "fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
     option("--codec", "codec", "update encoding", choices=BY_NAME["codec"].choices)

@@ -138,15 +138,15 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def register_train(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("train", help="train an artifact directory on .npz data (no torch needed)")
+    p = commands.add_parser("train", help="train an artifact directory on .npz, .jsonl or .csv data (no torch needed)")
     p.add_argument("directory", help="artifact directory made by `odt generate`")
     p.add_argument(
         "--data",
         required=True,
-        help=".npz file whose keys are the manifest's input names, or .jsonl of {text, label} lines "
-        "(artifacts with a tokenizer)",
+        help=".npz file whose keys are the manifest's input names, .jsonl of {text, label} lines (artifacts with "
+        "a tokenizer), or .csv with a header (a column per input, or text; and a label column)",
     )
-    p.add_argument("--val", help="validation data (.npz or .jsonl), evaluated after every epoch (default: none)")
+    p.add_argument("--val", help="validation data (.npz, .jsonl or .csv), evaluated after every epoch (default: none)")
     p.add_argument(
         "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
     )
@@ -206,7 +206,8 @@ def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("directory", help="artifact directory, or an .onnx file from `odt export` (a federated run's "
                    "global_model.onnx too)")  # fmt: skip
     p.add_argument("--artifacts", help="with an .onnx file exported before models carried a manifest: its artifacts")
-    p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, or .jsonl of texts")
+    p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, .jsonl of texts, or "
+                   ".csv with a header")  # fmt: skip
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"evaluate CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
     p.add_argument("--batch-size", type=int, default=256, help="default 256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
@@ -234,11 +235,13 @@ def register_export(commands: argparse._SubParsersAction) -> None:
 
 
 def register_predict(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("predict", help="run a trained model (artifacts or an exported .onnx) on .npz data")
-    p.add_argument("model", help="artifact directory, or an .onnx file from `odt export` (then give --artifacts)")
+    p = commands.add_parser(
+        "predict", help="run a trained model (artifacts or an exported .onnx) on .npz, .jsonl or .csv data, or --text"
+    )
+    p.add_argument("model", help="artifact directory, or an .onnx file from `odt export` (its manifest is inside)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--data", help=".npz keyed by the manifest's input names, or .jsonl of texts (no labels needed)"
+        "--data", help=".npz keyed by the manifest's input names, .jsonl of texts, or .csv (no labels needed)"
     )
     source.add_argument(
         "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer)"
@@ -354,6 +357,12 @@ def _run_train(args: argparse.Namespace) -> int:
     if trainer.schedule is None or (args.schedule, args.lr, args.warmup) != (None, None, None):
         base = trainer.manifest.optimizer.lr if args.lr is None else args.lr
         schedule = Schedule(args.schedule or "constant", base, total=max(steps, 1), warmup=args.warmup or 0)
+    if not args.json:
+        rate = (schedule.base if schedule is not None else trainer.lr, "--lr" if args.lr is not None else
+                "the checkpoint's schedule" if schedule is None else "the artifacts")  # fmt: skip
+        shape = f"{args.schedule or 'constant'} schedule" if schedule is not None else "resumed schedule"
+        print(f"training: {trainer.manifest.optimizer.kind} at lr {rate[0]:g} (from {rate[1]}), {shape}, "
+              f"{args.epochs} epoch(s) of {steps // max(args.epochs, 1)} step(s)", flush=True)
     history = trainer.fit(
         train,
         epochs=args.epochs,
@@ -371,7 +380,8 @@ def _run_train(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps, "engine": trainer.engine,
-                          "onnxruntime": trainer.ort_version}, indent=2))  # fmt: skip
+                          "onnxruntime": trainer.ort_version, "lr": trainer.schedule.base if trainer.schedule
+                          else trainer.lr}, indent=2))  # fmt: skip
     else:
         for row in history.epochs:
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))

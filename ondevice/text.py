@@ -18,7 +18,10 @@ from .data import load_npz
 from .errors import DataError, ManifestError
 from .manifest import Manifest
 
-__all__ = ["TextEncoder", "load_jsonl", "load_data"]
+__all__ = ["TextEncoder", "load_jsonl", "load_data", "DATA_FORMATS"]
+
+DATA_FORMATS = (".npz", ".jsonl", ".csv")
+"""The data files :func:`load_data` reads (anything else is read as ``.npz``)."""
 
 MAX_LINES = 1_000_000
 MAX_LINE_BYTES = 1 << 20

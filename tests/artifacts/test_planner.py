@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from artifacts import OptionError, SelectionError, generate
+from artifacts import AdamW, OptionError, SelectionError, generate
 from artifacts.planner import measure, parse_size
 from ondevice import Manifest, Trainer
 
@@ -111,7 +111,7 @@ def test_the_plan_counts_only_what_trains(tmp_path):
     row = manifest.plan["rows"][0]
     assert row["candidate"] == "everything" and row["fits"] is True
     assert row["trainable"] == manifest.trainable_size == 256 * 10 + 10
-    assert row["note"] == f"{256 * 256 + 256:,} parameters do not reach the loss"
+    assert row["layers"] == f"{256 * 256 + 256:,} parameters do not reach the loss"
 
 
 def test_the_estimate_counts_weights_optimizer_state_and_saved_activations():
@@ -172,9 +172,10 @@ def test_on_minilm_a_150mb_budget_gets_lora_that_trains_within_it_again(tmp_path
     torch.manual_seed(0)
     example = {"ids": torch.randint(1000, 30_000, (16, 64)), "mask": torch.ones(16, 64, dtype=torch.int64)}
     manifest = generate(IntentClassifier(33), example, tmp_path / "planned", memory_budget="150MB", batch_size=16,
-                        trainable=["head"])  # fmt: skip
+                        trainable=["head"], optimizer=AdamW(lr=1e-4), adapter_lr=2e-3)  # fmt: skip
     plan = manifest.plan
     assert plan["chosen"].startswith("LoRA rank") and manifest.adapters, plan["chosen"]
+    assert manifest.optimizer.lr == 2e-3  # the plan picked adapters: they train at the adapter rate
     measured = [row for row in plan["rows"] if "peak_rss" in row]
     for row in measured:
         assert abs(row["estimate"] / row["peak_rss"] - 1) <= 0.25, row
@@ -184,3 +185,32 @@ def test_on_minilm_a_150mb_budget_gets_lora_that_trains_within_it_again(tmp_path
              labels=rng.integers(0, 33, micro))  # fmt: skip
     again = measure(tmp_path / "planned", tmp_path / "batch.npz", lean_memory=plan["lean_memory"])
     assert again["peak_rss"] <= 150e6, again
+
+
+class _WithUnused(nn.Module):
+    """A module the forward never uses (like BERT's pooler under mean pooling), registered before the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.top, self.unused, self.head = (
+            nn.Linear(8, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+            nn.Linear(16, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.top(torch.relu(self.body(x)))))
+
+
+def test_the_last_modules_are_the_last_ones_the_loss_depends_on(tmp_path):
+    from artifacts.planner import candidates
+
+    torch.manual_seed(0)
+    model, example = _WithUnused(), {"x": torch.randn(4, 8)}
+    manifest = generate(model, example, tmp_path / "a", train_last=2)
+    assert [p.name for p in manifest.trainable] == ["top.weight", "top.bias", "head.weight", "head.bias"]
+    planned = {c.name: c for c in candidates(model, example, None, (), ())}
+    assert planned["last 2 modules"].layers == "top ... head"
+    assert planned["last 2 modules"].trainable == manifest.trainable_size
+    assert planned["everything"].trainable == sum(p.numel() for n, p in model.named_parameters() if "unused" not in n)

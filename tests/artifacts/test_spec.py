@@ -108,3 +108,33 @@ def test_the_docs_list_every_field():
     rows = table.splitlines()[2:]
     listed = [name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[2])]
     assert sorted(listed) == sorted(f.name for f in fields(Spec))
+
+
+@pytest.mark.parametrize(
+    ("flags", "lr", "adapter_lr"),
+    [
+        ([], 2e-3, 2e-3),  # LoRA r8 + head by default
+        (["--memory-budget", "200MB"], 1e-4, 2e-3),  # the plan decides: adapters get 2e-3, the model 1e-4
+        (["--train-last", "2"], 1e-4, 2e-3),
+        (["--memory-budget", "200MB", "--lr", "5e-4"], 5e-4, None),  # a given rate is the rate
+    ],
+)
+def test_a_pretrained_model_gets_the_rate_of_what_trains(monkeypatch, tmp_path, flags, lr, adapter_lr):
+    import types
+
+    import artifacts.build
+    import artifacts.hf
+    from artifacts.cli import _from_hf
+
+    made = types.SimpleNamespace(model=None, example={}, dynamic_axes={}, tokenizer=None)
+    monkeypatch.setattr(artifacts.hf, "hf_model", lambda *args, **kwargs: made)
+    monkeypatch.setattr(artifacts.build, "generate", lambda model, example, out, spec, force: spec)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    spec = _from_hf(parser.parse_args(["generate", "--model", "hf:x", "--out", str(tmp_path / "o"), *flags]), [])
+    assert (spec.optimizer.lr, spec.adapter_lr) == (lr, adapter_lr)
+
+
+def test_adapter_lr_must_be_a_rate():
+    with pytest.raises(InputSpecError, match="adapter_lr must be a positive finite rate or None, got -1"):
+        Spec(adapter_lr=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -77,8 +78,14 @@ def test_train_without_checkpoint_keeps_the_weights(digits_artifacts, digits_dat
     np.savez(tmp_path / "t.npz", input=digits_data["train"]["input"][:64], labels=digits_data["train"]["labels"][:64])
     assert main(["train", str(digits_artifacts), "--data", "t.npz", "--epochs", "1"]) == 0
     saved = tmp_path / f"{Path(digits_artifacts).name}.ckpt" / "latest.ckpt"
-    assert f"the trained model is in {saved.relative_to(tmp_path)}" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert f"the trained model is in {saved.relative_to(tmp_path)}" in err
+    rate = Manifest.load(digits_artifacts).optimizer.lr
+    assert f"training: adamw at lr {rate:g} (from the artifacts), constant schedule, 1 epoch(s) of 2 step(s)" in out
     assert Trainer.load(digits_artifacts, checkpoint=saved).epoch == 1
+    assert main(["train", str(digits_artifacts), "--data", "t.npz", "--lr", "0.01", "--schedule", "cosine",
+                 "--epochs", "1", "--checkpoint", "other"]) == 0  # fmt: skip
+    assert "training: adamw at lr 0.01 (from --lr), cosine schedule" in capsys.readouterr().out
 
 
 def test_commands_without_checkpoint_use_what_train_saved_or_say_untrained(digits_artifacts, digits_data, tmp_path,
@@ -200,3 +207,23 @@ def test_the_suggestion_is_the_steepest_fall_before_the_minimum():
     losses = list(2 - np.tanh(2 * (x + 3)) + np.where(x > -1, 10 * (x + 1) ** 2, 0))  # falls fastest at 1e-3
     assert suggest(rates, losses) == pytest.approx(1e-3, rel=0.3)
     assert suggest(rates, sorted(losses)) is None  # never falls: no suggestion
+
+
+def test_every_data_option_names_the_formats_its_loader_reads():
+    from federated.task import data_files
+    from ondevice.cli import _parser
+    from ondevice.text import DATA_FORMATS
+
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("train", "evaluate", "predict"):
+        parser = commands.choices[name]
+        helps = {a.dest: a.help for a in parser._actions}
+        summary = next(c.help for c in commands._choices_actions if c.dest == name)
+        for text in (helps["data"], helps.get("val") or helps["data"]):
+            assert all(suffix in text for suffix in DATA_FORMATS), (name, text)
+        assert not any(s in summary for s in DATA_FORMATS) or all(s in summary for s in DATA_FORMATS), summary
+    modes = next(a for a in commands.choices["fl"]._actions if isinstance(a, argparse._SubParsersAction))
+    simulate = modes.choices["simulate"]
+    data = next(a.help for a in simulate._actions if a.dest == "data")
+    assert "train.npz" in data and "clients/*.npz|*.jsonl" in data and "test.jsonl" in data
+    assert data_files.__doc__ and "DATA/clients/" in data_files.__doc__
