@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import BY_NAME, validate
 from .errors import RunConfigError
+from .report import FAILURE
 
 __all__ = ["register", "add_run_options", "run_config", "check_nodes", "echo_rounds"]
 
@@ -17,9 +18,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     fl = commands.add_parser("fl", help="federated training with Flower (simulation or a real local deployment)")
     modes = fl.add_subparsers(dest="mode", required=True, metavar="MODE")
     sim = modes.add_parser("simulate", help="Flower's simulation runtime: N virtual clients on this machine")
-    sim.add_argument("--clients", type=int, default=10, help="number of virtual SuperNodes (default 10)")
+    sim.add_argument("--clients", type=int, help="number of virtual SuperNodes (default 10)")
     dep = modes.add_parser("deploy", help="a real SuperLink and N SuperNode processes on 127.0.0.1")
-    dep.add_argument("--nodes", type=int, default=2, help="number of SuperNode processes (default 2)")
+    dep.add_argument("--nodes", type=int, help="number of SuperNode processes (default 2)")
     dep.add_argument("--tls", action="store_true", help="throwaway CA + certificates and SuperNode authentication")
     for p in (sim, dep):
         add_run_options(p)
@@ -57,12 +58,17 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
     def option(flag: str, key: str, help: str, **extra: Any) -> None:  # the run-config key's type and default
         k = BY_NAME[key]
-        p.add_argument(flag, type=k.kind, default=k.default, help=f"{help} (default {k.default})", **extra)
+        p.add_argument(flag, type=k.kind, help=f"{help} (default {k.default})", **extra)  # None: not given
+        RUN_OPTIONS[flag.removeprefix("--").replace("-", "_")] = key
 
     option("--rounds", "num-server-rounds", "server rounds")
     option("--artifacts", "artifacts", "artifact directory")
-    option("--data", "data", "directory with train.npz (partitioning iid or dirichlet) or clients/*.npz|*.jsonl, "
-           "one file per node (partitioning files), and test.npz or test.jsonl for the global evaluation")
+    option(
+        "--data",
+        "data",
+        "directory with train.npz (partitioning iid or dirichlet) or clients/*.npz|*.jsonl, "
+        "one file per node (partitioning files), and test.npz or test.jsonl for the global evaluation",
+    )
     option("--out", "output", "where metrics.json, rounds.png and logs go")
     option("--strategy", "strategy", "fedavg, fedavgm, fedprox, fedadam, fedmedian, ...")
     option("--codec", "codec", "update encoding", choices=BY_NAME["codec"].choices)
@@ -81,7 +87,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         metavar="DIR",
-        help="continue the run whose --out was DIR after its last completed round (same settings, same artifacts)",
+        help="continue the run whose --out was DIR after its last completed round, with that run's settings "
+        "(DIR/run-config.json; a flag that contradicts them is refused)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other run-config key")
     p.add_argument("--json", action="store_true", help="print the per-round report as JSON")
@@ -97,32 +104,62 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.resume or args.out).resolve()
-    config: dict[str, Any] = {
-        "num-server-rounds": args.rounds,
-        "artifacts": str(Path(args.artifacts).resolve()),
-        "data": str(Path(args.data).resolve()),
-        "output": str(out),
-        "strategy": args.strategy,
-        "codec": args.codec,
-        "partitioning": args.partitioning,
-        "dirichlet-alpha": args.alpha,
-        "local-epochs": args.local_epochs,
-        "local-steps": args.local_steps,
-        "min-nodes": args.min_nodes,
-        "fraction-train": args.fraction,
-        "round-timeout": args.round_timeout,
-        "resume": bool(args.resume),
-    }
+    """The run config of the flags (each one not given takes its default), or with ``--resume DIR`` the
+    saved config of the run in DIR, refusing a given flag that contradicts it."""
+    record = _saved_run(Path(args.resume)) if args.resume else None
+    saved = {k: v for k, v in record["config"].items() if k != "resume"} if record else None
+    config: dict[str, Any] = dict(saved) if saved else {k: BY_NAME[k].default for k in RUN_OPTIONS.values()}
+    given: dict[str, Any] = {key: getattr(args, dest) for dest, key in RUN_OPTIONS.items()
+                             if getattr(args, dest, None) is not None}  # fmt: skip
+    for key in ("artifacts", "data", "output"):  # the apps run elsewhere: every path absolute
+        if key in given:
+            given[key] = str(Path(given[key]).resolve())
+    if args.resume:
+        out = str(Path(args.resume).resolve())
+        if args.out is not None and str(Path(args.out).resolve()) != out:
+            raise RunConfigError(f"--resume {args.resume} continues the run there; --out {args.out} is another place.")
+        given["output"] = out
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             raise RunConfigError(f"--set needs KEY=VALUE, got {item!r}.")
-        config[key] = value  # typed by the schema
+        given[key] = value  # typed by the schema
+    if saved:  # the run's own settings: a contradicting flag is refused, naming the difference
+        typed = validate({**saved, **given})
+        changed = sorted(k for k in given if k in saved and typed[k] != saved[k])
+        if changed:
+            differences = "; ".join(f"{k}: {saved[k]!r} in the run, {typed[k]!r} given" for k in changed)
+            raise RunConfigError(
+                f"--resume {args.resume} continues that run with its own settings, which these flags contradict: "
+                f"{differences}. Drop them, or start a new run with --out."
+            )
+    config.update(given)
+    config.update({k: str(Path(config[k]).resolve()) for k in ("artifacts", "data", "output")})
+    config["resume"] = bool(args.resume)
     tiers = [t.strip() for t in str(config.get("tiers", "")).split(",") if t.strip()]
     if tiers:  # the apps run elsewhere: every path absolute
         config["tiers"] = ",".join(str(Path(t).resolve()) for t in tiers)
     return validate(config)
+
+
+RUN_OPTIONS: dict[str, str] = {}
+"""argparse dest -> run-config key of the options :func:`add_run_options` adds."""
+RUN_CONFIG = "run-config.json"
+"""OUTPUT/run-config.json: the validated run config of a run (and its node count), for ``--resume``."""
+
+
+def _saved_run(out: Path) -> dict[str, Any] | None:
+    """What the run in ``out`` saved of itself: ``{"mode", "nodes", "config"}`` (None: a run that predates the
+    file, whose flags must be given again)."""
+    try:
+        saved = json.loads((out / RUN_CONFIG).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise RunConfigError(f"--resume {out}: {RUN_CONFIG} cannot be read ({exc}); start a new run.") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise RunConfigError(f"--resume {out}: {RUN_CONFIG} is not a run config; start a new run.")
+    return saved
 
 
 def _check_paths(config: dict[str, Any]) -> None:
@@ -184,26 +221,42 @@ def check_nodes(nodes: int, config: dict[str, Any], flag: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ondevice.files import atomic_write_bytes
+
     from .runner import deploy, simulate
 
     config = run_config(args)  # a clear error in a second beats one from every node after Flower started
-    check_nodes(args.clients if args.mode == "simulate" else args.nodes, config,
-                "--clients" if args.mode == "simulate" else "--nodes")  # fmt: skip
-    work = Path(config["output"]) / "logs"
-    if args.mode == "simulate":
-        report = simulate(args.clients, config, work=work, on_line=_quiet if args.json else echo_rounds)
+    flag, default = ("--clients", 10) if args.mode == "simulate" else ("--nodes", 2)
+    given = args.clients if args.mode == "simulate" else args.nodes
+    record = _saved_run(Path(args.resume)) if args.resume else None
+    saved = record.get("nodes") if record else None
+    if given is not None and saved is not None and given != saved:
+        raise RunConfigError(f"--resume {args.resume}: that run had {flag} {saved}, not {given}. Drop {flag}.")
+    nodes = given if given is not None else saved if saved is not None else default
+    check_nodes(nodes, config, flag)
+    out = Path(config["output"])
+    work = out / "logs"
+    if args.resume:
+        _keep_previous_logs(work)
     else:
-        report = deploy(args.nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else echo_rounds)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"mode": args.mode, "nodes": nodes, "config": config}
+        atomic_write_bytes(out / RUN_CONFIG, json.dumps(record, indent=2).encode())
+    if args.mode == "simulate":
+        report = simulate(nodes, config, work=work, on_line=_quiet if args.json else echo_rounds)
+    else:
+        report = deploy(nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else echo_rounds)
+    (out / FAILURE).unlink(missing_ok=True)  # this run succeeded: an earlier attempt's failure is over
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
 
 
-def echo_rounds(line: str) -> None:
-    """Show progress, a run's round lines and its report line; not Flower's own log."""
-    if line.startswith(("round ", "odt: ")) or "federated report:" in line:
-        print(line, flush=True)
-
-
-def _quiet(line: str) -> None:
-    pass
+def _keep_previous_logs(work: Path) -> None:
+    """Move the failed attempt's logs aside (NAME.log -> NAME.attempt-N.log) before a resumed run writes its own."""
+    logs = [p for p in work.glob("*.log") if ".attempt-" not in p.name] if work.is_dir() else []
+    attempt = 1
+    while any(work.glob(f"*.attempt-{attempt}.log")):
+        attempt += 1
+    for path in logs:
+        path.rename(path.with_name(f"{path.stem}.attempt-{attempt}.log"))

@@ -209,7 +209,7 @@ def register_evaluate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help=".npz keyed by the manifest's input names, .jsonl of texts, or "
                    ".csv with a header")  # fmt: skip
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"evaluate CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
-    p.add_argument("--batch-size", type=int, default=256, help="default 256")
+    p.add_argument("--batch-size", type=int, help="rows per step (default: the memory plan's micro-batch, else 256)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     _engine_option(p)
     p.set_defaults(run=_run_evaluate)

@@ -203,6 +203,17 @@ class Manifest:
         return (files["training"], files["optimizer"]) if "training" in files else None
 
     @property
+    def eval_batch_size(self) -> int:
+        """Rows per eval or predict step by default: the memory plan's micro-batch (or its batch), so
+        that evaluating and predicting stay within the budget the plan measured training in; 256
+        without a plan."""
+        plan = self.plan or {}
+        for key in ("micro_batch_size", "batch_size"):
+            if isinstance(plan.get(key), int) and plan[key] >= 1:
+                return int(plan[key])
+        return 256
+
+    @property
     def engines(self) -> tuple[str, ...]:
         """The engines these artifacts carry graphs for."""
         return ("classic", "portable") if self.portable_files else ("classic",)

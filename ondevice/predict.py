@@ -55,10 +55,13 @@ class Predictor:
         self._outputs = [o.name for o in self._session.get_outputs()]
 
     def predict(
-        self, data: Mapping[str, np.ndarray], *, batch_size: int = 256, progress: bool = False
+        self, data: Mapping[str, np.ndarray], *, batch_size: int | None = None, progress: bool = False
     ) -> dict[str, np.ndarray]:
         """Every output for every example, computed ``batch_size`` examples at a time (so a large
-        file never becomes one huge batch); ``progress`` shows a bar on a terminal."""
+        file never becomes one huge batch; default: the manifest's ``eval_batch_size``, the memory
+        plan's micro-batch, else 256); ``progress`` shows a bar on a terminal."""
+        if batch_size is None:
+            batch_size = self.manifest.eval_batch_size
         from ._progress import progress_bar
 
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:

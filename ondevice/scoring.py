@@ -52,10 +52,12 @@ def batch_loss(kind: str, options: Mapping[str, Any], output: np.ndarray, target
 
 
 def evaluate_exported(
-    predictor: Predictor, data: Mapping[str, np.ndarray], *, batch_size: int = 256
+    predictor: Predictor, data: Mapping[str, np.ndarray], *, batch_size: int | None = None
 ) -> dict[str, float]:
-    """Mean loss (and accuracy for classification) of an exported model over labelled ``data``."""
+    """Mean loss (and accuracy for classification) of an exported model over labelled ``data``
+    (``batch_size`` rows at a time; default: the manifest's ``eval_batch_size``)."""
     manifest: Manifest = predictor.manifest
+    batch_size = manifest.eval_batch_size if batch_size is None else batch_size
     if not manifest.targets or manifest.loss_input is None:
         raise ConfigError("these artifacts compute their own loss inside the model: evaluate the artifacts instead.")
     checked = check_data(manifest, data)

@@ -371,13 +371,17 @@ class Trainer:
         self._session.reset_grad()
 
     def evaluate(
-        self, data: Mapping[str, np.ndarray], *, batch_size: int = 256, progress: bool = False
+        self, data: Mapping[str, np.ndarray], *, batch_size: int | None = None, progress: bool = False
     ) -> dict[str, float]:
-        """Mean loss over ``data`` (and accuracy for classification) with the eval graph; ``progress``
-        shows a bar on a terminal."""
+        """Mean loss over ``data`` (and accuracy for classification) with the eval graph, ``batch_size``
+        rows at a time (default: the manifest's ``eval_batch_size``, the memory plan's micro-batch,
+        else 256); ``progress`` shows a bar on a terminal."""
         from ._progress import progress_bar
 
         self._check_evaluation("evaluate")
+        batch_size = self.manifest.eval_batch_size if batch_size is None else batch_size
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
         meter = Meter(self.manifest)

@@ -114,3 +114,29 @@ def test_secure_aggregation_composes_with_client_side_dp():
     checked = validate({"secure-aggregation": "true", "dp-noise": 0.5, "dp-clip": 2.0, "dp-mode": "client",
                         "strategy": "fedadam"})  # fmt: skip
     assert checked["secure-aggregation"] is True
+
+
+def test_resume_takes_the_runs_own_settings_and_refuses_contradictions(digits_artifacts, data_dir, tmp_path, capsys):
+    import argparse
+    import json
+
+    from federated.cli import register, run_config
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "run"
+    first = run_config(parser.parse_args(["fl", "simulate", "--artifacts", str(digits_artifacts), "--data",
+                                          str(data_dir), "--out", str(out), "--rounds", "7", "--set", "lr=0.01"]))  # fmt: skip
+    out.mkdir()
+    (out / "run-config.json").write_text(json.dumps({"mode": "simulate", "nodes": 3, "config": first}))
+    (out / "run-state.npz").write_bytes(b"")  # a run to continue (its contents are the ServerApp's to check)
+    resumed = run_config(parser.parse_args(["fl", "simulate", "--resume", str(out)]))
+    assert resumed == {**first, "resume": True}
+    again = run_config(parser.parse_args(["fl", "simulate", "--resume", str(out), "--rounds", "7"]))  # agrees
+    assert again == resumed
+    assert main(["fl", "simulate", "--resume", str(out), "--rounds", "9", "--set", "lr=0.02"]) == 2
+    err = capsys.readouterr().err
+    assert "lr: 0.01 in the run, 0.02 given; num-server-rounds: 7 in the run, 9 given. Drop them" in err
+    assert main(["fl", "simulate", "--resume", str(out), "--clients", "4"]) == 2
+    assert "that run had --clients 3, not 4. Drop --clients." in capsys.readouterr().err
+    assert not (out / "logs").exists()

@@ -290,9 +290,13 @@ def test_a_run_whose_server_is_killed_resumes_after_its_last_round(digits_artifa
     assert servers and 2 <= killed_after < rounds, killed_after
     assert run.wait(timeout=120) != 0 and not (out / "metrics.json").exists()  # the run failed
 
-    resumed = subprocess.run([*base, "--resume", str(out)], capture_output=True, text=True, timeout=300)
+    failed_log = (out / "logs" / "flwr-run.log").read_bytes()
+    # --resume DIR alone: the run's settings come from DIR/run-config.json
+    resumed = subprocess.run([*base[:3], "--resume", str(out)], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resuming after round {killed_after} of {rounds}" in resumed.stdout
+    assert (out / "logs" / "flwr-run.attempt-1.log").read_bytes() == failed_log  # the failed attempt's log is kept
+    assert not (out / "run-failed.json").exists()
     report = json.loads((out / "metrics.json").read_text())
     assert [r["round"] for r in report["rounds"]] == list(range(rounds + 1))
     straight = np.load(tmp_path / "straight" / "global_weights.npz")

@@ -410,3 +410,19 @@ def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(dig
     assert max(rows) == 4 and split.step == whole.step == 2 * 7
     for name, value in whole.get_weights().items():
         np.testing.assert_allclose(split.get_weights()[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    # evaluating (fit's validation too) and predicting stay within the plan as well: 5 rows a step
+    evaluated: list[int] = []
+    run = split._session.eval_step
+    split._session.eval_step = lambda feeds: evaluated.append(len(feeds[0])) or run(feeds)
+    split.fit(data, epochs=3, batch_size=32, val_data=data, progress=False)
+    assert max(evaluated) == 5
+    assert split.evaluate(data) == pytest.approx(split.evaluate(data, batch_size=256), rel=1e-5)  # the same metrics
+    assert split.manifest.eval_batch_size == 5 and whole.manifest.eval_batch_size == 256
+    exported = Predictor(split.export(tmp_path / "m.onnx"))  # the plan travels inside the exported model
+    predicted: list[int] = []
+    run_predictor = exported._session.run
+    exported._session.run = lambda names, feeds: predicted.append(len(next(iter(feeds.values())))) or run_predictor(
+        names, feeds
+    )
+    exported.predict({"input": data["input"]})
+    assert max(predicted) == 5
