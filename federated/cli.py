@@ -260,3 +260,13 @@ def _keep_previous_logs(work: Path) -> None:
         attempt += 1
     for path in logs:
         path.rename(path.with_name(f"{path.stem}.attempt-{attempt}.log"))
+
+
+def echo_rounds(line: str) -> None:
+    """Show progress, a run's round lines and its report line; not Flower's own log."""
+    if line.startswith(("round ", "odt: ")) or "federated report:" in line:
+        print(line, flush=True)
+
+
+def _quiet(line: str) -> None:
+    pass

@@ -125,8 +125,8 @@ def test_resume_takes_the_runs_own_settings_and_refuses_contradictions(digits_ar
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     out = tmp_path / "run"
-    first = run_config(parser.parse_args(["fl", "simulate", "--artifacts", str(digits_artifacts), "--data",
-                                          str(data_dir), "--out", str(out), "--rounds", "7", "--set", "lr=0.01"]))  # fmt: skip
+    argv = ["fl", "simulate", "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out)]
+    first = run_config(parser.parse_args([*argv, "--rounds", "7", "--set", "lr=0.01"]))
     out.mkdir()
     (out / "run-config.json").write_text(json.dumps({"mode": "simulate", "nodes": 3, "config": first}))
     (out / "run-state.npz").write_bytes(b"")  # a run to continue (its contents are the ServerApp's to check)
