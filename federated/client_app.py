@@ -74,7 +74,10 @@ def _task(msg: Message, context: Context, *, for_evaluation: bool = False):  # t
     config: ConfigRecord = msg.content[CONFIG]
     artifacts = node_artifacts(settings, context.node_config)
     trainer = node_trainer(
-        artifacts, str(config["manifest-sha256"]), str(config.get("tier-sha256s", "")), for_evaluation=for_evaluation,
+        artifacts,
+        str(config["manifest-sha256"]),
+        str(config.get("tier-sha256s", "")),
+        for_evaluation=for_evaluation,
         engine=str(context.node_config.get("engine", "auto")),
     )
     global_weights = from_arrays(msg.content[ARRAYS])

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["RoundLog", "round_problem", "first_line"]
+__all__ = ["RoundLog", "round_problem", "first_line", "slow_round"]
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RoundLog:
     accepted: dict[int, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # node -> (count, weights)
     partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition id its train reply named
     tiers: dict[int, str] = field(default_factory=dict)  # node -> the name of the tier it trained (mixed tiers)
+    sampled: list[int] = field(default_factory=list)  # the nodes asked to train this round
 
     def key(self, node: int) -> str:
         """How the report names a client: its partition id (as evaluation does), else its node id."""
@@ -46,6 +47,14 @@ def round_problem(replies: int, kept: int, min_nodes: int, excluded: Mapping[int
     if kept == 0:
         return f"every one of the {replies} clients failed or was excluded, so nothing was trained.{cause}"
     return None
+
+
+def slow_round(server_round: int, seconds: float, timeout: float) -> str | None:
+    """A warning when a round took more than half of round-timeout (a busier machine would drop clients)."""
+    if seconds <= timeout / 2:
+        return None
+    return (f"odt: warning: round {server_round} took {seconds:.0f} s, more than half of round-timeout "
+            f"({timeout:g} s): on a busier machine clients would miss it. Raise --round-timeout.")  # fmt: skip
 
 
 def first_line(reason: str, limit: int = 300) -> str:

@@ -20,6 +20,7 @@ from .partial import fit_to, union_of
 from .privacy import gaussian_epsilon
 from .protocol import METRICS, from_arrays, to_arrays
 from .report import record_failure, round_row, save_weights, write_report
+from .round_log import slow_round
 from .run_state import load_run_state, save_run_state
 from .secure import SecureGrid, SecureSettings
 from .strategy import GuardedStrategy, make_strategy
@@ -84,6 +85,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         tiers={sha: t.manifest for sha, t in tiers.items()},
         partial=bool(settings.personal),
         min_nodes=settings.min_nodes,
+        round_timeout=settings.round_timeout,
     )
 
     def load(arrays: ArrayRecord) -> None:
@@ -125,6 +127,9 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         seconds, ended[0] = now - ended[0], now
         accuracy = metrics.get("accuracy", float("nan"))
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
+        warning = slow_round(server_round, seconds, settings.round_timeout) if server_round > strategy.offset else None
+        if warning:
+            print(warning, flush=True)
         if server_round == len(rows):
             rows.append(round_row(server_round, metrics, strategy.rounds.get(server_round), seconds))
             if settings.dp_noise > 0 and server_round > 0:  # the privacy spent so far (an upper bound)

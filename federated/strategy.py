@@ -115,6 +115,7 @@ class GuardedStrategy(Strategy):
         tiers: dict[str, Manifest] | None = None,
         partial: bool = False,
         min_nodes: int = 1,
+        round_timeout: float = 120.0,
     ) -> None:
         """``tiers`` (manifest sha256 -> manifest) are the other artifact sets whose nodes may join;
         with them or with ``partial`` (personal tensors), replies hold only what a node shares and
@@ -129,6 +130,7 @@ class GuardedStrategy(Strategy):
         self.norm_bound, self.max_update_norm, self.norm_action = norm_bound, max_update_norm, norm_action
         self.keep_updates = keep_updates
         self.min_nodes = min_nodes
+        self.round_timeout = round_timeout
         self.manifest = manifest
         self.sha256 = manifest_sha256
         self.codec = codec
@@ -166,6 +168,7 @@ class GuardedStrategy(Strategy):
             for key, record in list(message.content.array_records.items()):
                 message.content[key] = to_arrays({**from_arrays(record), **buffers})
         record = self.rounds[server_round] = RoundLog(bytes_down=payload_bytes(self._global) * len(messages))
+        record.sampled = [m.metadata.dst_node_id for m in messages]
         # The noise is calibrated to the nodes actually sampled this round, not to the configured minimum.
         record.dp_noise_std = calibrate_dp_noise(self.inner, len(messages))
         record.dp_sampled = len(messages) if record.dp_noise_std is not None else None
@@ -196,6 +199,12 @@ class GuardedStrategy(Strategy):
         # Aggregate in a fixed order (not arrival order) so that a run's float32 sums repeat exactly.
         kept = sorted(self._bounded(server_round, kept, record), key=_reply_digest)
         answered = len(replies)
+        if self.secure is None:  # a sampled node that sent nothing missed the round: name it (report and console)
+            replied = {m.metadata.src_node_id for m in replies}
+            for node in (n for n in record.sampled if n not in replied):
+                record.excluded[node] = f"no reply within round-timeout ({self.round_timeout:g} s)"
+                print(f"odt: round {server_round}: node {node} sent no update within round-timeout "
+                      f"({self.round_timeout:g} s); the round goes on without it", flush=True)  # fmt: skip
         if self.secure is not None and self.secure.rounds:  # one reply stood for every node that survived
             secure = self.secure.rounds[-1]
             record.bytes_up, record.bytes_down = dict(secure.bytes_up), sum(secure.bytes_down.values())

@@ -32,6 +32,29 @@ DEVICES = (
     "heated towel rail", "dehumidifier", "window shade", "skylight", "pool pump",
 )  # fmt: skip
 FLOORS = ("upstairs", "downstairs", "first floor", "second floor", "ground floor", "top floor")
+NAMES = {
+    "en": (AREAS, DEVICES, FLOORS),
+    "es": (
+        (
+            "cocina", "salón", "dormitorio", "baño", "garaje", "oficina", "pasillo", "comedor", "sótano", "ático",
+            "cuarto del bebé", "cuarto de invitados", "lavadero", "patio", "porche", "estudio", "sala de estar",
+            "despensa", "cuarto de juegos", "dormitorio principal", "cuarto de los niños", "taller", "jardín",
+            "balcón", "biblioteca", "gimnasio", "solárium", "bodega", "buhardilla", "recibidor", "sala familiar",
+            "patio trasero", "jardín delantero", "entrada", "rellano", "vestidor",
+        ),
+        (
+            "lámpara del techo", "lámpara de pie", "lámpara del escritorio", "ventilador", "calefactor", "tele",
+            "altavoz", "persianas", "cortinas", "cafetera", "hervidor", "lavavajillas", "luz de lectura",
+            "luz de noche", "tira de luces", "araña", "purificador", "humidificador", "radio", "guirnalda",
+            "foco", "luz del porche", "puerta del garaje", "aplique", "colgante", "lámpara de pared",
+            "ventilador de techo", "proyector", "barra de sonido", "lámpara de lava", "luz del acuario",
+            "toallero", "deshumidificador", "estor", "claraboya", "bomba de la piscina",
+        ),
+        ("arriba", "abajo", "primer piso", "segundo piso", "planta baja", "último piso"),
+    ),
+}  # fmt: skip
+"""Area, device and floor names per language: training homes draw from the first half of each pool,
+unseen homes from the second."""
 MIN_TEMPLATES = 10
 """Intents with fewer distinct sentences than this are left out (too few to learn from or test)."""
 PER_TEMPLATE = 8
@@ -49,15 +72,15 @@ class Home:
 
 
 @functools.cache
-def _templates():  # type: ignore[no-untyped-def]
+def _templates(language: str):  # type: ignore[no-untyped-def]
     from hassil import Intents
     from home_assistant_intents import get_intents
 
     logging.getLogger("hassil").setLevel(logging.ERROR)
-    return Intents.from_dict(get_intents("en"))
+    return Intents.from_dict(get_intents(language))
 
 
-def _expand(home: Home, per_template: int) -> dict[str, list[str]]:
+def _expand(home: Home, per_template: int, language: str = "en") -> dict[str, list[str]]:
     """Every intent's sentences for one home: up to ``per_template`` expansions of each template.
 
     Number slots stay as ``{brightness}`` placeholders (spelling out every number of every range
@@ -72,7 +95,7 @@ def _expand(home: Home, per_template: int) -> dict[str, list[str]]:
     from hassil.intents import TextSlotList
     from hassil.sample import sample_sentence
 
-    intents = _templates()
+    intents = _templates(language)
     slots = {
         **intents.slot_lists,
         "area": TextSlotList.from_strings(list(home.areas)),
@@ -86,7 +109,7 @@ def _expand(home: Home, per_template: int) -> dict[str, list[str]]:
             for template in data.sentences:
                 if any(n in data.wildcard_list_names for n in template.list_names(rules)):
                     continue
-                texts = sample_sentence(template, slots, rules, language="en", expand_ranges=False)
+                texts = sample_sentence(template, slots, rules, language=language, expand_ranges=False)
                 sentences.setdefault(name, []).extend(islice(texts, per_template))
     return sentences
 
@@ -105,17 +128,20 @@ def _fill(text: str, rng: np.random.Generator) -> str:
     return _PLACEHOLDER.sub(number, text)
 
 
-def intent_names() -> list[str]:
+def intent_names(language: str = "en") -> list[str]:
     """The intents with at least ``MIN_TEMPLATES`` expansions, sorted: the classifier's labels."""
-    probe = Home("probe", AREAS[:3], DEVICES[:3], FLOORS[:2], ())
-    return sorted(i for i, texts in _expand(probe, PER_TEMPLATE).items() if len(set(texts)) >= MIN_TEMPLATES)
+    areas, devices, floors = NAMES[language]
+    probe = Home("probe", areas[:3], devices[:3], floors[:2], ())
+    expanded = _expand(probe, PER_TEMPLATE, language)
+    return sorted(i for i, texts in expanded.items() if len(set(texts)) >= MIN_TEMPLATES)
 
 
-def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: int) -> list[Home]:
+def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: int, language: str = "en") -> list[Home]:
     """``count`` homes with names from the first half of each pool (``unseen``: the second half)."""
     rng = np.random.default_rng(seed + (1_000 if unseen else 0))
-    half = slice(len(AREAS) // 2, None) if unseen else slice(None, len(AREAS) // 2)
-    areas, devices, floors = AREAS[half], DEVICES[half], FLOORS
+    areas, devices, floors = NAMES[language]
+    half = slice(len(areas) // 2, None) if unseen else slice(None, len(areas) // 2)
+    areas, devices = areas[half], devices[half]
     homes = []
     for index in range(count):
         mix = rng.dirichlet(np.full(intents, alpha))
@@ -131,10 +157,10 @@ def make_homes(count: int, seed: int, *, unseen: bool, alpha: float, intents: in
     return homes
 
 
-def home_sentences(home: Home, intents: list[str], size: int, seed: int) -> list[dict[str, str]]:
+def home_sentences(home: Home, intents: list[str], size: int, seed: int, language: str = "en") -> list[dict[str, str]]:
     """``size`` labelled commands of one home, drawn by its intent mix (each intent at least twice)."""
     rng = np.random.default_rng(seed)
-    pool = _expand(home, PER_TEMPLATE)
+    pool = _expand(home, PER_TEMPLATE, language)
     counts = np.maximum(np.round(np.asarray(home.mix) * size).astype(int), 2)
     rows = []
     for intent, count in zip(intents, counts):
@@ -152,24 +178,30 @@ def write_jsonl(rows: list[dict[str, str]], path: Path) -> Path:
 
 
 def prepare(
-    out: Path, *, homes: int = 8, unseen_homes: int = 2, per_home: int = 400, alpha: float = 1.0, seed: int = 0
-) -> dict[str, Path]:
+    out: Path, *, homes: int = 8, unseen_homes: int = 2, per_home: int = 400, alpha: float = 1.0, seed: int = 0,
+    language: str = "en",
+) -> dict[str, Path]:  # fmt: skip
     """Write ``train/val/test.jsonl`` and ``clients/<home>.jsonl`` under ``out``; returns the paths.
 
     ``train``/``val`` hold the training homes' commands (90/10 per home), ``clients/`` each
     training home's own share of ``train`` (for federated runs, partitioning ``files``), ``test``
-    the unseen homes'. ``labels.json`` lists the intents in label order.
+    the unseen homes'. ``labels.json`` lists the intents in label order. ``language``: a key of
+    :data:`NAMES` (``en``, ``es``), whose Home Assistant templates and names are used.
     """
-    intents = intent_names()
+    if language not in NAMES:
+        raise ValueError(f"language must be one of {sorted(NAMES)}, got {language!r}.")
+    intents = intent_names(language)
     train, val, test, paths = [], [], [], {}
-    for index, home in enumerate(make_homes(homes, seed, unseen=False, alpha=alpha, intents=len(intents))):
-        rows = home_sentences(home, intents, per_home, seed * 7_919 + index)
+    made = make_homes(homes, seed, unseen=False, alpha=alpha, intents=len(intents), language=language)
+    for index, home in enumerate(made):
+        rows = home_sentences(home, intents, per_home, seed * 7_919 + index, language)
         cut = len(rows) // 10
         val += rows[:cut]
         train += rows[cut:]
         paths[home.name] = write_jsonl(rows[cut:], out / "clients" / f"{home.name}.jsonl")
-    for index, home in enumerate(make_homes(unseen_homes, seed, unseen=True, alpha=alpha, intents=len(intents))):
-        test += home_sentences(home, intents, per_home, seed * 7_919 + 100 + index)
+    unseen = make_homes(unseen_homes, seed, unseen=True, alpha=alpha, intents=len(intents), language=language)
+    for index, home in enumerate(unseen):
+        test += home_sentences(home, intents, per_home, seed * 7_919 + 100 + index, language)
     (out / "labels.json").write_text(json.dumps(intents))
     return {
         "train": write_jsonl(train, out / "train.jsonl"),

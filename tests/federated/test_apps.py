@@ -268,3 +268,29 @@ def test_node_data_is_read_once_and_again_when_its_file_changes(digits_data, tmp
 def _saved(path, arrays: dict):  # type: ignore[no-untyped-def]
     np.savez(path, **arrays)
     return path
+
+
+def test_a_node_that_sends_nothing_is_named_in_the_report_and_on_the_console(setup, capsys):
+    from federated.round_log import RoundLog
+
+    manifest, sha, global_weights = setup
+    strategy = GuardedStrategy(FedAvg(), manifest, sha, codec="none", max_examples=1000, round_timeout=45.0)
+    strategy._global = global_weights
+    strategy.rounds[1] = RoundLog(sampled=[7, 8, 31])  # what configure_train records: three nodes asked
+    replies = [_reply(n, encode(_shifted(global_weights, 0.01), global_weights, "none"), 10, hash_tag(sha))
+               for n in (7, 8)]  # fmt: skip
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None and strategy.rounds[1].excluded == {31: "no reply within round-timeout (45 s)"}
+    assert (
+        "odt: round 1: node 31 sent no update within round-timeout (45 s); the round goes on" in capsys.readouterr().out
+    )
+
+
+def test_a_round_that_uses_most_of_its_time_is_warned_about():
+    from federated.round_log import slow_round
+
+    assert slow_round(3, 59.0, 120.0) is None
+    assert slow_round(3, 61.4, 120.0) == (
+        "odt: warning: round 3 took 61 s, more than half of round-timeout (120 s): on a busier machine clients "
+        "would miss it. Raise --round-timeout."
+    )

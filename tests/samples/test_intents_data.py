@@ -49,3 +49,17 @@ def test_each_client_file_is_one_home_with_its_own_mix(tmp_path):
         mixes.append(max(counts, key=counts.get))
     assert len(set(mixes)) > 1  # the homes' favourite intents differ (Dirichlet skew)
     assert sum(len(_rows(p)) for p in clients) == len(_rows(paths["train"]))
+
+
+def test_spanish_homes_take_spanish_names_and_an_unknown_language_is_refused(tmp_path):
+    areas, devices, floors = intents.NAMES["es"]
+    assert (
+        len(areas) == len(intents.AREAS) and len(devices) == len(intents.DEVICES) and len(floors) == len(intents.FLOORS)
+    )
+    seen = intents.make_homes(3, 0, unseen=False, alpha=1.0, intents=30, language="es")
+    unseen = intents.make_homes(2, 0, unseen=True, alpha=1.0, intents=30, language="es")
+    assert all(set(h.areas) <= set(areas[: len(areas) // 2]) for h in seen)
+    assert all(set(h.devices) <= set(devices[len(devices) // 2 :]) for h in unseen)
+    with pytest.raises(ValueError, match="language must be one of \\['en', 'es'\\], got 'fr'"):
+        intents.prepare(tmp_path, language="fr")
+    assert not any(tmp_path.iterdir())
