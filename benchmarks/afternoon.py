@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,9 @@ COMMANDS = ["enciende la luz de la cocina", "apaga el ventilador del salÃ³n", "Â
 
 def odt(*args: str, cwd: Path) -> tuple[str, float]:
     """Run ``odt ARGS`` in a fresh process: its stdout and its peak RSS in MB."""
-    run = subprocess.run([sys.executable, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=3600)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, wherever the command runs
+    run = subprocess.run([sys.executable, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=3600,
+                         env=env)  # fmt: skip
     if run.returncode != 0:
         raise RuntimeError(f"odt {' '.join(args)} failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
     peak = next(line.split()[1] for line in run.stderr.splitlines() if line.startswith("odt-peak-kb"))

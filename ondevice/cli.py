@@ -150,7 +150,8 @@ def register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
     )
-    p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
+    p.add_argument("--batch-size", type=int, help="examples per step, per micro-batch with --accumulate (default: "
+                   "the memory plan's batch, else 32)")  # fmt: skip
     p.add_argument(
         "--accumulate",
         type=int,
@@ -342,6 +343,8 @@ def _run_train(args: argparse.Namespace) -> int:
         else Trainer.load(args.directory, **options)
     )
     train = load_data(args.data, args.directory)
+    if args.batch_size is None:
+        args.batch_size = trainer.manifest.train_batch_size
     if args.lr_find:
         return _lr_find(trainer, train, args)
     val = load_data(args.val, args.directory) if args.val else None

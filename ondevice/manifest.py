@@ -203,6 +203,13 @@ class Manifest:
         return (files["training"], files["optimizer"]) if "training" in files else None
 
     @property
+    def train_batch_size(self) -> int:
+        """Examples per optimizer step by default (``odt train``): the batch the memory plan was
+        measured at, else 32."""
+        batch = (self.plan or {}).get("batch_size")
+        return int(batch) if isinstance(batch, int) and batch >= 1 else 32
+
+    @property
     def eval_batch_size(self) -> int:
         """Rows per eval or predict step by default: the memory plan's micro-batch (or its batch), so
         that evaluating and predicting stay within the budget the plan measured training in; 256
