@@ -41,7 +41,8 @@ from .estimate import Footprint, footprint, reachable_parameters
 from .lora import Lora
 from .spec import Spec
 
-__all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure"]
+__all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure",
+           "longest_inputs"]  # fmt: skip
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -163,7 +164,8 @@ def plan(
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
     head = spec.trainable
     result = Plan(budget=budget, batch_size=batch_size)
-    found = candidates(model, example_inputs, spec.lora or Lora(), ranks, head)
+    longest = longest_inputs(example_inputs, spec)  # what the device feeds at worst: estimated and measured
+    found = candidates(model, longest, spec.lora or Lora(), ranks, head)
     base = spec.but(input_names=None, memory_budget=None, verify=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))
@@ -189,7 +191,7 @@ def plan(
             start = next((m for m in sizes if candidate.estimate(m) <= budget), 1)  # skip what the estimate rules out
             over: dict[str, int] = {}  # micro-batch -> measured peak, for those that did not fit
             for micro in sizes[sizes.index(start) :]:
-                measured = _fit(directory, _batch(manifest, example_inputs, micro, work / "batch.npz"), steps, budget)
+                measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget)
                 if measured["fits"] or micro == 1:
                     break
                 over[str(micro)] = measured["peak_rss"]
@@ -278,6 +280,26 @@ def measure(directory: Path, batch: Path, steps: int = 4, *, lean_memory: bool =
     if done.returncode != 0:
         raise SelectionError(f"measuring {directory.name} failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def longest_inputs(example: Mapping[str, torch.Tensor], spec: Spec) -> dict[str, torch.Tensor]:
+    """``example`` at the longest text the device will feed: the inputs the tokenizer fills, tiled
+    along their dynamic axes to its ``max_length`` (a batch of text pads to its longest, at most
+    that). Without a tokenizer, the example as given."""
+    tokenizer = spec.tokenizer
+    if tokenizer is None:
+        return dict(example)
+    longest = dict(example)
+    for name in (tokenizer.ids, tokenizer.mask):
+        tensor = example.get(name) if name else None
+        for axis in spec.dynamic_axes.get(name or "", {}) if tensor is not None else ():
+            if 0 < tensor.shape[axis] < tokenizer.max_length:
+                repeats = [1] * tensor.dim()
+                repeats[axis] = -(-tokenizer.max_length // tensor.shape[axis])
+                tensor = tensor.repeat(*repeats).narrow(axis, 0, tokenizer.max_length)
+        if tensor is not None:
+            longest[name] = tensor
+    return longest
 
 
 def _batch(manifest: Any, example: Mapping[str, torch.Tensor], size: int, path: Path) -> Path:

@@ -2,7 +2,8 @@
 
 Run as ``python -m ondevice.measure DIR --data BATCH.npz`` in a fresh process (the memory planner
 does), so the peak is this training alone: imports, ONNX Runtime's training session (not the eval
-graph's), weights, gradients, optimizer state and activations. Prints one JSON object.
+graph's), weights, gradients, optimizer state and activations, and the tokenizer of artifacts
+that train on text. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # A training process: the eval graph's session is not loaded (odt train loads it only for --val).
     trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory, evaluation=False)
+    if trainer.manifest.tokenizer is not None:  # a device that trains on text holds the tokenizer too
+        from .text import TextEncoder
+
+        TextEncoder(args.directory, trainer.manifest)(["measure the tokenizer's memory too"])
     batch = load_npz(args.data)
     times = []
     for _ in range(max(args.steps, 2)):

@@ -214,3 +214,18 @@ def test_the_last_modules_are_the_last_ones_the_loss_depends_on(tmp_path):
     assert planned["last 2 modules"].layers == "top ... head"
     assert planned["last 2 modules"].trainable == manifest.trainable_size
     assert planned["everything"].trainable == sum(p.numel() for n, p in model.named_parameters() if "unused" not in n)
+
+
+def test_text_models_are_planned_at_the_tokenizers_longest_text():
+    from artifacts import Spec
+    from artifacts.planner import longest_inputs
+    from ondevice.manifest import TokenizerSpec
+
+    example = {"ids": torch.arange(1, 25).reshape(2, 12), "mask": torch.ones(2, 12, dtype=torch.int64),
+               "extra": torch.zeros(2, 3)}  # fmt: skip
+    axes = {"ids": {1: "seq"}, "mask": {1: "seq"}}
+    spec = Spec(dynamic_axes=axes, tokenizer=TokenizerSpec("tokenizer.json", "ids", "mask", 32))
+    longest = longest_inputs(example, spec)
+    assert longest["ids"].shape == longest["mask"].shape == (2, 32) and longest["extra"] is example["extra"]
+    assert torch.equal(longest["ids"][:, 12:24], example["ids"]) and bool((longest["mask"] == 1).all())
+    assert longest_inputs(example, Spec(dynamic_axes=axes)) == example  # no tokenizer: the example as given
