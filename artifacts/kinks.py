@@ -9,7 +9,7 @@ such inputs in ORT's forward, so that verification can say so and retry on other
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -17,7 +17,7 @@ import onnx
 from numpy.lib.stride_tricks import sliding_window_view
 from onnx import helper, numpy_helper
 
-__all__ = ["Kink", "kink_outputs", "near_kinks", "ULPS"]
+__all__ = ["Kink", "kink_outputs", "near_kinks", "with_torch_side", "ULPS"]
 
 ULPS = 4
 """How close counts as at the kink: this many float32 spacings of the tensor's largest magnitude."""
@@ -33,10 +33,18 @@ class Kink:
     """The example in the batch."""
     value: float
     """ORT's input there (for a max pooling: the gap)."""
+    index: int = 0
+    """The element within the item (flat)."""
+    torch_value: float | None = None
+    """PyTorch's input at the same element, when its forward has a matching tensor."""
 
     def __str__(self) -> str:
-        where = "its window's two largest values differ by" if self.op == "MaxPool" else "input"
-        return f"{self.op} {self.node!r}, item {self.item}: {where} {self.value:.3g} (kink at {self.at:g})"
+        if self.op == "MaxPool":
+            return (f"MaxPool {self.node!r}, item {self.item}: its window's two largest values differ by "
+                    f"{self.value:.3g}")  # fmt: skip
+        torch = f", {self.torch_value:.3g} in PyTorch" if self.torch_value is not None else ""
+        where = f"{self.op} {self.node!r}, item {self.item}"
+        return f"{where}: input {self.value:.3g} in ONNX Runtime{torch} (kink at {self.at:g})"
 
 
 def kink_outputs(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, tuple[float, ...]]]:
@@ -86,8 +94,18 @@ def near_kinks(nodes: Sequence[tuple[onnx.NodeProto, tuple[float, ...]]], inputs
             index = int(flat.argmin())
             value = float(values[item].ravel()[index])
             at = min(points, key=lambda p: abs(value - p))
-            found.append(Kink(node.name, node.op_type, float(at), int(item), value))
+            found.append(Kink(node.name, node.op_type, float(at), int(item), value, index))
     return found
+
+
+def with_torch_side(kink: Kink, ort_input: np.ndarray, torch_inputs: Sequence[np.ndarray]) -> Kink:
+    """``kink`` with PyTorch's value of the same element: from the tensor of ``torch_inputs`` (the
+    inputs of PyTorch's piecewise calls) that has ORT's shape and is closest to ORT's input."""
+    same = [t for t in torch_inputs if t.shape == ort_input.shape]
+    if not same or kink.op == "MaxPool":
+        return kink
+    closest = min(same, key=lambda t: float(np.abs(t.astype(np.float64) - ort_input).max()))
+    return replace(kink, torch_value=float(closest[kink.item].ravel()[kink.index]))
 
 
 def _window_gaps(node: onnx.NodeProto, x: np.ndarray) -> np.ndarray:

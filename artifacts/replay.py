@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .errors import VerificationError
 
-__all__ = ["Replay", "replayed_dropout"]
+__all__ = ["Replay", "replayed_dropout", "piecewise_inputs"]
 
 
 class Replay:
@@ -109,3 +109,34 @@ def replayed_dropout(masks: Sequence[np.ndarray] | None, names: Sequence[str]) -
             f"the training graph has {len(replay.masks)} Dropout nodes but PyTorch's forward applied "
             f"{replay.used} dropouts; the first one it did not reach is {replay.names[replay.used]!r}."
         )
+
+
+_PIECEWISE = ("relu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid")
+"""PyTorch's piecewise activations (``nn.ReLU``, ``ReLU6``, ``Hardswish``... call these; ``torch.relu``
+is recorded too), whose inputs verification compares with ORT's at a kink."""
+
+
+@contextmanager
+def piecewise_inputs() -> Iterator[list[np.ndarray]]:
+    """Record the input of every piecewise activation PyTorch's forward runs (a copy, before an
+    in-place one changes it)."""
+    seen: list[np.ndarray] = []
+    saved = {name: getattr(F, name) for name in _PIECEWISE}
+
+    def recording(function):  # type: ignore[no-untyped-def]
+        def record(input: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(input.detach().numpy().copy())
+            return function(input, *args, **kwargs)
+
+        return record
+
+    relu = torch.relu
+    for name, function in saved.items():
+        setattr(F, name, recording(function))
+    torch.relu = recording(relu)  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        for name, function in saved.items():
+            setattr(F, name, function)
+        torch.relu = relu  # type: ignore[assignment]

@@ -23,10 +23,10 @@ from ondevice.session import TRAINING_GRAPH, ort_error_message, training_graph
 from .errors import ToleranceError, VerificationError
 from .export import zero_dropout
 from .frozen import FROZEN_FILE
-from .kinks import ULPS, Kink, kink_outputs, near_kinks
+from .kinks import ULPS, Kink, kink_outputs, near_kinks, with_torch_side
 from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
-from .replay import replayed_dropout
+from .replay import piecewise_inputs, replayed_dropout
 
 __all__ = [
     "Tolerances",
@@ -163,11 +163,19 @@ def _retry_at_kinks(
         return report, ""
     graphs = {r.item.split(": ")[0] if ": " in r.item else TRAINING_GRAPH for r in failed}
     feeds = [t.detach().numpy() for t in example] + list(targets)
-    kinks = [k for graph in sorted(graphs) for k in _kinks(directory, graph, feeds)]
+    kinks, inputs = [], {}
+    for graph in sorted(graphs):
+        found, arrays = _kinks(directory, graph, feeds)
+        kinks += found
+        inputs.update(arrays)
     if not kinks:
         return report, ""
     worst = max(failed, key=lambda r: r.max_abs)
     closest = min(kinks, key=lambda k: abs(k.value - k.at))
+    reference = copy.deepcopy(model).train()
+    with torch.no_grad(), replayed_dropout(None, ()), piecewise_inputs() as seen:
+        reference(*example)  # PyTorch's side of the same element
+    closest = with_torch_side(closest, inputs[closest.node], seen)
     found = (f"{worst.item} was off by {worst.max_abs:.3g} ({len(failed)} rows) where ORT's forward has "
              f"{len(kinks)} input(s) within {ULPS} float32 steps of a kink, closest {closest}")  # fmt: skip
     nearby = _nearby(example, seed + 1)
@@ -191,22 +199,24 @@ def _nearby(example: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor] | 
     ]
 
 
-def _kinks(directory: Path, graph: str, feeds: list[np.ndarray]) -> list[Kink]:
-    """Inputs at a kink in the forward of ``graph`` (its twin with dropout off) on ``feeds``."""
+def _kinks(directory: Path, graph: str, feeds: list[np.ndarray]) -> tuple[list[Kink], dict[str, np.ndarray]]:
+    """Inputs at a kink in the forward of ``graph`` (its twin with dropout off) on ``feeds``, and
+    every piecewise node's input by node name."""
     with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
         twin, _ = dropout_free_twin(directory, Path(tmp), graph, keep=True)
         training = onnx.load(twin / graph, load_external_data=False)
         nodes = kink_outputs(training)
         names = list(dict.fromkeys(node.input[0] for node, _ in nodes))
         if not names:
-            return []
+            return [], {}
         known = {o.name for o in training.graph.output}
         training.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
                                      for n in names if n not in known)  # fmt: skip
         onnx.save(training, twin / graph)
         session = OrtTraining(twin, graph=graph, with_optimizer=False)
         by_name = dict(zip(session.output_names(), session.train_step(feeds)))
-    return near_kinks(nodes, [by_name[node.input[0]] for node, _ in nodes])
+    arrays = {node.name: np.asarray(by_name[node.input[0]]) for node, _ in nodes}
+    return near_kinks(nodes, [arrays[node.name] for node, _ in nodes]), arrays
 
 
 def merge_reports(reports: Sequence[Verification], examples: Sequence[Sequence[torch.Tensor]]) -> Verification:

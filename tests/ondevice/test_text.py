@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -75,6 +76,19 @@ def test_jsonl_is_encoded_like_the_tokenizers_library(text_artifacts, tmp_path):
         assert data["ids"][row, :n].tolist() == e.ids and not data["ids"][row, n:].any()
         assert data["mask"][row].tolist() == [1] * n + [0] * (width - n)
     assert data["labels"].tolist() == [LABELS.index(label) for _, label in COMMANDS]
+
+
+def test_texts_encoded_in_chunks_equal_one_batch_padded_to_the_longest(text_artifacts, monkeypatch):
+    import ondevice.text
+
+    texts = [" ".join(["lights"] * (1 + i % 9)) for i in range(40)]  # one long text late, after short chunks
+    texts[37] = "turn the kitchen lights off now please and then the hallway ones"
+    whole = TextEncoder(text_artifacts)(texts)
+    monkeypatch.setattr(ondevice.text, "ENCODE_CHUNK", 7)
+    chunked = TextEncoder(text_artifacts)(texts)
+    assert whole["ids"].shape == (40, 12)
+    for name in ("ids", "mask"):
+        np.testing.assert_array_equal(chunked[name], whole[name])
 
 
 def test_bad_text_data_is_refused_with_its_line(text_artifacts, tmp_path):
