@@ -3,8 +3,9 @@
 Candidates are trainable sets of one model (everything, LoRA ranks on chosen targets, last-N
 modules, biases only). Each is estimated before anything is built (``artifacts.estimate``: the
 weights it holds and what PyTorch saves for its backward, per row), then the promising ones, in
-order, are built (unverified) and MEASURED: a fresh torch-free process loads the artifacts and
-runs training steps on a batch, and its peak RSS is read from the kernel. Each is measured first
+order, are built (unverified) and MEASURED: a fresh torch-free process does what ``odt train
+--val`` does on a batch (``ondevice.measure``: both sessions, 1,000 examples of data through the
+tokenizer, train steps, validation, a checkpoint save), and its peak RSS is read from the kernel. Each is measured first
 at the largest micro-batch its estimate fits (the runtime trains the same effective batch with
 gradient accumulation, so activations shrink and the result is the same), then at smaller ones
 while it is over. The first candidate that fits is chosen, with the micro-batch that fit.
@@ -319,20 +320,24 @@ def format_plan(result: Plan) -> str:
     lean = " (lean memory: ORT's arena off)" if result.lean_memory else ""
     micro = f", in micro-batches of {result.micro_batch_size}" if result.micro_batch_size else ""
     lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}{micro}{lean}",
-             f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'estimate':>9}  {'peak RSS':>9}  "
+             f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'estimate':>9}  {'train':>9}  {'+ val':>9}  "
              f"{'ms/step':>8}  fits"]  # fmt: skip
     for row in result.rows:
         peak = _mb(row["peak_rss"]) if "peak_rss" in row else "-"
+        train = _mb(row["peak_rss_train"]) if "peak_rss_train" in row else "-"
         step = f"{row['step_ms']:8.1f}" if "step_ms" in row else f"{'-':>8}"
         size = str(row.get("micro_batch_size", "-"))
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits")] + (" (lean)" if row.get("lean_memory") else "")
         mark = "  <- chosen" if row["candidate"] == result.chosen else ""
         lines.append(
             f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {_mb(row['estimate']):>9}  "
-            f"{peak:>9}  {step}  {fits}{mark}"
+            f"{train:>9}  {peak:>9}  {step}  {fits}{mark}"
         )
     notes = [f"   {row['candidate']}: " + "; ".join(t for t in (row.get("layers"), row.get("note")) if t)
              for row in result.rows if row.get("layers") or row.get("note")]  # fmt: skip
+    if any("peak_rss" in row for row in result.rows):
+        notes.append("   train, + val: peak RSS of a fresh process that trains, then validates and saves as "
+                     "`odt train --val` does (odt evaluate and predict load no more); the plan fits + val")  # fmt: skip
     if any("peak_rss_lean" in row for row in result.rows):
         notes.append("   over-budget rows were measured again without ORT's arena (lean memory)")
     return "\n".join(lines + notes)

@@ -83,7 +83,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     option("--local-steps", "local-steps", "train more epochs until that many steps")
     option("--min-nodes", "min-nodes", "nodes a round needs")
     option("--fraction", "fraction-train", "share of nodes sampled per round")
-    option("--round-timeout", "round-timeout", "seconds to wait for replies")
+    option("--round-timeout", "round-timeout", "seconds a round waits for replies (default 0: follow the work, "
+           "900 s for the first exchange, then 4x the slowest so far, at least 120 s)")
     p.add_argument(
         "--resume",
         metavar="DIR",
@@ -249,6 +250,10 @@ def _run(args: argparse.Namespace) -> int:
     (out / FAILURE).unlink(missing_ok=True)  # this run succeeded: an earlier attempt's failure is over
     if args.json:
         print(json.dumps(report, indent=2))
+    elif report.get("process_tree", {}).get("peak_pss_bytes"):
+        tree = report["process_tree"]
+        print(f"odt: peak memory of the run's {tree['processes']} processes together: "
+              f"{tree['peak_pss_bytes'] / 2**20:.0f} MiB (PSS; in {out / 'metrics.json'})", flush=True)  # fmt: skip
     return 0
 
 

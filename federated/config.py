@@ -130,7 +130,8 @@ KEYS: tuple[Key, ...] = (
     Key("norm-bound", float, 10.0, "updates over this x the round's median update norm are bounded (0: off)", low=0),
     Key("max-update-norm", float, 0.0, "updates over this L2 norm are bounded (0: off)", low=0),
     Key("norm-action", str, "reject", "what bounding does: reject the update or clip it", choices=("reject", "clip")),
-    Key("round-timeout", float, 120.0, "seconds to wait for replies", low=0, low_open=True),
+    Key("round-timeout", float, 0.0, "seconds a round waits for replies (0: follow the work: 900 s for the first "
+        "exchange, then 4x the slowest so far, at least 120 s)", low=0),
     Key("save-updates", bool, False, "also write every accepted client update to OUTPUT/updates/"),
     Key("personal", str, "", "comma-separated globs of tensors that stay on each client (e.g. head.*)"),
     Key("tiers", str, "", "comma-separated artifact dirs of other tiers (same base, other trainable sets)"),

@@ -17,7 +17,7 @@ from typing import IO, Sequence
 
 from .errors import DeployError
 
-__all__ = ["ProcessGroup", "Terminated", "free_port", "flower_env", "wait_healthy", "started_by"]
+__all__ = ["ProcessGroup", "Terminated", "TreeMemory", "free_port", "flower_env", "wait_healthy", "started_by"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,74 @@ def started_by(flwr_home: str) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+class TreeMemory:
+    """The peak memory of a run's whole process tree, sampled every ``every`` seconds in a thread.
+
+    The tree is this process, its descendants and everything with the run's ``FLWR_HOME`` (Ray's
+    workers in a simulation are not descendants). Each process counts its proportional set size
+    (PSS: a page shared by N processes counts 1/N in each), so the sum is what the tree holds
+    together; RSS would count the libraries every Ray worker maps many times over. Linux only
+    (``peak`` stays 0 elsewhere). ``/usr/bin/time`` on the command sees only its own process: 149 MB
+    in one run and 1.51 GB in an identical one, while the tree held 2.8 GB.
+    """
+
+    def __init__(self, flwr_home: str, every: float = 1.0) -> None:
+        self.flwr_home, self.every = flwr_home, every
+        self.peak = 0
+        self.peak_processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="odt-tree-memory", daemon=True)
+
+    def __enter__(self) -> TreeMemory:
+        if sys.platform.startswith("linux"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.sample()
+
+    def sample(self) -> int:
+        """Sum the tree's PSS now; keeps the peak. Returns the sum (bytes)."""
+        pids = {os.getpid(), *_descendants(os.getpid()), *started_by(self.flwr_home)}
+        total = sum(_pss(pid) for pid in pids)
+        if total > self.peak:
+            self.peak, self.peak_processes = total, len(pids)
+        return total
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(proc.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 when it is gone or unreadable)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _reap(flwr_home: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import DeployError, RunFailedError
-from .processes import ProcessGroup, flower_env, free_port, wait_healthy
+from .processes import ProcessGroup, TreeMemory, flower_env, free_port, wait_healthy
 from .report import REPORT, read_outcome
 from .tls import make_node_keys, make_tls
 
@@ -100,6 +100,18 @@ def _report(config: Mapping[str, Any], group: ProcessGroup, code: int) -> dict[s
     return report
 
 
+def _with_memory(report: dict[str, Any], config: Mapping[str, Any], memory: TreeMemory) -> dict[str, Any]:
+    """The report with the peak memory of the run's process tree, also written into OUTPUT/metrics.json."""
+    import json
+
+    from ondevice.files import atomic_write_bytes
+
+    memory.sample()  # a run shorter than one sampling interval still gets a figure
+    report = {**report, "process_tree": {"peak_pss_bytes": memory.peak, "processes": memory.peak_processes}}
+    atomic_write_bytes(Path(config["output"]) / REPORT, json.dumps(report, indent=2).encode())
+    return report
+
+
 def simulate(
     clients: int, config: Mapping[str, Any], *, work: Path | None = None, on_line: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -108,13 +120,13 @@ def simulate(
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     _write_connection(work / "flwr-home", port, None)
-    with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, TreeMemory(group.env["FLWR_HOME"]) as memory:
         on_line(f"odt: starting Flower's SuperLink (simulation runtime) on 127.0.0.1:{port}")
         _superlink(group, port, simulation=True, tls=None, auth=False)
         on_line(f"odt: SuperLink up; running the app with {clients} virtual clients (round 0 is the initial model)")
         config = _with_run_id(config)
         code = _flwr_run(group, config, f"num-supernodes={clients}", on_line)
-        return _report(config, group, code)
+        return _with_memory(_report(config, group, code), config, memory)
 
 
 def deploy(
@@ -138,7 +150,7 @@ def deploy(
     certs = make_tls(work / "tls") if tls else None
     _write_connection(work / "flwr-home", port, certs["ca"] if certs else None)
     describe = node_config or (lambda i: f"partition-id={i} num-partitions={nodes}")
-    with ProcessGroup(work, flower_env(work / "flwr-home")) as group:
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, TreeMemory(group.env["FLWR_HOME"]) as memory:
         on_line(f"odt: starting Flower's SuperLink on 127.0.0.1:{port}" + (" with TLS" if tls else ""))
         _superlink(group, port, simulation=False, tls=certs, auth=tls)
         on_line(f"odt: SuperLink up; starting {nodes} SuperNodes")
@@ -154,7 +166,7 @@ def deploy(
         on_line("odt: running the app (round 0 is the initial model)")
         config = _with_run_id(config)
         code = _flwr_run(group, config, None, on_line)
-        return _report(config, group, code)
+        return _with_memory(_report(config, group, code), config, memory)
 
 
 def supernode_command(

@@ -16,6 +16,7 @@ from ondevice.text import load_data
 
 from .buffers import split_state
 from .errors import FederatedError, RoundFailedError
+from .pacing import MIN_WAIT, PacedGrid, RoundPace
 from .partial import fit_to, union_of
 from .privacy import gaussian_epsilon
 from .protocol import METRICS, from_arrays, to_arrays
@@ -85,8 +86,12 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         tiers={sha: t.manifest for sha, t in tiers.items()},
         partial=bool(settings.personal),
         min_nodes=settings.min_nodes,
-        round_timeout=settings.round_timeout,
+        round_timeout=lambda: paced.used,
     )
+    # Every exchange with the nodes waits as long as the work needs (federated.pacing); innermost, so that
+    # secure aggregation's stages are paced too.
+    paced = grid = PacedGrid(grid, RoundPace(settings.round_timeout), offset=lambda: strategy.offset,
+                             say=lambda line: print(line, flush=True))  # fmt: skip
 
     def load(arrays: ArrayRecord) -> None:
         if strategy.partial:  # the global model holds every tier's tensors: take this model's part
@@ -127,7 +132,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         seconds, ended[0] = now - ended[0], now
         accuracy = metrics.get("accuracy", float("nan"))
         print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
-        warning = slow_round(server_round, seconds, settings.round_timeout) if server_round > strategy.offset else None
+        warning = slow_round(server_round, seconds, paced.used) if server_round > strategy.offset else None
         if warning:
             print(warning, flush=True)
         if server_round == len(rows):
@@ -145,7 +150,8 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
     final = to_arrays(initial)
     if remaining > 0 and settings.fraction_train < 1:  # sampled rounds: the same sample in every run
         strategy.seed = settings.seed
-        strategy.node_order = node_partitions(grid, settings.min_nodes, max(settings.round_timeout, 60.0))
+        wait = max(settings.round_timeout or MIN_WAIT, 60.0)
+        strategy.node_order = node_partitions(grid, settings.min_nodes, wait)
     if settings.secure_aggregation:  # the strategy trains through SecAgg+ and receives only the sum
         grid = strategy.secure = SecureGrid(grid, SecureSettings(
             shares=settings.secagg_shares, threshold=settings.secagg_threshold,
@@ -157,7 +163,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
             grid,
             final,
             num_rounds=remaining,
-            timeout=settings.round_timeout,
+            timeout=paced.used,  # PacedGrid gives each exchange its own wait
             train_config=ConfigRecord({"local-epochs": settings.local_epochs}),
             evaluate_fn=central,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -115,7 +115,7 @@ class GuardedStrategy(Strategy):
         tiers: dict[str, Manifest] | None = None,
         partial: bool = False,
         min_nodes: int = 1,
-        round_timeout: float = 120.0,
+        round_timeout: float | Callable[[], float] = 120.0,
     ) -> None:
         """``tiers`` (manifest sha256 -> manifest) are the other artifact sets whose nodes may join;
         with them or with ``partial`` (personal tensors), replies hold only what a node shares and
@@ -201,10 +201,11 @@ class GuardedStrategy(Strategy):
         answered = len(replies)
         if self.secure is None:  # a sampled node that sent nothing missed the round: name it (report and console)
             replied = {m.metadata.src_node_id for m in replies}
+            waited = self.round_timeout() if callable(self.round_timeout) else self.round_timeout
             for node in (n for n in record.sampled if n not in replied):
-                record.excluded[node] = f"no reply within round-timeout ({self.round_timeout:g} s)"
+                record.excluded[node] = f"no reply within round-timeout ({waited:g} s)"
                 print(f"odt: round {server_round}: node {node} sent no update within round-timeout "
-                      f"({self.round_timeout:g} s); the round goes on without it", flush=True)  # fmt: skip
+                      f"({waited:g} s); the round goes on without it", flush=True)  # fmt: skip
         if self.secure is not None and self.secure.rounds:  # one reply stood for every node that survived
             secure = self.secure.rounds[-1]
             record.bytes_up, record.bytes_down = dict(secure.bytes_up), sum(secure.bytes_down.values())

@@ -22,6 +22,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from federated.codec import encode
 from federated.flower_internals import KEY_CLIPPING_NORM
+from federated.pacing import MIN_WAIT
 from federated.protocol import ARRAYS, CONFIG, flatten, from_arrays, train_reply, unflatten
 from federated.task import Settings, manifest_sha256
 from ondevice import Manifest
@@ -64,7 +65,8 @@ class _Bridge:
         self.device = str(node["bridge-device"])
         self.secret = str(node.get("bridge-secret") or os.environ.get("ODT_BRIDGE_SECRET", ""))
         self.artifacts = Path(str(node.get("artifacts", self.settings.artifacts)))
-        self.timeout = max(1.0, self.settings.round_timeout - 5.0)
+        # The server waits round-timeout, or at least MIN_WAIT when the wait follows the work (0): reply before.
+        self.timeout = max(1.0, (self.settings.round_timeout or MIN_WAIT) - 5.0)
 
     def sha256(self) -> str:
         try:

@@ -259,11 +259,8 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_predict(args: argparse.Namespace) -> int:
-    import tempfile
-
     import numpy as np
 
-    from .predict import Predictor
     from .text import TextEncoder, load_data
 
     note = ""
@@ -274,10 +271,8 @@ def _run_predict(args: argparse.Namespace) -> int:
     else:
         directory = args.model
         data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
-        with tempfile.TemporaryDirectory(prefix="odt-predict-") as tmp:
-            trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
-            manifest, model = trainer.manifest, str(trainer.export(Path(tmp) / "model.onnx"))
-            outputs = Predictor(model, manifest).predict(data, progress=not args.json)
+        trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
+        manifest, outputs = trainer.manifest, trainer.predict(data, progress=not args.json)
     if args.out:
         import io
 

@@ -140,6 +140,34 @@ def training_graph(variants: Mapping[str, str]) -> str:
     return variants[NCHWC] if NCHWC in variants and nchwc_block_size() in (4, 8, 16) else TRAINING_GRAPH
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_RETURN_ABOVE = 128 * 1024
+
+
+@functools.cache
+def return_freed_memory() -> bool:
+    """Make glibc give freed blocks of 128 KiB and more back to the system at once (Linux only).
+
+    Without ORT's arena, activations are malloc'd and freed every step, in sizes that change with
+    each batch's text length. glibc raises its mmap threshold after the first large free, so later
+    activations come from the heap, whose top stays mapped: on MiniLM LoRA (micro-batches of 4,
+    Spanish commands) ``odt train``'s peak grew from 151 MiB after the first steps to 213 MiB over an
+    epoch. With fixed thresholds it stayed at 188 MiB; the epoch took 44.7 s against 46.7 s
+    (one run each). Process-wide and only ever lowering what stays resident, so it is set once,
+    by the first lean session. Returns whether it was applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt  # glibc; musl has no mallopt and already returns large blocks
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _RETURN_ABOVE) and mallopt(_M_TRIM_THRESHOLD, _RETURN_ABOVE))
+
+
 def session_options(threads: int | None = None, lean_memory: bool = False) -> C.SessionOptions:
     """Session options with ORT logging at errors only and an optional intra-op thread count.
 
@@ -151,6 +179,8 @@ def session_options(threads: int | None = None, lean_memory: bool = False) -> C.
     options = C.SessionOptions()
     options.log_severity_level = 3
     options.enable_cpu_mem_arena = not lean_memory
+    if lean_memory:
+        return_freed_memory()
     if threads is not None:
         options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .data import load_npz
-from .errors import DataError, ManifestError
+from .errors import ArtifactIntegrityError, DataError, ManifestError
 from .manifest import Manifest
 
 __all__ = ["TextEncoder", "load_jsonl", "load_data", "DATA_FORMATS"]
@@ -50,7 +50,10 @@ class TextEncoder:
         """``directory`` holds the manifest and its tokenizer; an exported model gives both instead
         (``manifest`` and ``tokenizer_json``, from :class:`~ondevice.Predictor`)."""
         directory = Path(directory or ".")
-        self.manifest = manifest if manifest is not None else Manifest.load(directory)
+        # Only the tokenizer's file is hashed here: re-reading every file (frozen.bin) after a trainer has
+        # mapped it fills the page cache in large folios again, and each embedding row a step reads then
+        # maps a whole folio (MiniLM, odt train: 25 MiB more at the first step).
+        self.manifest = manifest if manifest is not None else Manifest.load(directory, check_files=False)
         spec = self.manifest.tokenizer
         if spec is None:
             raise ManifestError(
@@ -63,11 +66,13 @@ class TextEncoder:
             raise ManifestError(
                 "these artifacts read text with the `tokenizers` library: pip install 'ondevice-training[text]'."
             ) from None
+        if tokenizer_json is None:
+            try:
+                tokenizer_json = _verified_text(directory / spec.file, self.manifest)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
         try:
-            if tokenizer_json is not None:
-                self._tokenizer = Tokenizer.from_str(tokenizer_json)
-            else:
-                self._tokenizer = Tokenizer.from_file(str(directory / spec.file))
+            self._tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as exc:
             raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
         # The tokenizer's own pad token, side and fixed length if it has one (a recurrent model reads
@@ -82,6 +87,10 @@ class TextEncoder:
         self._tokenizer.enable_truncation(spec.max_length, direction=truncation.get("direction", "right"))
         self.spec = spec
         self._pad = (padding.get("pad_id", 0), padding.get("direction", "right"))
+
+    def decode(self, ids: np.ndarray) -> list[str]:
+        """The texts rows of token ids spell (special tokens and padding dropped)."""
+        return self._tokenizer.decode_batch(np.asarray(ids).tolist(), skip_special_tokens=True)
 
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
@@ -102,6 +111,20 @@ class TextEncoder:
         if self.spec.mask is not None:
             out[self.spec.mask] = np.concatenate([_pad(m, width, 0, side) for _, m in parts])
         return out
+
+
+def _verified_text(path: Path, manifest: Manifest) -> str:
+    """The text of an artifact file whose sha256 the manifest lists, or ArtifactIntegrityError."""
+    import hashlib
+
+    data = path.read_bytes()
+    expected = manifest.files.get(path.name)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise ArtifactIntegrityError(
+            f"{path} was altered (sha256 differs from the manifest). Copy the directory again from the workstation "
+            "or regenerate it."
+        )
+    return data.decode("utf-8")
 
 
 ENCODE_CHUNK = 256

@@ -17,8 +17,8 @@ from .data import batch_indices, batches, check_data, padding_trimmer, trim_padd
 from .engines import Engine, open_engine, resolve
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
+from .frozen import FrozenWeights
 from .manifest import MANIFEST_NAME, Manifest
-from .pages import page_lookups_by_row
 from .schedules import Schedule
 from .session import ORT_VERSION, ort_error_message, set_seed, training_graph
 
@@ -72,6 +72,7 @@ class Trainer:
         self._trim = padding_trimmer(manifest)  # texts: a batch drops the padding columns all its rows share
         self._grad_views: dict[int, np.ndarray] | None = None
         self._proximal: tuple[float, list[np.ndarray]] | None = None
+        self._frozen: FrozenWeights | None = None  # Trainer.load's shared mapping of frozen.bin
 
     @classmethod
     def load(
@@ -115,6 +116,8 @@ class Trainer:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
         options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation,
                    "graph": training_graph(manifest.variants)}  # fmt: skip
+        frozen = FrozenWeights(directory, manifest)  # one mapping of frozen.bin for every session
+        options["frozen"] = frozen.values
         try:
             if checkpoint is None:
                 session = open_engine(directory, manifest, engine, directory / "checkpoint", **options)
@@ -130,8 +133,8 @@ class Trainer:
             raise (CheckpointError if checkpoint else OndeviceError)(
                 f"ONNX Runtime cannot load the {what}: {ort_error_message(exc)}"
             ) from exc
-        page_lookups_by_row(directory, manifest)
         trainer = cls(directory, manifest, session, sha)
+        trainer._frozen = frozen
         if checkpoint is not None:
             trainer._restore_progress()
         return trainer
@@ -176,6 +179,7 @@ class Trainer:
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
         fetched = self._session.eval_step(self._trimmed(feeds))
+        self._release_rows()
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
     def _micro_step(self, feeds: list[np.ndarray], micro: int) -> tuple[float, list[np.ndarray], bool]:
@@ -185,6 +189,7 @@ class Trainer:
         # masks, and so a resumed run, are reproducible.
         set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
         fetched = self._session.train_step(self._trimmed(feeds))
+        self._release_rows()
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
@@ -194,6 +199,10 @@ class Trainer:
             for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
                 self._session.set_parameter(name, value)
         return loss, fetched, finite
+
+    def _release_rows(self) -> None:
+        if self._frozen is not None:  # the lookup tables' rows this step read leave RSS (ondevice.frozen)
+            self._frozen.release_rows()
 
     def _trimmed(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
         return feeds if self._trim is None else trim_padding(feeds, self._trim)
@@ -390,11 +399,49 @@ class Trainer:
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
                 fetched = self._session.eval_step(self._trimmed(list(batch.values())))
+                self._release_rows()
                 count = len(next(iter(batch.values())))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
                 bar.update(1)
         return meter.result()
+
+    def predict(
+        self, data: Mapping[str, np.ndarray], *, batch_size: int | None = None, progress: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Every output of the model for every example of ``data`` (inputs only, no labels), from the eval
+        graph with the current weights, ``batch_size`` rows at a time (default: the manifest's
+        ``eval_batch_size``). The same values as the exported model's (``odt export``; within float
+        rounding where LoRA adapters are folded there), without writing or loading a second model:
+        the loss reads placeholder labels and is dropped."""
+        from ._progress import progress_bar
+
+        self._check_evaluation("predict")
+        batch_size = self.manifest.eval_batch_size if batch_size is None else batch_size
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        checked = check_data(self.manifest, data, labels=False)
+        size = len(next(iter(checked.values())))
+        parts: list[list[np.ndarray]] = []
+        with progress_bar(total=math.ceil(size / batch_size), disable=not progress) as bar:
+            for start in range(0, size, batch_size):
+                feeds = [array[start : start + batch_size] for array in checked.values()]  # untrimmed: outputs
+                fetched = self._session.eval_step(feeds + self._placeholder_labels(feeds))  # keep their width
+                self._release_rows()
+                parts.append(fetched[1 : 1 + len(self._train_names)])
+                bar.update(1)
+        return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._train_names)}
+
+    def _placeholder_labels(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
+        """Zeros shaped as the manifest's targets for these input rows (named axes sized as the inputs')."""
+        sizes = {dim: array.shape[axis] for spec, array in zip(self.manifest.inputs, feeds)
+                 for axis, dim in enumerate(spec.shape) if isinstance(dim, str)}  # fmt: skip
+        rows = len(feeds[0])
+        return [
+            np.zeros([rows if axis == 0 else dim if isinstance(dim, int) else sizes.get(dim, 1)
+                      for axis, dim in enumerate(target.shape)], target.dtype)  # fmt: skip
+            for target in self.manifest.targets
+        ]
 
     def _check_evaluation(self, what: str) -> None:
         if not self._session.with_eval:

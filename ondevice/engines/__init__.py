@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest
-from ..session import TRAINING_GRAPH
+from ..session import TRAINING_GRAPH, OrtValue
 
 __all__ = ["Engine", "ENGINES", "open_engine", "installed_engines"]
 
@@ -90,14 +90,16 @@ def open_engine(
     lean_memory: bool,
     with_eval: bool,
     graph: str = TRAINING_GRAPH,
+    frozen: Mapping[str, OrtValue] | None = None,
 ) -> Engine:
-    """Create the engine ``engine`` (already resolved) over ``directory``, its state from ``checkpoint``."""
+    """Create the engine ``engine`` (already resolved) over ``directory``, its state from ``checkpoint``;
+    ``frozen``: shared initializers for its sessions (:class:`ondevice.frozen.FrozenWeights`)."""
     if engine == "classic":
         from .classic import OrtTraining
 
         return OrtTraining(directory, checkpoint=checkpoint, threads=threads, with_eval=with_eval,
-                           lean_memory=lean_memory, graph=graph)  # fmt: skip
+                           lean_memory=lean_memory, graph=graph, frozen=frozen)  # fmt: skip
     from .portable import PortableEngine
 
     return PortableEngine(directory, manifest, checkpoint, threads=threads, with_eval=with_eval,
-                          lean_memory=lean_memory)  # fmt: skip
+                          lean_memory=lean_memory, frozen=frozen)  # fmt: skip

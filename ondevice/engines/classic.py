@@ -41,12 +41,18 @@ class OrtTraining:
         with_eval: bool = True,
         lean_memory: bool = False,
         graph: str = TRAINING_GRAPH,
+        frozen: Mapping[str, OrtValue] | None = None,
     ) -> None:
+        """``frozen``: shared initializers for the graphs' frozen weights (:mod:`ondevice.frozen`; by
+        default each session maps ``frozen.bin`` on its own)."""
         directory = Path(directory)
         self.graph = graph
         self.lean_memory = lean_memory
         self.with_eval = with_eval
         options = session_options(threads, lean_memory)
+        self._frozen = dict(frozen or {})  # the sessions read these buffers: they live as long as this engine
+        for name, value in self._frozen.items():
+            options.add_initializer(name, value)
         self.state = C.load_checkpoint(os.fspath(checkpoint or directory / "checkpoint"))
         self.module = C.Module(
             os.fspath(directory / graph),

@@ -66,6 +66,7 @@ class PortableEngine:
         threads: int | None = None,
         with_eval: bool = True,
         lean_memory: bool = False,
+        frozen: Mapping[str, OrtValue] | None = None,
     ) -> None:
         self.directory, self.manifest, self.with_eval, self.lean_memory = directory, manifest, with_eval, lean_memory
         self.ort_version = ORT_VERSION
@@ -78,6 +79,9 @@ class PortableEngine:
         # cores from the next one: step times 85 -> 44-50 ms (CNN) and 6.5 -> 2.6 ms (MLP) without the spin
         # (onnxruntime 1.32, 2 threads, one-off A/Bs).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._frozen = dict(frozen or {})  # one mapping of frozen.bin for all sessions (ondevice.frozen)
+        for name, value in self._frozen.items():
+            options.add_initializer(name, value)
 
         def open_session(name: str) -> ort.InferenceSession:
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
