@@ -82,15 +82,15 @@ def generate(
     axes = resolve_axes(names, example, spec.dynamic_axes)
     # Layers ORT 1.19 cannot train, as the same computation over the same parameters in ops it can
     model = rewrite_conv_transpose(unroll_recurrent(model, axes))
-    plan_record = None
+    plan_record, small = None, False
     if spec.memory_budget is not None:
-        from .planner import chosen_changes, format_plan, plan
+        from .planner import chosen_changes, format_plan, plan, small_set
 
         result = plan(model, dict(zip(names, example)), spec=spec, generate=generate)
         log.info("%s", format_plan(result))
         spec = spec.but(**chosen_changes(result))
-        plan_record = result.record()
-    if spec.adapter_lr is not None and (spec.lora is not None or spec.lora_from is not None):
+        plan_record, small = result.record(), small_set(result)
+    if spec.adapter_lr is not None and (spec.lora is not None or spec.lora_from is not None or small):
         spec = spec.but(optimizer=dataclasses.replace(spec.optimizer, lr=spec.adapter_lr))
     adapters: list = []
     start = None

@@ -165,17 +165,20 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if manifest.verification is not None:
         print(format_table(manifest.verification))
+    small = False
     if manifest.plan is not None:
-        from .planner import Plan, format_plan
+        from .planner import Plan, format_plan, small_set
 
         keys = ("budget", "batch_size", "chosen", "rows", "lean_memory", "micro_batch_size")
-        print(format_plan(Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})))
+        planned = Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})
+        print(format_plan(planned))
+        small = small_set(planned) and getattr(args, "adapter_rate", False)
     total = manifest.trainable_size + manifest.frozen_size
     print(
         f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "
         f"({manifest.trainable_size * 4 / 1024:.1f} KiB)"
     )
-    adapters = " (the adapter rate)" if manifest.adapters else ""
+    adapters = " (the adapter rate)" if manifest.adapters else " (the rate of a small trained set)" if small else ""
     rate = f"lr {manifest.optimizer.lr:g}{adapters}"
     print(f"optimizer: {manifest.optimizer.kind}, {rate}; odt train uses it unless --lr")
     print(f"artifacts: {args.out}")
@@ -269,7 +272,8 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
     if args.lr is None and args.optimizer == "adamw":  # the rates the intents sample and its benchmark proved
         adapters = args.lora is not None or args.lora_from or not chosen
         args.lr = HF_LORA_LR if adapters else HF_FINETUNE_LR
-        adapter_lr = HF_LORA_LR  # a memory plan that picks LoRA trains at the adapter rate
+        adapter_lr = HF_LORA_LR  # a memory plan that picks LoRA (or a small set) trains at the adapter rate
+        args.adapter_rate = True
     trainable = ("head",) if not chosen or (args.memory_budget and not args.trainable) else args.trainable
     spec = _spec(args).but(
         adapter_lr=adapter_lr,

@@ -43,7 +43,7 @@ from .lora import Lora
 from .spec import Spec
 
 __all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure",
-           "longest_inputs"]  # fmt: skip
+           "longest_inputs", "small_set"]  # fmt: skip
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -257,6 +257,17 @@ def _peak(directory: Path, batch: Path, steps: int, budget: int, *, lean: bool) 
     second = measure(directory, batch, steps, lean_memory=lean)
     worse = max(first, second, key=lambda m: m["peak_rss"])
     return {**worse, "fits": worse["peak_rss"] <= budget}
+
+
+SMALL_SHARE = 0.01
+"""A plan whose trained set holds at most this share of the parameters trains at the adapter rate."""
+
+
+def small_set(result: Plan) -> bool:
+    """Whether the chosen set is small (:data:`SMALL_SHARE` of what ``everything`` trains, or less)."""
+    rows = {row["candidate"]: row for row in result.rows}
+    chosen, everything = rows.get(result.chosen or ""), rows.get("everything")
+    return bool(chosen and everything and chosen["trainable"] <= SMALL_SHARE * everything["trainable"])
 
 
 def chosen_changes(result: Plan) -> dict[str, Any]:

@@ -46,9 +46,11 @@ class Spec:
     optimizer: AdamW | SGD = field(default_factory=AdamW)
     adapter_lr: float | None = None
     """The optimizer's rate when LoRA adapters are what trains, chosen by ``lora`` or by the memory
-    plan (default: ``optimizer.lr`` either way). ``odt generate --model hf:...`` without ``--lr``
-    sets 2e-3 here beside 1e-4 for the model's own weights, so a budget that picks LoRA trains at
-    the adapter rate."""
+    plan, and when the plan picks a small set (at most 1 % of the parameters: the head and a few
+    modules, or biases), which learns from scratch like adapters do (default: ``optimizer.lr``).
+    ``odt generate --model hf:...`` without ``--lr`` sets 2e-3 here beside 1e-4 for the model's own
+    weights, so a budget that picks LoRA trains at the adapter rate (on Spanish commands a plan of
+    the head and the last LayerNorm reached 0.2277 on unseen homes at 1e-4, 0.8886 at 2e-3)."""
 
     # What trains (default: every parameter)
     trainable: tuple[str, ...] = ()
