@@ -1,12 +1,12 @@
-"""Frozen weights in a file of their own, memory-mapped by ONNX Runtime, instead of in the checkpoint.
+"""Frozen weights in a file of their own, memory-mapped on the device, instead of in the checkpoint.
 
 ORT 1.19 loads a checkpoint by reading the whole file into a buffer and then copying every
 tensor out of it: the weights are held twice while loading (MiniLM: peak 225 MB, 139 MB after).
 Every checkpoint a device saves carries them again (91 MB for 338 KB of LoRA adapters), and
 the ``.previous`` copy doubles that. Weights that never change need none of this: here they
 become initializers of the training and eval graphs whose data is ONNX external data in
-``frozen.bin`` (float32, C order, one tensor after the other). ORT maps that file into memory
-and both sessions read the same pages (measured: RSS of the file mapping, nothing copied); the
+``frozen.bin`` (float32, C order, one tensor after the other). The device runtime maps that
+file once and hands every session its tensors (``ondevice.frozen``), so nothing is copied; the
 checkpoint keeps only what training changes (trainable tensors, BatchNorm statistics, and later
 the optimizer state).
 """
@@ -76,7 +76,7 @@ def externalize_frozen(
 def lookup_tables(work: Path, names: Sequence[str]) -> list[str]:
     """The tensors of ``names`` that the training graph only reads a row at a time (the data input
     of Gather on axis 0: embedding tables). A step touches a few rows of them, so the runtime asks
-    the kernel to page those rows in one by one (``ondevice.pages``) instead of whole regions."""
+    the kernel to page those rows in one by one (``ondevice.frozen``) instead of whole regions."""
     graph = onnx.load(work / _GRAPHS[0], load_external_data=False).graph
     uses: dict[str, list[bool]] = {}
     for node in graph.node:

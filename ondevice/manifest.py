@@ -178,7 +178,7 @@ class Manifest:
     as float32 tensors tiling that file (offsets in elements) which ONNX Runtime memory-maps; frozen
     parameters not named there (BatchNorm statistics, other types) are in the checkpoint. Optional
     ``"lookups": [name]``: the tables a step reads a row at a time (embeddings), which the runtime
-    pages in by the row (:mod:`ondevice.pages`)."""
+    pages in by the row (:mod:`ondevice.frozen`)."""
     variants: Mapping[str, str] = field(default_factory=dict)
     """Training graphs for runtimes with faster kernels, by kind: ``{"nchwc": "training_model.nchwc.onnx"}``
     when depthwise convolutions can run on ORT's x86 NCHWc kernels. Same inputs, outputs, parameters and
