@@ -55,7 +55,8 @@ class RoundPace:
 
 class PacedGrid:
     """A Grid whose exchanges wait :meth:`RoundPace.wait` seconds (whatever timeout the caller passed),
-    pull replies every second and print progress on long waits; everything else is the grid's."""
+    pull replies (every 0.1 s at first, every second once an exchange has taken 10 s) and print progress
+    on long waits; everything else is the grid's."""
 
     def __init__(self, grid: Any, pace: RoundPace, *, offset: Callable[[], int] = lambda: 0,
                  say: Callable[[str], None] = print) -> None:  # fmt: skip
@@ -89,7 +90,7 @@ class PacedGrid:
                 shown = now
                 self._say(f"odt: {what}: {len(replies)} of {total} replies after {now - start:.0f} s "
                           f"(waiting up to {wait:.0f} s)")  # fmt: skip
-            time.sleep(1.0)
+            time.sleep(0.1 if now - start < 10 else 1.0)  # quick exchanges stay quick; long ones poll once a second
         if not pending:
             self.pace.observe(kind, time.monotonic() - start)
         return replies
