@@ -316,3 +316,22 @@ def test_predict_from_the_artifacts_equals_the_exported_model(tmp_path):
     np.testing.assert_allclose(predicted, exported, rtol=1e-5, atol=1e-6)
     with pytest.raises(DataError, match="no \\['ids'"):
         trainer.predict({"mask": texts["mask"]})
+
+
+def test_an_altered_tokenizer_is_refused_without_rereading_the_other_files(text_artifacts, tmp_path):
+    """Text loading hashes only tokenizer.json (re-reading frozen.bin after a trainer mapped it put 25 MiB
+    more into RSS at the first step); an altered tokenizer is still an integrity error that names it."""
+    import shutil
+
+    from ondevice.errors import ArtifactIntegrityError
+
+    copy = tmp_path / "a"
+    shutil.copytree(text_artifacts, copy)
+    TextEncoder(copy)(["turn on the lights"])  # sound
+    with (copy / "eval_model.onnx").open("ab") as graph:
+        graph.write(b"\0")  # the other files are not read again by the encoder (the trainer checks them)
+    TextEncoder(copy)(["turn on the lights"])
+    tokenizer = copy / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace('"[UNK]"', '"[UNK2]"', 1))
+    with pytest.raises(ArtifactIntegrityError, match="tokenizer.json was altered"):
+        TextEncoder(copy)
