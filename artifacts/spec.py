@@ -86,6 +86,12 @@ class Spec:
                     raise InputSpecError(f"{name} takes a list of names, got the string {value!r}.")
                 object.__setattr__(self, name, tuple(value))
 
+        repeated = sorted({label for label in self.labels if self.labels.count(label) > 1})
+        if repeated or any(not str(label).strip() for label in self.labels):
+            problem = f"{', '.join(map(repr, repeated))} appear{'s' if len(repeated) == 1 else ''} more than once" \
+                if repeated else "one is empty"  # fmt: skip
+            raise InputSpecError(f"labels must be distinct, non-empty class names (the device refuses others): "
+                                 f"{problem} in {list(self.labels)}.")  # fmt: skip
         if self.adapter_lr is not None and not (
             isinstance(self.adapter_lr, (int, float)) and math.isfinite(self.adapter_lr) and self.adapter_lr > 0
         ):

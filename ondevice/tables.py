@@ -30,9 +30,10 @@ def load_csv(
     if not path.is_file():
         raise DataError(f"data file {path} does not exist.")
     _check_size(path)
-    manifest = encoder.manifest if encoder is not None else Manifest.load(directory)  # type: ignore[arg-type]
+    # The trainer checks the artifacts' files; reading data needs only the manifest (see TextEncoder).
+    manifest = encoder.manifest if encoder is not None else Manifest.load(directory, check_files=False)  # type: ignore[arg-type]
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # a byte-order mark (Excel) is not a header
             reader = csv.DictReader(handle)
             header = list(reader.fieldnames or [])
             rows = []

@@ -155,6 +155,8 @@ def load_jsonl(
     texts, targets = [], []
     with path.open("rb") as lines:
         for number, raw in enumerate(iter(lambda: lines.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # the byte-order mark Notepad and Excel write
             if len(raw) > MAX_LINE_BYTES:
                 raise DataError(f"{path}:{number} is longer than {MAX_LINE_BYTES:,} bytes: one short text per line.")
             if not raw.strip():

@@ -138,3 +138,13 @@ def test_a_pretrained_model_gets_the_rate_of_what_trains(monkeypatch, tmp_path, 
 def test_adapter_lr_must_be_a_rate():
     with pytest.raises(InputSpecError, match="adapter_lr must be a positive finite rate or None, got -1"):
         Spec(adapter_lr=-1)
+
+
+@pytest.mark.parametrize("labels, message", [(["a", "a"], "'a' appears more than once"), (["on", " "], "one is empty")])
+def test_labels_the_device_would_refuse_are_refused_when_generating(labels, message):
+    """`--labels a,a` used to generate artifacts whose manifest every device then refused."""
+    from artifacts import Spec
+    from artifacts.errors import InputSpecError
+
+    with pytest.raises(InputSpecError, match=f"labels must be distinct, non-empty class names .*{message}"):
+        Spec(labels=labels)

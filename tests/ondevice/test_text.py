@@ -335,3 +335,19 @@ def test_an_altered_tokenizer_is_refused_without_rereading_the_other_files(text_
     tokenizer.write_text(tokenizer.read_text().replace('"[UNK]"', '"[UNK2]"', 1))
     with pytest.raises(ArtifactIntegrityError, match="tokenizer.json was altered"):
         TextEncoder(copy)
+
+
+def test_files_with_a_byte_order_mark_read_like_those_without(text_artifacts, tmp_path):
+    """Notepad and Excel write UTF-8 with a byte-order mark; such .jsonl and .csv files were refused."""
+    from ondevice.text import load_data
+
+    plain = _jsonl(tmp_path / "plain.jsonl", COMMANDS)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    expected = load_data(str(plain), text_artifacts)
+    for name, value in load_data(str(marked), text_artifacts).items():
+        np.testing.assert_array_equal(value, expected[name])
+    table = tmp_path / "marked.csv"
+    table.write_bytes(b"\xef\xbb\xbftext,label\n" + b"".join(f"{t},{label}\n".encode() for t, label in COMMANDS))
+    for name, value in load_data(str(table), text_artifacts).items():
+        np.testing.assert_array_equal(value, expected[name])
