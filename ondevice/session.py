@@ -84,7 +84,7 @@ ort = _import_onnxruntime()
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
 from onnxruntime.capi.onnxruntime_inference_collection import OrtValue  # noqa: E402
 
-__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "session_options", "ort_error_message",
+__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "session_options", "check_threads", "ort_error_message",
            "training_graph", "nchwc_block_size", "TRAINING_GRAPH", "LOSS_SCALE", "NCHWC"]  # fmt: skip
 
 C.set_default_logger_severity(3)  # errors only: ORT's INFO/WARNING flood is not for users
@@ -168,6 +168,20 @@ def return_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _RETURN_ABOVE) and mallopt(_M_TRIM_THRESHOLD, _RETURN_ABOVE))
 
 
+def check_threads(threads: object) -> int:
+    """``threads`` as an intra-op thread count, or a ConfigError: 1 to 4 per core of this machine
+    (``--threads 5000`` made ORT start thousands of threads and hang; ``-1`` was taken)."""
+    import os
+
+    from .errors import ConfigError
+
+    most = 4 * (os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= most:
+        raise ConfigError(f"threads must be a whole number from 1 to {most} (4 per core here), got {threads!r}. "
+                          "Leave it out to let ONNX Runtime choose.")  # fmt: skip
+    return threads
+
+
 def session_options(threads: int | None = None, lean_memory: bool = False) -> C.SessionOptions:
     """Session options with ORT logging at errors only and an optional intra-op thread count.
 
@@ -182,6 +196,6 @@ def session_options(threads: int | None = None, lean_memory: bool = False) -> C.
     if lean_memory:
         return_freed_memory()
     if threads is not None:
-        options.intra_op_num_threads = int(threads)
+        options.intra_op_num_threads = check_threads(threads)
         options.inter_op_num_threads = 1
     return options

@@ -95,6 +95,12 @@ class TextEncoder:
     def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise DataError("texts must be a list of strings.")
+        for index, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise DataError(f"text {index} holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
+                                "which is no character: give UTF-8 text.") from None
         if not texts:
             raise DataError("no texts given.")
         limit = max(4096, self.spec.max_length * CHARS_PER_TOKEN)
@@ -204,6 +210,11 @@ def _row(raw: bytes, where: str) -> dict:
     if not isinstance(row, dict) or not isinstance(row.get("text"), str):
         shown = raw.decode("utf-8", "replace").strip()[:80]
         raise DataError(f'{where}: expected {{"text": "...", "label": ...}}, found {shown!r}.')
+    try:
+        row["text"].encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: half of a UTF-16 pair, no character at all
+        raise DataError(f"{where}: the text holds a lone surrogate ({row['text'][exc.start]!r} at character "
+                        f"{exc.start}), which is no character: write the text as UTF-8.") from None
     return row
 
 

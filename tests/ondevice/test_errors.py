@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -329,3 +330,13 @@ def test_ort_messages_lose_their_source_locations(raw, shown):
 
     message = ort_error_message(RuntimeError(raw))
     assert message.startswith(shown) and ".cc:" not in message and "onnxruntime::" not in message, message
+
+
+@pytest.mark.parametrize("threads", ["-1", "0", "5000"])
+def test_thread_counts_a_machine_cannot_run_are_usage_errors(digits_artifacts, digits_data, tmp_path, capsys, threads):
+    """`--threads 5000` made ORT start thousands of threads and hang; `-1` was taken."""
+    np.savez(tmp_path / "train.npz", **_good(digits_data, 64))
+    argv = ["train", str(digits_artifacts), "--data", str(tmp_path / "train.npz"), "--threads", threads]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: threads must be a whole number from 1 to {4 * (os.cpu_count() or 1)}"), err

@@ -351,3 +351,13 @@ def test_files_with_a_byte_order_mark_read_like_those_without(text_artifacts, tm
     table.write_bytes(b"\xef\xbb\xbftext,label\n" + b"".join(f"{t},{label}\n".encode() for t, label in COMMANDS))
     for name, value in load_data(str(table), text_artifacts).items():
         np.testing.assert_array_equal(value, expected[name])
+
+
+def test_a_lone_surrogate_is_a_data_error_naming_the_line(text_artifacts, tmp_path):
+    """JSON's "\\ud800" escape is half of a UTF-16 pair, no character: it reached the tokenizer untyped."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "turn on", "label": "on"}\n{"text": "lights \\ud800 on", "label": "on"}\n')
+    with pytest.raises(DataError, match=r"t.jsonl:2: the text holds a lone surrogate \('\\ud800' at character 7\)"):
+        load_jsonl(path, text_artifacts)
+    with pytest.raises(DataError, match="text 1 holds a lone surrogate"):
+        TextEncoder(text_artifacts)(["fine", "bad \ud800"])
