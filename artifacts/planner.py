@@ -46,7 +46,8 @@ __all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_chan
            "longest_inputs", "small_set"]  # fmt: skip
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
 def parse_size(text: str | int) -> int:
@@ -58,6 +59,8 @@ def parse_size(text: str | int) -> int:
         if not match or match.group(2).lower() not in _UNITS:
             raise OptionError(f"memory budget must look like 200MB, 1.5GiB or a byte count, got {text!r}.")
         value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value * _UNITS[unit]):  # 400 nines: a float overflow, not a size
+        raise OptionError(f"memory budget {str(text)[:40]!r}... is not a size a machine has: give one like 200MB.")
     size = int(value * _UNITS[unit])
     if size <= 0:
         raise OptionError(f"memory budget must be positive, got {text!r}.")

@@ -32,7 +32,8 @@ def test_parse_size():
     assert parse_size("200MB") == 200_000_000
     assert parse_size("1.5GiB") == int(1.5 * 2**30)
     assert parse_size(4096) == 4096
-    for bad in ("lots", "-3MB", "0", "12 parsecs"):
+    assert parse_size("1TB") == 10**12 and parse_size("2TiB") == 2**41  # was refused
+    for bad in ("lots", "-3MB", "0", "12 parsecs", "9" * 400 + "MB"):  # 400 nines overflowed, untyped
         with pytest.raises(OptionError, match="memory budget"):
             parse_size(bad)
 
