@@ -46,12 +46,6 @@ class RoundPace:
     def observe(self, kind: str, seconds: float) -> None:
         self.slowest[kind] = max(self.slowest.get(kind, 0.0), seconds)
 
-    def describe(self) -> str:
-        if self.fixed > 0:
-            return f"round-timeout {self.fixed:g} s"
-        return (f"round-timeout follows the work: {FIRST_WAIT:g} s for the first exchange, then {MARGIN:g}x the "
-                f"slowest one, at least {MIN_WAIT:g} s")  # fmt: skip
-
 
 class PacedGrid:
     """A Grid whose exchanges wait :meth:`RoundPace.wait` seconds (whatever timeout the caller passed),

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
 from .files import atomic_write_bytes, sha256_file
@@ -291,10 +291,13 @@ class Manifest:
             manifest.check_files(directory)
         return manifest
 
-    def check_files(self, directory: str | os.PathLike[str]) -> None:
-        """Raise ArtifactIntegrityError for every file that is missing or whose bytes changed."""
+    def check_files(self, directory: str | os.PathLike[str], names: Sequence[str] | None = None) -> None:
+        """Raise ArtifactIntegrityError for every file (of ``names``, default all) that is missing or whose
+        bytes changed."""
         problems = []
         for name, expected in self.files.items():
+            if names is not None and name not in names:
+                continue
             path = Path(directory) / name
             if not path.is_file():
                 problems.append(f"{name} is missing")

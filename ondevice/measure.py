@@ -65,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 def _user_data(trainer, batch: dict[str, np.ndarray], examples: int, work: Path) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
     """``examples`` rows of data as ``odt train`` holds them: the batch repeated, and for artifacts that
     read text, the texts its token ids spell written to a .jsonl and read back through the tokenizer."""
-    import json as _json
-
     from .text import TextEncoder, load_data
 
     index = np.arange(examples) % len(next(iter(batch.values())))
@@ -76,7 +74,7 @@ def _user_data(trainer, batch: dict[str, np.ndarray], examples: int, work: Path)
     texts = TextEncoder(trainer.directory, manifest).decode(batch[manifest.tokenizer.ids])
     labels = batch[manifest.targets[0].name].tolist() if manifest.targets else [None] * len(texts)
     names = manifest.labels or None
-    lines = [_json.dumps({"text": texts[i], "label": names[labels[i]] if names else labels[i]}) for i in index]
+    lines = [json.dumps({"text": texts[i], "label": names[labels[i]] if names else labels[i]}) for i in index]
     path = work / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return load_data(str(path), trainer.directory)

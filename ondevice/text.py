@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .data import load_npz
-from .errors import ArtifactIntegrityError, DataError, ManifestError
+from .errors import DataError, ManifestError
 from .manifest import Manifest
 
 __all__ = ["TextEncoder", "load_jsonl", "load_data", "DATA_FORMATS"]
@@ -68,9 +68,10 @@ class TextEncoder:
             ) from None
         if tokenizer_json is None:
             try:
-                tokenizer_json = _verified_text(directory / spec.file, self.manifest)
+                tokenizer_json = (directory / spec.file).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ManifestError(f"cannot read the tokenizer {directory / spec.file}: {exc}") from None
+            self.manifest.check_files(directory, names=(spec.file,))
         try:
             self._tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as exc:
@@ -96,11 +97,7 @@ class TextEncoder:
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise DataError("texts must be a list of strings.")
         for index, text in enumerate(texts):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise DataError(f"text {index} holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
-                                "which is no character: give UTF-8 text.") from None
+            _check_characters(text, f"text {index}")
         if not texts:
             raise DataError("no texts given.")
         limit = max(4096, self.spec.max_length * CHARS_PER_TOKEN)
@@ -117,20 +114,6 @@ class TextEncoder:
         if self.spec.mask is not None:
             out[self.spec.mask] = np.concatenate([_pad(m, width, 0, side) for _, m in parts])
         return out
-
-
-def _verified_text(path: Path, manifest: Manifest) -> str:
-    """The text of an artifact file whose sha256 the manifest lists, or ArtifactIntegrityError."""
-    import hashlib
-
-    data = path.read_bytes()
-    expected = manifest.files.get(path.name)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise ArtifactIntegrityError(
-            f"{path} was altered (sha256 differs from the manifest). Copy the directory again from the workstation "
-            "or regenerate it."
-        )
-    return data.decode("utf-8")
 
 
 ENCODE_CHUNK = 256
@@ -210,12 +193,18 @@ def _row(raw: bytes, where: str) -> dict:
     if not isinstance(row, dict) or not isinstance(row.get("text"), str):
         shown = raw.decode("utf-8", "replace").strip()[:80]
         raise DataError(f'{where}: expected {{"text": "...", "label": ...}}, found {shown!r}.')
-    try:
-        row["text"].encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: half of a UTF-16 pair, no character at all
-        raise DataError(f"{where}: the text holds a lone surrogate ({row['text'][exc.start]!r} at character "
-                        f"{exc.start}), which is no character: write the text as UTF-8.") from None
+    _check_characters(row["text"], f"{where}: the text")
     return row
+
+
+def _check_characters(text: str, what: str) -> None:
+    """A DataError when ``text`` holds a lone surrogate (JSON's "\\ud800" escape: half of a UTF-16 pair,
+    no character at all), which the tokenizer took untyped."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{what} holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is "
+                        "no character: give UTF-8 text.") from None
 
 
 def _label(value: object, manifest: Manifest, where: str) -> int:

@@ -388,9 +388,7 @@ class Trainer:
         from ._progress import progress_bar
 
         self._check_evaluation("evaluate")
-        batch_size = self.manifest.eval_batch_size if batch_size is None else batch_size
-        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
-            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        batch_size = self._eval_batch_size(batch_size)
         checked = check_data(self.manifest, data)
         size = len(next(iter(checked.values())))
         meter = Meter(self.manifest)
@@ -417,9 +415,7 @@ class Trainer:
         from ._progress import progress_bar
 
         self._check_evaluation("predict")
-        batch_size = self.manifest.eval_batch_size if batch_size is None else batch_size
-        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
-            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        batch_size = self._eval_batch_size(batch_size)
         checked = check_data(self.manifest, data, labels=False)
         size = len(next(iter(checked.values())))
         parts: list[list[np.ndarray]] = []
@@ -431,6 +427,13 @@ class Trainer:
                 parts.append(fetched[1 : 1 + len(self._train_names)])
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._train_names)}
+
+    def _eval_batch_size(self, batch_size: int | None) -> int:
+        """``batch_size``, checked, or the manifest's ``eval_batch_size`` when None."""
+        batch_size = self.manifest.eval_batch_size if batch_size is None else batch_size
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        return batch_size
 
     def _placeholder_labels(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
         """Zeros shaped as the manifest's targets for these input rows (named axes sized as the inputs')."""
