@@ -38,7 +38,7 @@ def _secagg() -> SimpleNamespace:
     from flwr.common.secure_aggregation.quantization import dequantize
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
     from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
 
     # the package's __init__ shadows the module with the mod function of the same name
     mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
@@ -54,6 +54,7 @@ def _secagg() -> SimpleNamespace:
         factor_extract=arithmetic.factor_extract, dequantize=dequantize, combine_shares=combine_shares,
         pseudo_rand_gen=pseudo_rand_gen, generate_shared_key=generate_shared_key,
         bytes_to_private_key=bytes_to_private_key, bytes_to_public_key=bytes_to_public_key,
+        public_key_to_bytes=public_key_to_bytes,
     )  # fmt: skip
 
 

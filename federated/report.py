@@ -28,6 +28,10 @@ def round_row(server_round: int, central: dict[str, Any], seen: Any, seconds: fl
         row["bytes_up_per_client"] = {seen.key(k): v for k, v in seen.bytes_up.items()}
         row["excluded"] = {seen.key(k): v for k, v in seen.excluded.items()}
         row["clipped"] = {seen.key(k): v for k, v in seen.clipped.items()}
+        if seen.flagged:
+            row["flagged"] = {seen.key(k): v for k, v in seen.flagged.items()}
+        if seen.refused:
+            row["refused"] = seen.refused
         if seen.tiers:
             row["tier_per_client"] = {seen.key(k): v for k, v in seen.tiers.items()}
         if seen.eval_by_client:

@@ -210,7 +210,14 @@ class GuardedStrategy(Strategy):
             secure = self.secure.rounds[-1]
             record.bytes_up, record.bytes_down = dict(secure.bytes_up), sum(secure.bytes_down.values())
             record.excluded.update({n: f"dropped out in the {stage} stage" for n, stage in secure.dropped.items()})
+            record.excluded.update(secure.excluded)
+            record.flagged.update(secure.flagged)
             answered = len(secure.sampled) - len(secure.dropped)
+            if secure.refused:  # nothing is applied: the global model stays as it was
+                record.refused = secure.refused
+                print(f"odt: round {server_round}: the secure sum was refused and not applied: {secure.refused}",
+                      flush=True)  # fmt: skip
+                return None, None
         problem = round_problem(answered, len(kept), self.min_nodes, record.excluded)
         if problem:
             raise RoundFailedError(f"round {server_round}: {problem}")

@@ -38,6 +38,7 @@ from typing import Any
 from flwr.app import ConfigRecord
 
 from federated.flower_internals import SecAgg
+from federated.secure_checks import destinations_problem, key_pair_problem, share_problem, token_problem
 
 __all__ = ["stage_task", "answer_problem", "stage_values", "masked_size", "KEY_STAGES"]
 
@@ -122,9 +123,11 @@ def _value(kind: Any, value: Any) -> Any:
     return [_value(item, v) for v in value]
 
 
-def answer_problem(stage: str, answer: Any, *, peers: int) -> str | None:
-    """Why a device's JSON answer to ``stage`` cannot be used (None when it can). ``peers`` bounds its
-    lists: a node sends at most one entry per node of the round."""
+def answer_problem(stage: str, answer: Any, task: dict[str, Any]) -> str | None:
+    """Why a device's JSON answer to ``stage`` cannot be used (None when it can): the checks the
+    server makes (:mod:`federated.secure_checks`), made against ``task``, the stage task the device
+    was handed, so that a device that breaks the protocol is told at once and its relay never
+    forwards the answer."""
     if not isinstance(answer, dict):
         return "the answer must be a JSON object"
     if set(answer) == {"declined"}:
@@ -135,17 +138,33 @@ def answer_problem(stage: str, answer: Any, *, peers: int) -> str | None:
     wanted = _ANSWERS[stage]
     if set(answer) != set(wanted):
         return f"the {stage} answer must hold exactly {sorted(wanted)}, found {sorted(answer)}"
+    peers = len(task.get("keys", [])) + len(task.get("active", [])) + len(task.get("dead", []))
+    values = {}
     for key, kind in wanted.items():
+        if isinstance(answer[key], list) and len(answer[key]) > peers:
+            return f"{key} holds {len(answer[key])} entries, more than the {peers} nodes the task names"
         try:
-            value = _value(kind, answer[key])
+            values[key] = _value(kind, answer[key])
         except ValueError as exc:
             return f"{key} must be {exc}"
-        if isinstance(value, list) and len(value) > peers:
-            return f"{key} holds {len(value)} entries, more than the {peers} nodes a round has"
-    lists = [answer[key] for key in wanted if isinstance(answer[key], list)]
+    lists = [values[key] for key in wanted if isinstance(values[key], list)]
     if len({len(v) for v in lists}) > 1:
         return f"{' and '.join(k for k in wanted)} must be lists of the same length"
-    return None
+    return _protocol_problem(stage, values, task)
+
+
+def _protocol_problem(stage: str, values: dict[str, Any], task: dict[str, Any]) -> str | None:
+    if stage == SecAgg.Stage.SETUP:
+        return key_pair_problem({_FLOWER_KEYS[k]: v for k, v in values.items()})
+    if stage == SecAgg.Stage.SHARE_KEYS:
+        expected = {int(k[0]) for k in task.get("keys", [])} - {int(task["node"])}
+        problems = (token_problem(t) for t in values["ciphertexts"])
+        return destinations_problem(values["destinations"], expected) or next((p for p in problems if p), None)
+    asked = [int(n) for n in (*task.get("active", []), *task.get("dead", []))]
+    if values["nodes"] != asked:
+        return "nodes must list the task's active nodes, then its dead ones, each once and in that order"
+    problems = (share_problem(s, share_num=2**32 - 1) for s in values["shares"])  # the server checks the index
+    return next((p for p in problems if p), None)
 
 
 def stage_values(stage: str, answer: dict[str, Any]) -> dict[str, Any]:

@@ -96,11 +96,6 @@ def _stage(task: Task) -> str | None:
     return None if task.secagg is None else str(task.secagg["stage"])
 
 
-def _peers(secagg: dict[str, Any]) -> int:
-    """Entries a key stage's answer may list: one per node the stage names."""
-    return len(secagg.get("keys", [])) + len(secagg.get("active", [])) + len(secagg.get("dead", []))
-
-
 def _error(status: int, message: str) -> HTTPException:
     return HTTPException(status_code=status, detail=message)
 
@@ -133,7 +128,9 @@ def _metrics(text: str) -> dict[str, float]:
     try:
         values = json.loads(text)
         numbers = {str(k): float(v) for k, v in values.items()} if isinstance(values, dict) else None
-    except (ValueError, TypeError, AttributeError):
+        if isinstance(values, dict) and any(isinstance(v, bool) for v in values.values()):
+            numbers = None  # true is not a number, though Python would count it as 1
+    except (ValueError, TypeError, AttributeError, RecursionError):
         numbers = None
     if numbers is None or len(numbers) > MAX_METRICS or not all(np.isfinite(v) for v in numbers.values()):
         raise _error(422, f"metrics must be a JSON object of at most {MAX_METRICS} finite numbers")
@@ -439,12 +436,12 @@ def create_app(
         the round."""
         try:
             answer = json.loads(await request.body())
-        except ValueError:
-            raise _error(422, "the answer must be JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
+            raise _error(422, "the answer must be JSON (of at most a few hundred levels of nesting)") from None
         task = open_task(task_id, device_id)
         if task.secagg is None:
             raise _error(409, f"this task is not a SecAgg+ stage: push its update at /v1/tasks/{task_id}/update")
-        problem = answer_problem(str(_stage(task)), answer, peers=_peers(task.secagg))
+        problem = answer_problem(str(_stage(task)), answer, task.secagg)
         if problem is not None:
             raise _error(422, problem)
         if not store.put_update(task_id, Update(b"", 0, {}, sha, answer)):

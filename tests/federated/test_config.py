@@ -103,11 +103,23 @@ def test_files_partitioning_needs_one_file_per_client(digits_artifacts, data_dir
         ({"save-updates": True}, "save-updates has nothing to save"),
         ({"secagg-threshold": 0}, "'secagg-threshold' must be > 0 and <= 1"),
         ({"secagg-shares": 1.5}, "'secagg-shares' must be >= 0 and <= 1"),
+        # quantization that cannot carry the update (it ruined the model, or made NaN, at run time)
+        ({"secagg-clipping-range": 1e30}, r"moves an update in steps of 1.86e\+21, more than 1e-05"),
+        ({"secagg-quantization": 1}, "secagg-quantization 1 is below max-examples"),
+        ({"secagg-quantization": 2**30, "min-nodes": 4}, r"x 4 nodes passes half the 2\^32 modulus"),
     ],
 )
 def test_secure_aggregation_refuses_what_needs_each_update(extra, message):
     with pytest.raises(RunConfigError, match=message):
         validate({"secure-aggregation": True, **extra})
+
+
+def test_the_default_quantization_carries_rounds_up_to_two_thousand_nodes():
+    for nodes in (2, 10, 100, 2048):
+        validate({"secure-aggregation": True, "min-nodes": nodes})
+    with pytest.raises(RunConfigError, match="lower secagg-clipping-range"):
+        validate({"secure-aggregation": True, "min-nodes": 2049})
+    validate({"secure-aggregation": True, "min-nodes": 2049, "secagg-clipping-range": 2.0})
 
 
 def test_secure_aggregation_composes_with_client_side_dp():

@@ -19,6 +19,7 @@ from federated.flower_internals import KEY_CLIPPING_NORM, SecAgg
 from federated.loopback import LoopbackGrid
 from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 from federated.secure import SecureGrid, SecureSettings, group_size, levels_for, secure_mod
+from federated.secure_checks import REJECTED
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (5, 40)}
 
@@ -129,14 +130,15 @@ def test_nodes_that_vanish_after_sharing_keys_are_unmasked_by_the_others(shares)
     expected = _expected(updates, survivors, START)
     for name in SHAPES:
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
-    assert secure.rounds[-1].dropped == vanish
+    assert secure.rounds[-1].dropped == {101: "collect_masked_vectors", 104: "collect_masked_vectors"}
+    assert list(secure.rounds[-1].flagged) == [107] and "in the sum" in secure.rounds[-1].flagged[107]
     assert metrics["num-examples"] == sum(updates[n][1] for n in survivors)
 
 
 def test_too_few_survivors_fail_the_round_with_the_threshold():
     updates = _updates(5, seed=2)
     vanish = {n: "collect_masked_vectors" for n in list(updates)[:3]}
-    with pytest.raises(RoundFailedError, match=r"2 of 5 nodes answered the collect_masked_vectors stage.*the 3 needed"):
+    with pytest.raises(RoundFailedError, match=r"2 of 5 nodes answered the collect_masked_vectors stage usably.*the 3"):
         _round(Nodes(updates, vanish), list(updates), SecureSettings(threshold=0.6, max_weight=1000.0), START)
 
 
@@ -228,33 +230,175 @@ def test_large_rounds_share_keys_in_logarithmic_groups():
         assert grouped < full - 10 * 400, direction  # at least 10 fewer peers' keys or shares
 
 
-@pytest.mark.parametrize(
-    "stage, damage",
-    [
-        ("setup", lambda c: c.config_records[SecAgg.CONFIGS].pop(SecAgg.Key.PUBLIC_KEY_2)),
-        ("share_keys", lambda c: c.config_records[SecAgg.CONFIGS].__setitem__(SecAgg.Key.DESTINATION_LIST, [1.5])),
-        ("collect_masked_vectors", lambda c: c.config_records[SecAgg.CONFIGS].__setitem__(
-            SecAgg.Key.MASKED_PARAMETERS, [SecAgg.ndarray_to_bytes(np.zeros(3, np.uint32))])),
-        ("collect_masked_vectors", lambda c: c.metric_records[METRICS].__setitem__("num-examples", -5)),
-    ],
-    ids=["no-key", "float-ids", "wrong-shapes", "negative-count"],
-)  # fmt: skip
-def test_a_hostile_reply_takes_its_node_out_and_the_round_goes_on(stage, damage):
-    """A reply the stage cannot use leaves the round like a dropout: never a crash of the server."""
+# ---- one hostile node (102 of 6): each row damages what it sends at one stage ---------------------------
 
-    class Hostile(Nodes):
-        def _node(self, message: Message, context: Context) -> Message:
-            current = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]  # the mod pops it
-            reply = super()._node(message, context)
-            if context.node_id == 102 and current == stage:
-                damage(reply.content)
-            return reply
+HOSTILE = 102
 
+
+def _configs(content: RecordDict) -> ConfigRecord:
+    return content.config_records[SecAgg.CONFIGS]
+
+
+def _set(key, value):
+    return lambda c, memory: _configs(c).__setitem__(key, value(_configs(c)[key], memory) if callable(value) else value)
+
+
+def _masked_add(element, amount):
+    """Add ``amount`` to the masked vector's element ``element`` (0 is the weight factor), modulo 2^32."""
+
+    def damage(c, memory):
+        vector = [SecAgg.bytes_to_ndarray(b).astype(np.uint64) for b in _configs(c)[SecAgg.Key.MASKED_PARAMETERS]]
+        flat = np.concatenate([v.ravel() for v in vector])
+        flat[element if element is not None else slice(None)] += amount
+        out, at = [], 0
+        for v in vector:
+            out.append(SecAgg.ndarray_to_bytes((flat[at : at + v.size] % 2**32).astype(np.uint32).reshape(v.shape)))
+            at += v.size
+        _configs(c)[SecAgg.Key.MASKED_PARAMETERS] = out
+
+    return damage
+
+
+def _replay(c, memory):
+    """Send the previous round's masked vector again (the first round was honest)."""
+    _configs(c)[SecAgg.Key.MASKED_PARAMETERS] = memory["previous"]
+
+
+def _forge(to=None, spare=None):
+    """Replace its ciphertexts to node ``to`` (None: all but ``spare``) by Fernet tokens under a key
+    nobody shares."""
+    from cryptography.fernet import Fernet
+
+    def damage(c, memory):
+        forged = Fernet(Fernet.generate_key())
+        _configs(c)[CIPHER] = [forged.encrypt(b"x" * 400) if d == to or (to is None and d != spare) else t
+                               for d, t in zip(_configs(c)[DEST], _configs(c)[CIPHER])]  # fmt: skip
+
+    return damage
+
+
+def _copy_key(c, memory):
+    _configs(c)[SecAgg.Key.PUBLIC_KEY_1] = memory["keys"][101]
+
+
+def _garble_shares(c, memory):
+    shares = _configs(c)[SecAgg.Key.SHARE_LIST]
+    rng = np.random.default_rng(0)
+    _configs(c)[SecAgg.Key.SHARE_LIST] = [s[:4] + rng.bytes(len(s) - 4) for s in shares]
+
+
+def _rsa_key(c, memory):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024).public_key()
+    _configs(c)[SecAgg.Key.PUBLIC_KEY_2] = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+DEST, CIPHER = SecAgg.Key.DESTINATION_LIST, SecAgg.Key.CIPHERTEXT_LIST
+EXCLUDED, ALSO_101, FLAGGED, REFUSED = "excluded", "excluded with 101", "flagged", "refused"
+HOSTILE_ROWS = [
+    # setup: its keys
+    ("setup", lambda c, m: _configs(c).pop(SecAgg.Key.PUBLIC_KEY_2), EXCLUDED, "lacks"),
+    ("setup", _set(SecAgg.Key.PUBLIC_KEY_2, b"-----BEGIN PUBLIC KEY-----\nnot a key"), EXCLUDED, "not a PEM"),
+    ("setup", _rsa_key, EXCLUDED, "not a secp384r1 key"),
+    ("setup", _set(SecAgg.Key.PUBLIC_KEY_2, lambda v, m: _configs_of(m)[SecAgg.Key.PUBLIC_KEY_1]), EXCLUDED,
+     "same"),
+    ("setup", _copy_key, ALSO_101, "same public key"),  # who copied whom cannot be told: both leave
+    # share_keys: where its shares go
+    ("share_keys", _set(DEST, [1.5]), EXCLUDED, "lacks"),
+    ("share_keys", lambda c, m: [_configs(c)[k].append(_configs(c)[k][0]) for k in (DEST, CIPHER)], EXCLUDED,
+     "more than once"),
+    ("share_keys", _set(DEST, lambda v, m: [999, *v[1:]]), EXCLUDED, "not one of the 5 peers"),
+    ("share_keys", lambda c, m: [_configs(c)[k].pop() for k in (DEST, CIPHER)], EXCLUDED, "sent no shares"),
+    ("share_keys", _set(CIPHER, lambda v, m: [b"garbage", *v[1:]]), EXCLUDED, "not url-safe base64"),
+    ("share_keys", _forge(), EXCLUDED, "could not decrypt the shares it sent them"),
+    # 101 alone took its shares, so 101's masks with 102 cannot be removed: 101 leaves too
+    ("share_keys", _forge(spare=101), ALSO_101, "could not decrypt the shares it sent them"),
+    ("share_keys", _forge(101), ALSO_101, "could not decrypt"),  # one broken pair: both of its nodes leave
+    # collect_masked_vectors: its masked vector and its weight
+    ("collect_masked_vectors", _set(SecAgg.Key.MASKED_PARAMETERS, [SecAgg.ndarray_to_bytes(np.zeros(3, np.uint32))]),
+     EXCLUDED, "shapes"),
+    ("collect_masked_vectors", lambda c, m: c.metric_records[METRICS].__setitem__("num-examples", -5), EXCLUDED,
+     "example count is -5"),
+    ("collect_masked_vectors", lambda c, m: c.metric_records[METRICS].__setitem__("num-examples", 10**6),
+     EXCLUDED, "example count is 1000000"),
+    ("collect_masked_vectors", _set(REJECTED, lambda v, m: [101, 103, 104, 105]), EXCLUDED,
+     "could not decrypt the shares of nodes [101, 103, 104, 105]"),  # a false accuser
+    ("collect_masked_vectors", _masked_add(None, 2**31), None, REFUSED),
+    ("collect_masked_vectors", _masked_add(7, 2**31), None, REFUSED),  # one element
+    ("collect_masked_vectors", _masked_add(0, 2**31), None, REFUSED),  # the weight factor
+    ("collect_masked_vectors", _replay, None, REFUSED),
+    # unmask: the shares it reveals (its update is already in the sum and stays)
+    ("unmask", _garble_shares, FLAGGED, "does not fit the other shares"),
+    ("unmask", _set(SecAgg.Key.SHARE_LIST, lambda v, m: [v[0], v[0], *v[2:]]), FLAGGED, "does not fit"),
+    ("unmask", _set(SecAgg.Key.SHARE_LIST, lambda v, m: [v[0][:30], *v[1:]]), FLAGGED, "a share of 30 bytes"),
+    ("unmask", _set(SecAgg.Key.NODE_ID_LIST, lambda v, m: v[::-1]), FLAGGED, "other nodes than"),
+    ("unmask", lambda c, m: [_configs(c)[k].pop() for k in (SecAgg.Key.NODE_ID_LIST, SecAgg.Key.SHARE_LIST)],
+     FLAGGED, "other nodes than"),
+    ("unmask", _set(SecAgg.Key.SHARE_LIST, lambda v, m: [b"\x09\x00\x00\x00" + v[0][4:], *v[1:]]), FLAGGED,
+     "index 9"),
+]  # fmt: skip
+
+
+def _configs_of(memory):
+    return memory["own"]
+
+
+class Hostile(Nodes):
+    """Node 102 damages its reply to one stage; every node's setup keys are remembered (for copying)."""
+
+    def __init__(self, updates, stage, damage):
+        super().__init__(updates)
+        self.stage, self.damage, self.memory = stage, damage, {"keys": {}}
+
+    def _node(self, message: Message, context: Context) -> Message:
+        current = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]  # the mod pops it
+        reply = super()._node(message, context)
+        if current == "setup":
+            self.memory["keys"][context.node_id] = _configs(reply.content)[SecAgg.Key.PUBLIC_KEY_1]
+        if context.node_id == HOSTILE and current == "collect_masked_vectors":
+            self.memory.setdefault("vectors", []).append(list(_configs(reply.content)[SecAgg.Key.MASKED_PARAMETERS]))
+            self.memory["previous"] = self.memory["vectors"][-2] if len(self.memory["vectors"]) > 1 else None
+        if context.node_id == HOSTILE and current == self.stage:
+            self.memory["own"] = _configs(reply.content)
+            self.damage(reply.content, self.memory)
+        return reply
+
+
+@pytest.mark.parametrize(("stage", "damage", "outcome", "said"), HOSTILE_ROWS)
+def test_one_hostile_node_is_named_and_left_out_or_the_sum_is_refused(stage, damage, outcome, said):
+    """Every damage a node can do to its own messages: it is excluded (named, its update not in the
+    sum), flagged (named; it broke the protocol after its update was summed, which stays), or the
+    unmasked sum is refused as one no honest inputs make (nothing applied). Applied sums are the
+    honest nodes' FedAvg within the quantization bound."""
     updates = _updates(6, seed=5)
     settings = SecureSettings(max_weight=1000.0)
-    secure, aggregate, _ = _round(Hostile(updates), list(updates), settings, START)
-    assert secure.rounds[-1].dropped == {102: stage}
-    survivors = [n for n in updates if n != 102]
+    grid = Hostile(updates, stage, damage)
+    if damage is _replay:  # an honest first round to replay
+        grid.stage = "none"
+        _round(grid, list(updates), settings, START)
+        grid.stage = stage
+    secure = SecureGrid(grid, settings)
+    tasks = [Message(RecordDict({ARRAYS: to_arrays(START), CONFIG: ConfigRecord({"server-round": 2})}),
+                     dst_node_id=n, message_type="train", group_id="2") for n in updates]  # fmt: skip
+    replies = list(secure.send_and_receive(tasks))
+    log = secure.rounds[-1]
+    assert not log.dropped
+    if said == REFUSED:
+        assert replies == [] and "not one honest updates can make" in log.refused
+        assert not log.excluded and not log.flagged
+        return
+    assert log.refused is None
+    named = log.flagged if outcome == FLAGGED else log.excluded
+    out = {HOSTILE, 101} if outcome == ALSO_101 else {HOSTILE}
+    assert set(named) == out and said in named[HOSTILE], named
+    assert not (log.flagged if outcome != FLAGGED else log.excluded)
+    survivors = [n for n in updates if outcome == FLAGGED or n not in out]
     expected = _expected(updates, survivors, START)
+    (reply,) = replies
+    aggregate = from_arrays(reply.content[ARRAYS])
     for name in SHAPES:
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)

@@ -101,6 +101,8 @@ def test_device_round_trip_with_binary_weights(api):
         ({"query": {"num_examples": 0}}, 422, "num_examples must be in 1..1000"),  # non-positive count
         ({"query": {"bundle_sha256": "0" * 64}}, 409, "another bundle"),  # other bundle
         ({"query": {"metrics": '{"a": "x"}'}}, 422, "finite numbers"),  # metrics that are not numbers
+        ({"query": {"metrics": '{"a": true}'}}, 422, "finite numbers"),  # a boolean is not a number
+        ({"query": {"metrics": "[" * 3000}}, 422, "finite numbers"),  # nested past the parser's recursion
         ({"query": {"metrics": json.dumps({str(i): 1 for i in range(40)})}}, 422, "at most 32"),  # too many
         ({"task": "nope"}, 404, "no task"),  # unknown task
     ],
@@ -330,6 +332,26 @@ def _answer(api, task_id, headers, answer):
 
 NODE, PEER = str(2**64 - 5), "17"  # node ids beyond 2^53 travel as decimal strings
 SHARE_KEYS = {"stage": "share_keys", "node": NODE, "keys": [[NODE, "YQ==", "Yg=="], [PEER, "Yw==", "ZA=="]]}
+UNMASK = {"stage": "unmask", "node": NODE, "active": [NODE, PEER], "dead": []}
+
+
+def _pem_keys() -> list[str]:
+    """Two real SecAgg+ public keys (PEM, SECP384R1), as base64."""
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+    return [base64.b64encode(public_key_to_bytes(generate_key_pairs()[1])).decode() for _ in range(2)]
+
+
+def _token() -> str:
+    from cryptography.fernet import Fernet
+
+    return base64.b64encode(Fernet(Fernet.generate_key()).encrypt(b"shares" * 50)).decode()
+
+
+def _shares(count: int = 2) -> list[str]:
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+
+    return [base64.b64encode(s).decode() for s in create_shares(bytes(32), 2, count)]
 
 
 def test_a_secure_rounds_stages_pass_through_the_bridge(api):
@@ -339,14 +361,17 @@ def test_a_secure_rounds_stages_pass_through_the_bridge(api):
     task = api.get("/v1/task", headers=headers).json()
     assert task["secagg"] == setup and task["weights_url"] is None and task["weights_size"] == 0
     assert _push(api, task_id, headers).status_code == 409  # a key stage takes no weights
-    keys = {"pk1": base64.b64encode(b"key one").decode(), "pk2": base64.b64encode(b"key two").decode()}
+    pk1, pk2 = _pem_keys()
+    keys = {"pk1": pk1, "pk2": pk2}
     assert _answer(api, task_id, headers, keys).status_code == 202
     assert api.get(f"/internal/tasks/{task_id}/update", headers=relay).json()["secagg"] == keys
     assert _answer(api, task_id, headers, keys).status_code == 409  # replay
 
     shared = _stage(api, SHARE_KEYS)
-    answer = {"destinations": [PEER], "ciphertexts": [base64.b64encode(b"token").decode()]}
+    answer = {"destinations": [PEER], "ciphertexts": [_token()]}
     assert _answer(api, shared, headers, answer).status_code == 202
+    unmask = _stage(api, UNMASK)
+    assert _answer(api, unmask, headers, {"nodes": [NODE, PEER], "shares": _shares()}).status_code == 202
 
     collect = {"stage": "collect_masked_vectors", "node": NODE, "sources": [PEER], "ciphertexts": ["dA=="],
                "order": [[0, SIZE]], "clipping_norm": None}  # fmt: skip
@@ -363,24 +388,53 @@ def test_a_secure_rounds_stages_pass_through_the_bridge(api):
     assert _answer(api, plain, headers, {"declined": "no"}).status_code == 409
 
 
+PK1, PK2 = _pem_keys()
+TOKEN, SHARES = _token(), _shares()
+
+
+def _rsa_pem() -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024).public_key()
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(pem).decode()
+
+
+SETUP = {"stage": "setup", "node": NODE, "sample_num": 2, "share_num": 2, "threshold": 2}
+
+
 @pytest.mark.parametrize(
-    ("answer", "message"),
+    ("stage", "answer", "message"),
     [
-        ([1, 2], "JSON object"),
-        ({"destinations": [PEER]}, "exactly ['ciphertexts', 'destinations']"),
-        ({"destinations": [PEER], "ciphertexts": ["YQ=="], "extra": 1}, "exactly"),
-        ({"destinations": [PEER], "ciphertexts": ["not base64!"]}, "ciphertexts must be base64"),
-        ({"destinations": [17], "ciphertexts": ["YQ=="]}, "node ids as decimal strings"),  # a JSON number
-        ({"destinations": [str(2**64)], "ciphertexts": ["YQ=="]}, "node ids as decimal strings"),  # over uint64
-        ({"destinations": [PEER] * 3, "ciphertexts": ["YQ=="] * 3}, "more than the 2 nodes"),
-        ({"destinations": [PEER], "ciphertexts": ["YQ==", "Yg=="]}, "lists of the same length"),
-        ({"destinations": [PEER], "ciphertexts": ["YQ" * 4000]}, "base64"),  # longer than any share token
-        ({"declined": "x" * 301}, "at most 300"),
+        (SHARE_KEYS, [1, 2], "JSON object"),
+        (SHARE_KEYS, {"destinations": [PEER]}, "exactly ['ciphertexts', 'destinations']"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [TOKEN], "extra": 1}, "exactly"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["not base64!"]}, "ciphertexts must be base64"),
+        (SHARE_KEYS, {"destinations": [17], "ciphertexts": [TOKEN]}, "node ids as decimal strings"),  # a number
+        (SHARE_KEYS, {"destinations": [str(2**64)], "ciphertexts": [TOKEN]}, "node ids as decimal strings"),
+        (SHARE_KEYS, {"destinations": [PEER] * 3, "ciphertexts": [TOKEN] * 3}, "more than the 2 nodes"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [TOKEN, TOKEN]}, "lists of the same length"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["YQ" * 4000]}, "base64"),  # longer than any token
+        (SHARE_KEYS, {"declined": "x" * 301}, "at most 300"),
+        # what the server would refuse too: the protocol, not only the types
+        (SHARE_KEYS, {"destinations": [PEER, PEER], "ciphertexts": [TOKEN] * 2}, "more than once"),
+        (SHARE_KEYS, {"destinations": ["18"], "ciphertexts": [TOKEN]}, "not one of the 1 peers"),
+        (SHARE_KEYS, {"destinations": [], "ciphertexts": []}, "sent no shares to node 17"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["YQ=="]}, "a ciphertext that is not"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [base64.b64encode(b"YWJj").decode()]}, "not a Fernet"),
+        (SETUP, {"pk1": base64.b64encode(b"key one").decode(), "pk2": PK2}, "pk1: not a PEM public key"),
+        (SETUP, {"pk1": PK1, "pk2": _rsa_pem()}, "pk2: not a secp384r1 key"),
+        (SETUP, {"pk1": PK1, "pk2": PK1}, "the same"),
+        (UNMASK, {"nodes": [PEER, NODE], "shares": SHARES}, "nodes must list the task's active nodes"),
+        (UNMASK, {"nodes": [NODE], "shares": SHARES[:1]}, "nodes must list"),
+        (UNMASK, {"nodes": [NODE, PEER], "shares": [SHARES[0], base64.b64encode(b"abc").decode()]}, "a share of 3"),
+        (SHARE_KEYS, json.loads("[" * 90 + "]" * 90), "JSON object"),
     ],
-)
-def test_hostile_stage_answers_are_refused_and_not_stored(api, answer, message):
+)  # fmt: skip
+def test_hostile_stage_answers_are_refused_and_not_stored(api, stage, answer, message):
     headers = _device(api)
-    task_id = _stage(api, SHARE_KEYS)
+    task_id = _stage(api, stage)
     response = _answer(api, task_id, headers, answer)
     assert response.status_code == 422 and message in response.json()["detail"], response.text
     assert api.app.state.store.update(task_id) is None
@@ -394,6 +448,14 @@ def test_any_stage_may_be_declined(api):
     assert _answer(api, task_id, headers, {"destinations": [], "ciphertexts": []}).status_code == 422
     assert _answer(api, task_id, headers, {"declined": "joined after the setup"}).status_code == 202
     assert api.app.state.store.update(task_id).secagg == {"declined": "joined after the setup"}
+
+
+def test_json_nested_thousands_deep_is_refused_not_a_500(api):
+    headers = _device(api)
+    task_id = _stage(api, SHARE_KEYS)
+    response = api.post(f"/v1/tasks/{task_id}/secagg", content="[" * 30_000 + "]" * 30_000, headers=headers)
+    assert response.status_code == 422 and "nesting" in response.json()["detail"]
+    assert api.app.state.store.update(task_id) is None
 
 
 def test_the_relay_cannot_send_an_unknown_stage(api):
