@@ -168,7 +168,7 @@ def token_problem(token: bytes) -> str | None:
     """Why ``token`` cannot be a Fernet token (None when it can be): url-safe base64 of version
     0x80, a timestamp, an IV, whole AES blocks and an HMAC. Only its receiver can check the HMAC."""
     try:
-        raw = base64.urlsafe_b64decode(token)
+        raw = base64.b64decode(token, altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         return "a ciphertext that is not url-safe base64"
     if len(raw) < _FERNET_OVERHEAD + 16 or (len(raw) - _FERNET_OVERHEAD) % 16 or raw[0] != 0x80:
@@ -199,11 +199,11 @@ def recover(
 ) -> tuple[bytes, set[int]]:
     """The secret behind ``shares`` (sender -> share) and the senders whose shares do not fit it.
 
-    Shares that all lie on one polynomial give the secret at once (any ``threshold`` of them and
-    all of them agree). Otherwise subsets that leave out ever more senders are tried, and a
-    candidate is taken when ``valid`` accepts it, or (without ``valid``) when a share outside the
-    subset confirms it: telling a bad share apart needs ``threshold`` + 1 good ones, correcting
-    ``e`` of them ``threshold`` + 2e. Raises :class:`RecoveryError` when none is found.
+    When the first and the last ``threshold`` shares give the same secret, it is taken (a bad share
+    in either subset moves its result). Otherwise subsets that leave out ever more senders are
+    tried, and a candidate is taken when ``valid`` accepts it, or (without ``valid``) when a share
+    outside the subset confirms it, so telling bad shares apart needs ``threshold`` + 1 good ones.
+    Raises :class:`RecoveryError` when none is found.
     """
     lengths = Counter(len(s) for s in shares.values())
     length = max(sorted(lengths), key=lambda n: lengths[n]) if shares else 0
@@ -213,9 +213,10 @@ def recover(
     senders = list(usable)
     if len(senders) < threshold:
         raise RecoveryError(f"{len(senders)} usable shares of {len(shares)}, {threshold} needed")
-    secret = _combine(usable[n] for n in senders[:threshold])
-    if secret is not None and (valid is None or valid(secret)) and _combine(usable.values()) == secret:
-        return secret, bad
+    secret = _combine(usable[n] for n in senders[:threshold])  # the first and the last threshold agree:
+    if secret is not None and (valid is None or valid(secret)):  # twice the work of trusting one subset
+        if len(senders) == threshold or _combine(usable[n] for n in senders[-threshold:]) == secret:
+            return secret, bad
     combines = 0
     for left_out in range(len(senders) - threshold + 1):
         for out in combinations(senders, left_out):

@@ -351,7 +351,13 @@ export class SecureRound {
       const source = secagg.sources[i];
       const key = this.channels.get(source);
       if (!key) throw new SecAggError(`no channel with node ${source}`);
-      const plain = await fernetDecrypt(key, fromBase64(secagg.ciphertexts[i]));
+      let plain; // a peer's token that does not open is a SecAggError: the device declines, the round goes on
+      try {
+        plain = await fernetDecrypt(key, fromBase64(secagg.ciphertexts[i]));
+      } catch (error) {
+        throw new SecAggError(`the shares node ${source} sent cannot be decrypted (${error.message})`);
+      }
+      if (plain.length < 20) throw new SecAggError(`the shares node ${source} sent are too short`);
       const view = new DataView(plain.buffer, plain.byteOffset, plain.byteLength);
       const [from, to, length] = [view.getBigUint64(0, true), view.getBigUint64(8, true), view.getUint32(16, true)];
       if (String(from) !== source || String(to) !== this.node) throw new SecAggError("a share names the wrong nodes");

@@ -402,3 +402,45 @@ def test_one_hostile_node_is_named_and_left_out_or_the_sum_is_refused(stage, dam
     aggregate = from_arrays(reply.content[ARRAYS])
     for name in SHAPES:
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
+
+
+def test_a_refused_sum_leaves_the_global_model_and_the_report_says_so(digits_artifacts):
+    """Through the app's strategy: a round whose unmasked sum is refused applies nothing (the
+    strategy returns no arrays, so Flower keeps the global model), and its report row says why;
+    the next round, with the hostile node honest again, is applied."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from federated.protocol import hash_tag
+    from federated.report import round_row
+    from federated.strategy import GuardedStrategy
+    from federated.task import manifest_sha256
+    from ondevice import Manifest, Trainer
+
+    manifest, sha = Manifest.load(digits_artifacts), manifest_sha256(digits_artifacts)
+    start = Trainer.load(digits_artifacts).get_weights()
+    rng = np.random.default_rng(3)
+    updates = {100 + i: ({k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()}, 50)
+               for i in range(4)}  # fmt: skip
+
+    class Tagged(Hostile):
+        def _train(self, message, context):
+            reply = super()._train(message, context)
+            reply.content[METRICS]["manifest-tag"] = hash_tag(sha)
+            return reply
+
+    grid = Tagged(updates, "collect_masked_vectors", _masked_add(None, 2**31))
+    strategy = GuardedStrategy(FedAvg(), manifest, sha, codec="none", max_examples=1000, min_nodes=2)
+    strategy.secure = secure = SecureGrid(grid, SecureSettings(max_weight=1000.0))
+    for server_round in (1, 2):
+        messages = strategy.configure_train(server_round, to_arrays(start), ConfigRecord({}), secure)
+        arrays, _ = strategy.aggregate_train(server_round, secure.send_and_receive(messages))
+        if server_round == 1:
+            assert arrays is None
+            row = round_row(1, {}, strategy.rounds[1], 1.0)
+            assert "not one honest updates can make" in row["refused"] and row["excluded"] == {}
+            grid.stage = "none"  # honest from now on
+    expected = _expected(updates, list(updates), start)
+    for name, value in from_arrays(arrays).items():
+        np.testing.assert_allclose(value, expected[name], atol=_bound(SecureSettings(max_weight=1000.0), updates,
+                                                                      list(updates)), rtol=0)  # fmt: skip
+    assert "refused" not in round_row(2, {}, strategy.rounds[2], 1.0)

@@ -317,6 +317,7 @@ def test_browser_secagg_primitives_interoperate_with_flowers(site, tmp_path):
         "plaintext": b64(b"shares for node 7"), "pythonToken": b64(encrypt(fernet_key, b"from python")),
         "secret": b64(secret), "threshold": 3, "count": 5,
         "pythonShares": [b64(s) for s in create_shares(python_secret, 3, 5)[1:4]],
+        "forgedToken": b64(encrypt(generate_shared_key(*generate_key_pairs()[:1], public), b"x" * 400)),
     }}  # fmt: skip
     result = _browser(url, task, tmp_path)
     assert result["ok"], result
@@ -333,3 +334,5 @@ def test_browser_secagg_primitives_interoperate_with_flowers(site, tmp_path):
     shares = [base64.b64decode(s) for s in result["shares"]]
     assert combine_shares(shares[:3]) == secret and combine_shares(shares[2:]) == secret
     assert base64.b64decode(result["combined"]) == python_secret
+    # shares under a key the pair does not share: the device declines the stage (a SecAggError), it does not crash
+    assert result["forged"].startswith("SecAggError: the shares node 1 sent cannot be decrypted"), result["forged"]

@@ -40,6 +40,26 @@ try {
     process.exit(0);
   }
   const result = await page.evaluate(async (task) => {
+    // Two SecureRound nodes through share_keys; node 2 then gets `token` as node 1's shares: the error it raises.
+    async function forgedShares(s, token) {
+      const [one, two] = [new s.SecureRound(), new s.SecureRound()];
+      const setup = { stage: "setup", sample_num: 2, share_num: 2, threshold: 2, clipping_range: 4,
+                      target_range: 2 ** 20, mod_range: 2 ** 32, max_weight: 1000 };
+      const keys = [];
+      for (const [node, round] of [["1", one], ["2", two]]) {
+        const answer = await round.answer({ ...setup, node });
+        keys.push([node, answer.pk1, answer.pk2]);
+      }
+      for (const [node, round] of [["1", one], ["2", two]]) await round.answer({ stage: "share_keys", node, keys });
+      const collect = { stage: "collect_masked_vectors", node: "2", sources: ["1"], ciphertexts: [s.toBase64(token)],
+                        order: [[0, 2]], clipping_norm: null };
+      try {
+        await two.collect(collect, new Float32Array(2), new Float32Array(2), 10);
+        return "accepted";
+      } catch (error) {
+        return `${error.name}: ${error.message}`;
+      }
+    }
     if (task.secagg) {
       // The SecAgg+ primitives against Flower's Python ones: inputs and outputs as base64.
       const s = await import("/odt-secagg.mjs");
@@ -59,6 +79,7 @@ try {
         decrypted: e(await s.fernetDecrypt(b(t.fernetKey), b(t.pythonToken))),
         shares: s.createShares(b(t.secret), t.threshold, t.count).map(e),
         combined: e(s.combineShares(t.pythonShares.map(b))),
+        forged: await forgedShares(s, b(t.forgedToken)),
       };
     }
     if (task.secureRound) {
