@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from .errors import CheckpointCorruptError, CheckpointError
-from .files import fsync_dir, pid_alive, public_mode
+from .files import PRODUCER, clear_stale_temps, fsync_dir, public_mode
 from .session import ort_error_message
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def save_state(write: Callable[[Path], None], path: Path, header: dict[str, Any]
     ``header`` must hold ``manifest_sha256``; epoch and step are welcome (they name the file in errors).
     """
     _make_parent(path, "checkpoint directory")
-    _remove_stale_temps(path)
+    clear_stale_temps(path, locked=True)  # under the writer lock no one else is saving
     raw, tmp = _temp_beside(path, ".ort"), _temp_beside(path)
     try:
         write(raw)
@@ -128,17 +128,6 @@ def _keep_as_previous(path: Path, manifest_sha: str) -> None:
         shutil.copyfile(path, keep)
     os.replace(keep, previous_of(path))
     keep.unlink(missing_ok=True)  # a rename between two links of one file does nothing and leaves both
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Temporary files of saves that were killed: under the writer lock no one else is saving."""
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        try:
-            pid = int(stale.name[len(path.name) + 2 :].split(".")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() or not pid_alive(pid):
-            stale.unlink(missing_ok=True)
 
 
 def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = True) -> dict[str, Any]:
@@ -252,23 +241,24 @@ def export_inference(
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
     _make_parent(path, "export directory")
+    clear_stale_temps(path)
     tmp = _temp_beside(path)
     try:
         session.export_model(tmp, outputs)
-        if adapters or metadata or external:
-            import onnx
-            from onnx.external_data_helper import load_external_data_for_model
+        import onnx
+        from onnx.external_data_helper import load_external_data_for_model
 
-            from .lora import fold_adapters
+        from .lora import fold_adapters
 
-            model = onnx.load(tmp, load_external_data=False)
-            if external is not None:
-                load_external_data_for_model(model, os.fspath(external))
-            model = fold_adapters(model, adapters)
-            for key, value in (metadata or {}).items():
-                entry = model.metadata_props.add()
-                entry.key, entry.value = key, value
-            onnx.save(model, tmp)
+        model = onnx.load(tmp, load_external_data=False)
+        if external is not None:
+            load_external_data_for_model(model, os.fspath(external))
+        model = fold_adapters(model, adapters)
+        for key, value in (metadata or {}).items():
+            entry = model.metadata_props.add()
+            entry.key, entry.value = key, value
+        model.producer_name = PRODUCER  # a later export may replace this file (ondevice.files.written_by_odt)
+        onnx.save(model, tmp)
         os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:

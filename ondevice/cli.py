@@ -231,6 +231,8 @@ def register_export(commands: argparse._SubParsersAction) -> None:
         "(default: from --out's suffix, .onnx or .safetensors)",
     )
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help=f"export CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}")
+    p.add_argument("--force", action="store_true", help="replace --out if an earlier odt export wrote it "
+                   "(default: refuse an existing --out; files odt did not write are never replaced)")  # fmt: skip
     _engine_option(p)
     p.set_defaults(run=_run_export)
 
@@ -474,13 +476,17 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
+    from .errors import ConfigError, OutputRefusedError
+    from .files import export_refusal
     from .formats import save_hf, save_peft, save_safetensors
 
-    kind = args.format or {".onnx": "onnx", ".safetensors": "safetensors"}.get(Path(args.out).suffix)
+    kind = args.format or {".onnx": "onnx", ".safetensors": "safetensors"}.get(Path(args.out).suffix.lower())
     if kind is None:
         raise ConfigError(f"--out {args.out!r} ends in neither .onnx nor .safetensors: pass --format onnx, "
                           "safetensors, or peft or hf (folders).")  # fmt: skip
+    refusal = export_refusal(args.out, args.directory, folder=kind in ("peft", "hf"), force=args.force)
+    if refusal:
+        raise OutputRefusedError(f"{refusal}.")
     trainer, note = _load_trained(args.directory, args.checkpoint, args.engine)
     if kind == "onnx":
         print(f"inference model: {trainer.export(args.out)}")

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointCorruptError",
     "ConfigError",
     "EngineError",
+    "OutputRefusedError",
 ]
 
 
@@ -69,3 +70,8 @@ class ConfigError(OndeviceError, UsageError, ValueError):
 
 class EngineError(OndeviceError, RuntimeError):
     """The engine asked for cannot run here or these artifacts lack its graphs (the message says which to use)."""
+
+
+class OutputRefusedError(OndeviceError, UsageError, FileExistsError):
+    """An --out that odt must not write: it exists and odt did not write it, or it is a link, a device,
+    the artifact directory or the working directory."""

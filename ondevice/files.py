@@ -18,7 +18,17 @@ __all__ = [
     "staging_dir",
     "publish_dir",
     "pid_alive",
+    "clear_stale_temps",
+    "written_by_odt",
+    "export_refusal",
+    "PRODUCER",
+    "EXPORT_RECORD",
 ]
+
+PRODUCER = "odt"
+"""The producer name odt writes into the files it exports (ONNX producer_name, safetensors metadata)."""
+EXPORT_RECORD = "odt-export.json"
+"""The file an exported folder (PEFT, Hugging Face) lists its files in, as manifest.json does."""
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -38,7 +48,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, secret: boo
     target = Path(path)
     import tempfile  # here, not at the top: a cold start that only trains never writes (~4 ms)
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    clear_stale_temps(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     try:
         os.fchmod(fd, 0o600 if secret else public_mode())
         with os.fdopen(fd, "wb") as handle:
@@ -50,6 +61,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, secret: boo
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+def clear_stale_temps(target: Path, *, locked: bool = False) -> None:
+    """Remove the temporary files (``.NAME.PID....tmp``) that killed writers of ``target`` left; a
+    writer that holds ``target``'s lock (``locked``) removes every other process's too."""
+    import glob
+
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = stale.name[len(target.name) + 2 :].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and (locked or not pid_alive(int(pid))):
+            stale.unlink(missing_ok=True)
 
 
 def public_mode(*, directory: bool = False) -> int:
@@ -155,3 +177,79 @@ def publish_dir(work: Path, target: Path) -> None:
     fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def written_by_odt(path: Path) -> bool:
+    """Whether the file at ``path`` is an ONNX model or a .safetensors file that odt exported (its
+    producer is :data:`PRODUCER`). Reads only the file's first bytes."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(1 << 16)
+    except OSError:
+        return False
+    if len(head) >= 8 and head[8:9] == b"{":  # safetensors: u64 header length, then a JSON header
+        size = int.from_bytes(head[:8], "little")
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(8)
+                header = json.loads(handle.read(min(size, 1 << 24)))
+            return isinstance(header, dict) and header.get("__metadata__", {}).get("producer") == PRODUCER
+        except (OSError, ValueError, RecursionError, AttributeError):
+            return False
+    return _onnx_producer(head) == PRODUCER
+
+
+def _onnx_producer(head: bytes) -> str | None:
+    """ModelProto.producer_name (field 2) from the start of a serialized ONNX model: protobuf writes
+    fields in number order, so it follows ir_version (field 1)."""
+    pos = 0
+    while pos < len(head):
+        key, pos = _varint(head, pos)
+        field, wire = key >> 3, key & 7
+        if field > 2 or wire not in (0, 2):
+            return None
+        value, pos = _varint(head, pos)
+        if wire == 2:
+            if field == 2:
+                return head[pos : pos + value].decode("utf-8", "replace")
+            pos += value
+    return None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(data):
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            break
+    return value, pos
+
+
+def export_refusal(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, folder: bool,
+                   force: bool) -> str | None:  # fmt: skip
+    """Why ``odt export`` must not write ``out``, or None when it may: a new path, or with ``force``
+    a file (``folder`` False) or folder odt exported. Never the artifact directory or anything in
+    it, a symbolic link, a device or other special file, or the working directory."""
+    if not os.fspath(out).strip():
+        return "--out is empty (an unset shell variable?); name the file or folder to write"
+    target = Path(out).absolute()
+    real, source = target.resolve(), Path(artifacts).resolve()
+    if real == source or source in real.parents:
+        return (f"--out {os.fspath(out)!r} is inside the artifact directory {artifacts}: the export would "
+                "overwrite the artifacts. Choose a path outside it")  # fmt: skip
+    if folder:
+        return output_refusal(out, force=force, marker=EXPORT_RECORD)
+    if target.is_symlink():
+        return f"{target} is a symbolic link; odt never writes through one. Choose another --out"
+    if not target.exists():
+        return None
+    if not target.is_file():
+        return f"{target} is not a regular file (a directory, a device or a pipe); choose another --out"
+    if not force:
+        return f"{target} already exists; pass --force to replace it (only a file odt exported is replaced)"
+    if not written_by_odt(target):
+        return (f"{target} was not written by odt export, so --force does not replace it. Move it away or "
+                "choose another --out")  # fmt: skip
+    return None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import CheckpointError
-from .files import atomic_write_bytes
+from .files import EXPORT_RECORD, PRODUCER, atomic_write_bytes, public_mode, publish_dir, staging_dir
 from .manifest import Adapter, Manifest
 
 if TYPE_CHECKING:
@@ -110,33 +110,32 @@ def save_safetensors(trainer: Trainer, path: str | os.PathLike[str], *, fold: bo
 
 def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``PeftModel.from_pretrained(base_model, directory)`` loads."""
+    ``PeftModel.from_pretrained(base_model, directory)`` loads. The folder is built beside
+    ``directory`` and renamed into place whole (an existing one is replaced: check it first)."""
     tensors, config = peft_weights(trainer.manifest, model_weights(trainer, fold=False))
-    directory = Path(directory)  # _write creates it
-    _write(directory / "adapter_model.safetensors", tensors)
-    atomic_write_bytes(directory / "adapter_config.json", json.dumps(config, indent=2).encode())
-    return directory
+    return _write_folder(Path(directory), {
+        "adapter_model.safetensors": _safetensors(tensors),
+        "adapter_config.json": json.dumps(config, indent=2).encode(),
+    })  # fmt: skip
 
 
 def save_hf(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
     """Write a Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer if the
-    artifacts carry one) that ``AutoModel...from_pretrained(directory)`` loads with the trained weights."""
-    import shutil
-
+    artifacts carry one) that ``AutoModel...from_pretrained(directory)`` loads with the trained
+    weights; built beside ``directory`` and renamed into place whole, like :func:`save_peft`."""
     manifest = trainer.manifest
     if manifest.hf_config is None:
         raise CheckpointError(
             "these artifacts were not generated from a transformers model (the manifest has no hf_config): "
             "export --format safetensors and load it with artifacts.load_into."
         )
-    directory = Path(directory)  # _write creates it
     prefix = str(manifest.hf_config["prefix"])
     weights = {name[len(prefix) :]: value for name, value in model_weights(trainer).items() if name.startswith(prefix)}
-    _write(directory / "model.safetensors", weights)
-    atomic_write_bytes(directory / "config.json", json.dumps(manifest.hf_config["config"], indent=2).encode())
+    files = {"model.safetensors": _safetensors(weights),
+             "config.json": json.dumps(manifest.hf_config["config"], indent=2).encode()}  # fmt: skip
     if manifest.tokenizer is not None:
-        shutil.copyfile(Path(trainer.directory) / manifest.tokenizer.file, directory / "tokenizer.json")
-    return directory
+        files["tokenizer.json"] = (Path(trainer.directory) / manifest.tokenizer.file).read_bytes()
+    return _write_folder(Path(directory), files)
 
 
 def save_tensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarray]) -> Path:
@@ -144,14 +143,49 @@ def save_tensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarray]) -
     return _write(Path(path), tensors)
 
 
-def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """Tensors as a .safetensors file, written atomically; "pt" metadata is what from_pretrained expects."""
+def _safetensors(tensors: dict[str, np.ndarray]) -> bytes:
+    """Tensors in the .safetensors format; "pt" is what from_pretrained expects, "producer" tells a
+    later export that odt wrote the file (:func:`ondevice.files.written_by_odt`)."""
     from safetensors.numpy import save
 
-    data = save({name: np.ascontiguousarray(value) for name, value in tensors.items()}, metadata={"format": "pt"})
+    contiguous = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+    return save(contiguous, metadata={"format": "pt", "producer": PRODUCER})
+
+
+def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """Tensors as a .safetensors file, written atomically."""
+    data = _safetensors(tensors)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, data)
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror}. Choose a writable --out.") from None
     return path
+
+
+def _write_folder(target: Path, files: dict[str, bytes]) -> Path:
+    """``files`` (name -> bytes) and a record of them (:data:`EXPORT_RECORD`) as the folder ``target``:
+    written in a staging folder beside it, then renamed into place whole, so that a full disk or a
+    kill never leaves half a folder (a killed export's staging folder goes at the next export)."""
+    import hashlib
+    import shutil
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = staging_dir(target)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {target}: {exc.strerror}. Choose a writable --out.") from None
+    try:
+        record = {"written_by": "odt export", "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
+        for name, data in {**files, EXPORT_RECORD: json.dumps(record, indent=2).encode()}.items():
+            with open(work / name, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(work / name, public_mode())
+        publish_dir(work, target)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise CheckpointError(f"cannot write {target}: {exc.strerror}; nothing was written. Choose a writable "
+                              "--out or free some space.") from None  # fmt: skip
+    return target
