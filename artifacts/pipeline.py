@@ -6,15 +6,17 @@ import copy
 import logging
 import os
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import onnx
 import torch
 
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
+from ondevice.locks import ARTIFACTS_LOCK, exclusive
 from ondevice.manifest import (
     BATCH,
     MANIFEST_NAME,
@@ -103,18 +105,29 @@ def build_artifacts(
                     report,
                 )
         manifest.save(work)
-        publish_dir(work, out_dir)
+        with _replacing(out_dir):  # no trainer may hold the old artifacts while they are swapped
+            publish_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
 
 
+def _replacing(out_dir: Path) -> ContextManager[None]:
+    """Hold existing artifacts in ``out_dir`` alone (InUseError naming the trainers' pids otherwise)."""
+    if not (out_dir / MANIFEST_NAME).is_file():  # not artifacts (an empty folder, say): no trainer holds it
+        return nullcontext()
+    return exclusive(out_dir / ARTIFACTS_LOCK, f"artifacts {out_dir}",
+                     "a trainer is using them: let it finish, or write the new artifacts to another --out")  # fmt: skip
+
+
 def check_output(out_dir: str | os.PathLike[str], force: bool) -> Path:
     """The absolute output directory, once it is known that writing it destroys nothing odt did not make."""
-    refusal = output_refusal(out_dir, force=force, marker=MANIFEST_NAME)
+    refusal = output_refusal(out_dir, force=force, marker=MANIFEST_NAME, extra=(ARTIFACTS_LOCK,))
     if refusal is not None:
         raise OutputExistsError(refusal + ".")
+    with _replacing(Path(out_dir)):  # refused now, before the build, if a trainer holds them
+        pass
     out_dir = Path(out_dir).absolute()
     parent = out_dir.parent
     try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 from .config import BY_NAME, validate
 from .errors import RunConfigError
@@ -200,10 +201,20 @@ def _check_paths(config: dict[str, Any]) -> None:
         )
 
 
+MAX_NODES_PER_CORE = 16
+"""SuperNode processes `odt fl deploy` starts per core at most (simulated clients share Ray's workers)."""
+
+
 def check_nodes(nodes: int, config: dict[str, Any], flag: str) -> None:
     """Refuse a node count the run can never satisfy (it would wait forever for min-nodes)."""
     if nodes < 1:
         raise RunConfigError(f"{flag} must be at least 1, got {nodes}.")
+    most = MAX_NODES_PER_CORE * (os.cpu_count() or 1)
+    if flag == "--nodes" and nodes > most:  # each SuperNode is a process of its own (about 100 MB)
+        raise RunConfigError(
+            f"{flag} {nodes} would start {nodes} SuperNode processes on this machine's {os.cpu_count()} cores; "
+            f"at most {most} are allowed here. Use odt fl simulate for many virtual clients, or real devices."
+        )
     need = int(config.get("min-nodes", BY_NAME["min-nodes"].default))
     if nodes < need:
         raise RunConfigError(
@@ -237,17 +248,17 @@ def _run(args: argparse.Namespace) -> int:
     check_nodes(nodes, config, flag)
     out = Path(config["output"])
     work = out / "logs"
-    if args.resume:
-        _keep_previous_logs(work)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        record = {"mode": args.mode, "nodes": nodes, "config": config}
-        atomic_write_bytes(out / RUN_CONFIG, json.dumps(record, indent=2).encode())
-    if args.mode == "simulate":
-        report = simulate(nodes, config, work=work, on_line=_quiet if args.json else echo_rounds)
-    else:
-        report = deploy(nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else echo_rounds)
-    (out / FAILURE).unlink(missing_ok=True)  # this run succeeded: an earlier attempt's failure is over
+    with run_lock(out):
+        if args.resume:
+            _keep_previous_logs(work)
+        else:
+            record = {"mode": args.mode, "nodes": nodes, "config": config}
+            atomic_write_bytes(out / RUN_CONFIG, json.dumps(record, indent=2).encode())
+        if args.mode == "simulate":
+            report = simulate(nodes, config, work=work, on_line=_quiet if args.json else echo_rounds)
+        else:
+            report = deploy(nodes, config, tls=args.tls, work=work, on_line=_quiet if args.json else echo_rounds)
+        (out / FAILURE).unlink(missing_ok=True)  # this run succeeded: an earlier attempt's failure is over
     if args.json:
         print(json.dumps(report, indent=2))
     elif report.get("process_tree", {}).get("peak_pss_bytes"):
@@ -255,6 +266,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"odt: peak memory of the run's {tree['processes']} processes together: "
               f"{tree['peak_pss_bytes'] / 2**20:.0f} MiB (PSS; in {out / 'metrics.json'})", flush=True)  # fmt: skip
     return 0
+
+
+RUN_LOCK = ".odt-run.lock"
+"""The lock a federated run holds in its --out while it runs (ondevice.locks)."""
+
+
+def run_lock(out: Path) -> ContextManager[None]:
+    """Hold ``out`` for one run: a second run with the same --out is refused, naming this one's pid."""
+    from ondevice.locks import exclusive
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunConfigError(f"cannot create --out {out}: {exc.strerror}. Choose a writable --out.") from None
+    return exclusive(out / RUN_LOCK, f"--out {out}", "another odt run writes there (two runs would stop each "
+                     "other's processes and mix their rounds): wait for it to end or choose another --out")  # fmt: skip
 
 
 def _keep_previous_logs(work: Path) -> None:

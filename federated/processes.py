@@ -17,7 +17,9 @@ from typing import IO, Sequence
 
 from .errors import DeployError
 
-__all__ = ["ProcessGroup", "Terminated", "TreeMemory", "free_port", "flower_env", "wait_healthy", "started_by"]
+__all__ = [
+    "RUN_TOKEN", "ProcessGroup", "Terminated", "TreeMemory", "free_port", "flower_env", "wait_healthy", "started_by",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +30,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+RUN_TOKEN = "ODT_RUN"
+"""The environment variable that marks every process of one run (Ray's workers included): the
+watcher and the cleanup signal only processes that carry this run's value, never another run's,
+even one that shares the FLWR_HOME."""
+
+
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for Flower's processes: own FLWR_HOME, no telemetry, update check or dependency
-    installation, this venv's executables first."""
+    """Environment for Flower's processes: own FLWR_HOME and run token, no telemetry, update check or
+    dependency installation, this venv's executables first."""
+    import uuid
+
     env = dict(os.environ)
     env.update(
         FLWR_HOME=str(flwr_home),
+        **{RUN_TOKEN: uuid.uuid4().hex},
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",  # the apps run in this environment, no `uv sync`
@@ -134,8 +145,8 @@ class ProcessGroup:
                 process.wait(timeout=10)
         for process in self.processes.values():  # what is left of each group
             _signal_group(process.pid, signal.SIGKILL)
-        # Descendants that started sessions of their own still carry this run's FLWR_HOME.
-        _kill_started_by(self.env.get("FLWR_HOME", ""), seconds=10)
+        # Descendants that started sessions of their own still carry this run's FLWR_HOME and token.
+        _kill_started_by(self.env.get("FLWR_HOME", ""), self.env.get(RUN_TOKEN), seconds=10)
         for handle in self._logs:
             handle.close()
         if self._reaper is not None:  # nothing left to reap: it sees its pipe close and exits
@@ -152,9 +163,9 @@ class ProcessGroup:
                 self._previous[sig] = signal.signal(sig, _raise_terminated)
         home = self.env.get("FLWR_HOME", "")
         if home:  # kill -9 of this process runs no handler: a watcher outside it stops the run's processes
-            env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+            env = {k: v for k, v in os.environ.items() if k not in ("FLWR_HOME", RUN_TOKEN)}
             self._reaper = subprocess.Popen(
-                [sys.executable, "-m", "federated.processes", "--reap", home],
+                [sys.executable, "-m", "federated.processes", "--reap", home, self.env.get(RUN_TOKEN, "")],
                 stdin=subprocess.PIPE, env=env, start_new_session=True,
             )  # fmt: skip
         return self
@@ -174,15 +185,16 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def started_by(flwr_home: str) -> list[int]:
-    """Live (non-zombie) processes whose environment holds ``FLWR_HOME=flwr_home``."""
+def started_by(flwr_home: str, token: str | None = None) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``FLWR_HOME=flwr_home`` (and, given a
+    ``token``, this run's :data:`RUN_TOKEN`)."""
     if not flwr_home:
         return []
-    needle = f"FLWR_HOME={flwr_home}".encode()
+    needles = {f"FLWR_HOME={flwr_home}".encode(), *([f"{RUN_TOKEN}={token}".encode()] if token else [])}
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if int(proc.name) == os.getpid() or needle not in (proc / "environ").read_bytes().split(b"\0"):
+            if int(proc.name) == os.getpid() or not needles <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 found.append(int(proc.name))
@@ -202,8 +214,8 @@ class TreeMemory:
     in one run and 1.51 GB in an identical one, while the tree held 2.8 GB.
     """
 
-    def __init__(self, flwr_home: str, every: float = 1.0) -> None:
-        self.flwr_home, self.every = flwr_home, every
+    def __init__(self, flwr_home: str, every: float = 1.0, token: str | None = None) -> None:
+        self.flwr_home, self.every, self.token = flwr_home, every, token
         self.peak = 0
         self.peak_processes = 0
         self._stop = threading.Event()
@@ -225,7 +237,7 @@ class TreeMemory:
 
     def sample(self) -> int:
         """Sum the tree's PSS now; keeps the peak. Returns the sum (bytes)."""
-        pids = {os.getpid(), *_descendants(os.getpid()), *started_by(self.flwr_home)}
+        pids = {os.getpid(), *_descendants(os.getpid()), *started_by(self.flwr_home, self.token)}
         total = sum(_pss(pid) for pid in pids)
         if total > self.peak:
             self.peak, self.peak_processes = total, len(pids)
@@ -259,17 +271,17 @@ def _pss(pid: int) -> int:
     return 0
 
 
-def _reap(flwr_home: str) -> None:
+def _reap(flwr_home: str, token: str | None) -> None:
     """Wait until the process that started a run ends (its pipe closes, however it ended), then kill
-    every process left with the run's FLWR_HOME: SuperLink, SuperNodes, `flwr run` and their apps."""
+    every process left of the run: SuperLink, SuperNodes, `flwr run`, their apps, Ray's workers."""
     sys.stdin.buffer.read()
-    _kill_started_by(flwr_home, seconds=30)
+    _kill_started_by(flwr_home, token, seconds=30)
 
 
-def _kill_started_by(flwr_home: str, *, seconds: float) -> None:
-    """SIGKILL every process with this FLWR_HOME until none is left, for at most ``seconds``."""
+def _kill_started_by(flwr_home: str, token: str | None, *, seconds: float) -> None:
+    """SIGKILL every process of the run (its FLWR_HOME and token) until none is left, for at most ``seconds``."""
     deadline = time.monotonic() + seconds
-    while (stray := started_by(flwr_home)) and time.monotonic() < deadline:
+    while (stray := started_by(flwr_home, token)) and time.monotonic() < deadline:
         for pid in stray:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -279,4 +291,4 @@ def _kill_started_by(flwr_home: str, *, seconds: float) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
-    _reap(sys.argv[2])
+    _reap(sys.argv[2], (sys.argv[3:4] or [""])[0] or None)

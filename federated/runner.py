@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import DeployError, RunFailedError
-from .processes import ProcessGroup, TreeMemory, flower_env, free_port, wait_healthy
+from .processes import RUN_TOKEN, ProcessGroup, TreeMemory, flower_env, free_port, wait_healthy
 from .report import REPORT, read_outcome
 from .tls import make_node_keys, make_tls
 
@@ -100,6 +100,10 @@ def _report(config: Mapping[str, Any], group: ProcessGroup, code: int) -> dict[s
     return report
 
 
+def _memory(group: ProcessGroup) -> TreeMemory:
+    return TreeMemory(group.env["FLWR_HOME"], token=group.env[RUN_TOKEN])
+
+
 def _with_memory(report: dict[str, Any], config: Mapping[str, Any], memory: TreeMemory) -> dict[str, Any]:
     """The report with the peak memory of the run's process tree, also written into OUTPUT/metrics.json."""
     import json
@@ -120,7 +124,7 @@ def simulate(
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     _write_connection(work / "flwr-home", port, None)
-    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, TreeMemory(group.env["FLWR_HOME"]) as memory:
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, _memory(group) as memory:
         on_line(f"odt: starting Flower's SuperLink (simulation runtime) on 127.0.0.1:{port}")
         _superlink(group, port, simulation=True, tls=None, auth=False)
         on_line(f"odt: SuperLink up; running the app with {clients} virtual clients (round 0 is the initial model)")
@@ -150,7 +154,7 @@ def deploy(
     certs = make_tls(work / "tls") if tls else None
     _write_connection(work / "flwr-home", port, certs["ca"] if certs else None)
     describe = node_config or (lambda i: f"partition-id={i} num-partitions={nodes}")
-    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, TreeMemory(group.env["FLWR_HOME"]) as memory:
+    with ProcessGroup(work, flower_env(work / "flwr-home")) as group, _memory(group) as memory:
         on_line(f"odt: starting Flower's SuperLink on 127.0.0.1:{port}" + (" with TLS" if tls else ""))
         _superlink(group, port, simulation=False, tls=certs, auth=tls)
         on_line(f"odt: SuperLink up; starting {nodes} SuperNodes")

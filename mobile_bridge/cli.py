@@ -169,7 +169,7 @@ def _run_deploy(args: argparse.Namespace) -> int:
     import urllib.request
     from pathlib import Path
 
-    from federated.cli import echo_rounds, run_config
+    from federated.cli import echo_rounds, run_config, run_lock
     from federated.errors import RunConfigError
     from federated.runner import deploy
 
@@ -182,52 +182,53 @@ def _run_deploy(args: argparse.Namespace) -> int:
     config = run_config(args)
     config["min-nodes"] = max(int(config.get("min-nodes", 2)), args.devices + args.nodes)  # wait for the devices
     out = Path(config["output"])
-    bundle = out / "bundle"
-    make_bundle(config["artifacts"], bundle, force=True)
-    if not args.resume:  # a new run: new devices
-        for name in ("bridge.db", "bridge.db-wal", "bridge.db-shm"):
-            (out / name).unlink(missing_ok=True)
-    secret = secrets.token_urlsafe(32)
-    enrolment = os.environ.get("ODT_BRIDGE_ENROLMENT") or secrets.token_urlsafe(12)
-    demo = args.demo_data or str(Path(config["data"]) / "train.npz")
-    url = f"http://127.0.0.1:{args.port}"
+    with run_lock(out):
+        bundle = out / "bundle"
+        make_bundle(config["artifacts"], bundle, force=True)
+        if not args.resume:  # a new run: new devices
+            for name in ("bridge.db", "bridge.db-wal", "bridge.db-shm"):
+                (out / name).unlink(missing_ok=True)
+        secret = secrets.token_urlsafe(32)
+        enrolment = os.environ.get("ODT_BRIDGE_ENROLMENT") or secrets.token_urlsafe(12)
+        demo = args.demo_data or str(Path(config["data"]) / "train.npz")
+        url = f"http://127.0.0.1:{args.port}"
 
-    def node_config(i: int) -> str:
-        if i < args.nodes:
-            return f"partition-id={i} num-partitions={args.nodes}"
-        return f'bridge-url="{url}" bridge-device="browser-{i - args.nodes + 1}" bridge-secret="{secret}"'
+        def node_config(i: int) -> str:
+            if i < args.nodes:
+                return f"partition-id={i} num-partitions={args.nodes}"
+            return f'bridge-url="{url}" bridge-device="browser-{i - args.nodes + 1}" bridge-secret="{secret}"'
 
-    def start_bridge(group) -> None:  # type: ignore[no-untyped-def]
-        odt = str(Path(sys.executable).parent / "odt")
-        serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo,
-                 "--state", str(out / "bridge.db")]  # fmt: skip
-        process = group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret,
-                                                          "ODT_BRIDGE_ENROLMENT": enrolment})  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:  # up, dead, or too slow: never tell the user to open a page nobody serves
-            if process.poll() is not None:
-                log = group.log_path("bridge").read_text(errors="replace").strip().splitlines()[-3:]
-                raise BridgeError(f"the bridge exited with code {process.returncode}: {' | '.join(log)}")
-            try:
-                urllib.request.urlopen(f"{url}/openapi.json", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise BridgeError(f"the bridge did not answer on {url} within 60 s; see "
-                                      f"{group.log_path('bridge')}.") from None  # fmt: skip
-                time.sleep(0.2)
-        names = ", ".join(f"browser-{k + 1}" for k in range(args.devices))
-        print(f"bridge: open {url}/web/#enrol={enrolment} in {args.devices} browser(s) and join as {names} "
-              f"(each round waits up to {config['round-timeout']:.0f} s)", flush=True)  # fmt: skip
+        def start_bridge(group) -> None:  # type: ignore[no-untyped-def]
+            odt = str(Path(sys.executable).parent / "odt")
+            serve = [odt, "bridge", "serve", str(bundle), "--port", str(args.port), "--demo-data", demo,
+                     "--state", str(out / "bridge.db")]  # fmt: skip
+            process = group.start("bridge", serve, extra_env={"ODT_BRIDGE_SECRET": secret,
+                                                              "ODT_BRIDGE_ENROLMENT": enrolment})  # fmt: skip
+            deadline = time.monotonic() + 60
+            while True:  # up, dead, or too slow: never tell the user to open a page nobody serves
+                if process.poll() is not None:
+                    log = group.log_path("bridge").read_text(errors="replace").strip().splitlines()[-3:]
+                    raise BridgeError(f"the bridge exited with code {process.returncode}: {' | '.join(log)}")
+                try:
+                    urllib.request.urlopen(f"{url}/openapi.json", timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise BridgeError(f"the bridge did not answer on {url} within 60 s; see "
+                                          f"{group.log_path('bridge')}.") from None  # fmt: skip
+                    time.sleep(0.2)
+            names = ", ".join(f"browser-{k + 1}" for k in range(args.devices))
+            print(f"bridge: open {url}/web/#enrol={enrolment} in {args.devices} browser(s) and join as {names} "
+                  f"(each round waits up to {config['round-timeout']:.0f} s)", flush=True)  # fmt: skip
 
-    report = deploy(
-        args.nodes + args.devices,
-        config,
-        work=out / "logs",
-        node_config=node_config,
-        on_line=(lambda line: None) if args.json else echo_rounds,
-        after_start=start_bridge,
-    )
+        report = deploy(
+            args.nodes + args.devices,
+            config,
+            work=out / "logs",
+            node_config=node_config,
+            on_line=(lambda line: None) if args.json else echo_rounds,
+            after_start=start_bridge,
+        )
     if args.json:
         print(json.dumps(report, indent=2))
     return 0

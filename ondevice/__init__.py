@@ -9,9 +9,11 @@ from .errors import (
     ConfigError,
     DataError,
     EngineError,
+    InUseError,
     ManifestError,
     OdtError,
     OndeviceError,
+    OutputRefusedError,
     SchemaVersionError,
     UsageError,
     VersionMismatchError,
@@ -51,6 +53,8 @@ __all__ = [
     "CheckpointCorruptError",
     "ConfigError",
     "EngineError",
+    "InUseError",
+    "OutputRefusedError",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

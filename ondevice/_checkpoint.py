@@ -16,7 +16,6 @@ and host) keeps a second writer out.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -28,8 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, InUseError
 from .files import PRODUCER, clear_stale_temps, fsync_dir, public_mode
+from .locks import exclusive
 from .session import ort_error_message
 
 if TYPE_CHECKING:
@@ -202,25 +202,13 @@ def unpacked(path: Path, manifest_sha: str) -> Iterator[tuple[Path, dict[str, An
 def writer_lock(path: Path) -> Iterator[None]:
     """Hold ``.NAME.lock`` beside the checkpoint while writing; a second writer gets a clear error."""
     _make_parent(path, "checkpoint directory")
-    lock = path.with_name(f".{path.name}.lock")
-    handle = open(lock, "a+")  # noqa: SIM115 - closed below
     try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise CheckpointError(
-                f"checkpoint {path} is being written by {holder}; wait for that run to end or choose another "
-                "--checkpoint (two writers would overwrite each other's progress)."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        handle.flush()
-        yield
-    finally:
-        handle.close()  # releases the lock
+        with exclusive(path.with_name(f".{path.name}.lock"), f"checkpoint {path}",
+                       "wait for that run to end or choose another --checkpoint (two writers would overwrite "
+                       "each other's progress)"):  # fmt: skip
+            yield
+    except InUseError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def export_inference(

@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "EngineError",
     "OutputRefusedError",
+    "InUseError",
 ]
 
 
@@ -75,3 +76,8 @@ class EngineError(OndeviceError, RuntimeError):
 class OutputRefusedError(OndeviceError, UsageError, FileExistsError):
     """An --out that odt must not write: it exists and odt did not write it, or it is a link, a device,
     the artifact directory or the working directory."""
+
+
+class InUseError(OndeviceError, RuntimeError):
+    """Another odt process holds what this one needs (a checkpoint being written, artifacts being
+    replaced or trained, a federated run's output); the message names its pid."""

@@ -8,7 +8,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import IO, Any, Mapping
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from .engines import Engine, open_engine, resolve
 from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
 from .files import sha256_file
 from .frozen import FrozenWeights
+from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
 from .session import ORT_VERSION, ort_error_message, set_seed, training_graph
@@ -73,6 +74,7 @@ class Trainer:
         self._grad_views: dict[int, np.ndarray] | None = None
         self._proximal: tuple[float, list[np.ndarray]] | None = None
         self._frozen: FrozenWeights | None = None  # Trainer.load's shared mapping of frozen.bin
+        self._in_use: IO[str] | None = None  # Trainer.load's shared lock on the artifacts (ondevice.locks)
 
     @classmethod
     def load(
@@ -104,6 +106,8 @@ class Trainer:
             raise ConfigError(f"evaluation must be True or False, got {evaluation!r}.")
         directory = Path(directory)
         manifest = Manifest.load(directory)
+        in_use = shared(directory / ARTIFACTS_LOCK, f"artifacts {directory}",
+                        "odt generate --force is replacing them: wait for it to finish")  # fmt: skip
         engine = resolve(engine, manifest)
         made_with = str(manifest.versions.get("onnxruntime", ""))
         if engine == "classic" and made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:
@@ -135,6 +139,7 @@ class Trainer:
             ) from exc
         trainer = cls(directory, manifest, session, sha)
         trainer._frozen = frozen
+        trainer._in_use = in_use  # held while the trainer lives: generate --force refuses to replace these artifacts
         if checkpoint is not None:
             trainer._restore_progress()
         return trainer
