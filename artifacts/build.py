@@ -107,11 +107,13 @@ def generate(
                 "LoRA chooses what trains: combine it with trainable=[...] only, not train_last/bias_only."
             )
         model, adapters = add_adapters(model, lora, spec.seed)
+        saved: tuple[str, ...] = ()
         if start is not None:
-            from .lora import load_peft
+            from .lora import load_peft, saved_modules
 
-            load_peft(model, start)  # the adapters (and saved modules) start where that adapter ended
-        spec = spec.but(lora=lora, trainable=(*(n for a in adapters for n in (a.a, a.b)), *spec.trainable))
+            load_peft(model, start, adapters)  # the adapters (and saved modules) start where that adapter ended
+            saved = tuple(m for m in saved_modules(start) if m not in spec.trainable)  # PEFT trains them too
+        spec = spec.but(lora=lora, trainable=(*(n for a in adapters for n in (a.a, a.b)), *spec.trainable, *saved))
     options = Options(spec=spec, dynamic_axes=axes, adapters=tuple(adapters), plan=plan_record,
                       hf_config=_hf_config(model))  # fmt: skip
 

@@ -24,7 +24,7 @@ from ondevice.manifest import Adapter
 from .errors import SelectionError
 from .selection import matches
 
-__all__ = ["Lora", "LoraLinear", "add_adapters", "read_peft", "load_peft"]
+__all__ = ["Lora", "LoraLinear", "add_adapters", "read_peft", "load_peft", "saved_modules"]
 
 PEFT_PREFIX = "base_model.model."
 
@@ -92,6 +92,13 @@ def add_adapters(model: nn.Module, lora: Lora, seed: int = 0) -> tuple[nn.Module
         raise SelectionError(
             f"LoRA targets {list(lora.targets)} match no Linear layer. Linear layers are: {sample or 'none'}."
         )
+    small = [(n, m) for n, m in chosen if lora.rank > min(m.in_features, m.out_features)]
+    if small:
+        name, module = small[0]
+        raise SelectionError(
+            f"LoRA rank {lora.rank} is larger than layer {name!r} ({module.in_features} in, {module.out_features} "
+            f"out): a rank up to {min(module.in_features, module.out_features)} is possible there. Lower the rank."
+        )
     adapters = []
     for name, module in chosen:
         parent_name, _, attr = name.rpartition(".")
@@ -102,40 +109,74 @@ def add_adapters(model: nn.Module, lora: Lora, seed: int = 0) -> tuple[nn.Module
     return adapted, adapters
 
 
+MAX_ADAPTER_VALUE = 1e4
+"""The largest magnitude a starting adapter's value may have: trained LoRA weights stay near 1;
+beyond this the file is damaged (1e20 once passed, then failed verification far from its cause)."""
+
+
 def read_peft(directory: str | os.PathLike[str]) -> tuple[Lora, dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter folder as (this SDK's Lora, tensors by this SDK's names).
 
     ``layer.lora_A.weight`` becomes ``layer.lora_A``; the weights of ``modules_to_save`` keep their
     names. One rank and alpha for every layer (PEFT's ``rank_pattern``/``alpha_pattern`` are refused).
+    Every failure is a SelectionError naming the folder: unreadable files, a config without an
+    integer rank, a positive alpha or target names, tensors that are not finite or not small.
     """
     import json
 
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    folder = f"{directory} is not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)"
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SelectionError(f"{folder}: adapter_config.json: {getattr(exc, 'strerror', None) or exc}.") from None
+    if not isinstance(config, dict):
+        raise SelectionError(f"{folder}: adapter_config.json holds {type(config).__name__}, not an object.")
+    try:
         tensors = load_file(directory / "adapter_model.safetensors")
-    except (OSError, ValueError) as exc:
-        raise SelectionError(
-            f"{directory} is not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors): {exc}"
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError for a damaged file
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+        raise SelectionError(f"{folder}: adapter_model.safetensors cannot be read ({reason}).") from None
     if config.get("peft_type") != "LORA" or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise SelectionError(f"{directory}: only plain LoRA adapters (one rank and alpha) can start the adapters.")
     targets = config.get("target_modules")
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    lora = Lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets) if isinstance(targets, list) else ()
+    try:
+        lora = Lora(rank=config.get("r"), alpha=config.get("lora_alpha"), targets=targets)  # type: ignore[arg-type]
+    except SelectionError as exc:
+        raise SelectionError(f"{directory}/adapter_config.json: {exc}") from None
     state = {}
     for key, value in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
         for part in ("lora_A", "lora_B"):
             name = name.replace(f".{part}.weight", f".{part}")
+        if not value.is_floating_point() or not torch.isfinite(value).all():
+            raise SelectionError(f"{directory}: tensor {key} is not finite numbers: the adapter is damaged.")
+        if value.numel() and float(value.abs().max()) > MAX_ADAPTER_VALUE:
+            raise SelectionError(f"{directory}: tensor {key} holds values up to {float(value.abs().max()):.3g}; a "
+                                 f"trained adapter's stay far below {MAX_ADAPTER_VALUE:g}: the adapter is damaged.")
         state[name] = value
     return lora, state
 
 
-def load_peft(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a PEFT adapter's tensors (from :func:`read_peft`) into an adapted model; every one must fit."""
+def saved_modules(state: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The modules an adapter saved beside its LoRA tensors (PEFT's ``modules_to_save``: a head it
+    trains), by module name."""
+    return tuple(dict.fromkeys(n.rsplit(".", 1)[0] for n in state if not n.endswith((".lora_A", ".lora_B"))))
+
+
+def load_peft(model: nn.Module, state: dict[str, torch.Tensor], adapters: list[Adapter]) -> None:
+    """Copy a PEFT adapter's tensors (from :func:`read_peft`) into a model adapted with ``adapters``:
+    every tensor must fit, and every adapter's A and B must be there (half an adapter trains wrong)."""
+    missing = [n for a in adapters for n in (a.a, a.b) if n not in state]
+    if missing:
+        raise SelectionError(
+            f"the PEFT adapter lacks {len(missing)} of the {2 * len(adapters)} tensors its config implies "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): it is damaged or partial. "
+            "Export it again from where it was trained."
+        )
     own = model.state_dict()
     misfits = [f"{n} {tuple(t.shape)}" for n, t in state.items() if n not in own or own[n].shape != t.shape]
     if misfits:

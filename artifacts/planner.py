@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -169,7 +169,15 @@ def plan(
     head = spec.trainable
     result = Plan(budget=budget, batch_size=batch_size)
     longest = longest_inputs(example_inputs, spec)  # what the device feeds at worst: estimated and measured
-    found = candidates(model, longest, spec.lora or Lora(), ranks, head)
+    if spec.lora_from is not None:  # the adapter fixes what trains (its rank, targets, saved modules): plan the rest
+        from .lora import read_peft, saved_modules
+
+        fixed, start = read_peft(spec.lora_from)
+        head = (*head, *(m for m in saved_modules(start) if m not in head))
+        found = [replace(c, options={**c.options, "lora": fixed}, name=f"{c.name} (from the adapter)")
+                 for c in candidates(model, longest, fixed, [fixed.rank], head) if "lora" in c.options]  # fmt: skip
+    else:
+        found = candidates(model, longest, spec.lora or Lora(), ranks, head)
     base = spec.but(input_names=None, memory_budget=None, verify=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))

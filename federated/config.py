@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Mapping
 
 from .errors import RunConfigError
-from .secure_checks import levels_for, quantization_problem
 
 __all__ = ["KEYS", "Key", "Settings", "validate", "app_config_toml"]
 
@@ -234,6 +233,8 @@ def _check_secure(checked: Mapping[str, Any]) -> None:
         problems.append("min-nodes must be at least 2 (one node's sum is its update)")
     if value("save-updates"):
         problems.append("save-updates has nothing to save (the server never holds a client's update)")
+    from .secure_checks import levels_for, quantization_problem  # here: it imports Flower, `odt --help` must not
+
     nodes = max(2, value("min-nodes"))
     levels = value("secagg-quantization") or levels_for(nodes)
     quantization = quantization_problem(value("secagg-clipping-range"), levels, nodes, value("max-examples"))
