@@ -114,6 +114,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import ipaddress
     import os
     import secrets
 
@@ -127,6 +128,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         secret = secrets.token_urlsafe(32)
         print(f"relay secret (give it to relay SuperNodes as ODT_BRIDGE_SECRET): {secret}", flush=True)
     _check_port(args.port)
+    if args.max_examples < 1:
+        raise BridgeOptionError(f"--max-examples must be at least 1, got {args.max_examples}.")
+    for proxy in args.trusted_proxy:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise BridgeOptionError(f"--trusted-proxy takes an IP address or network (10.0.0.5, 10.0.0.0/8), "
+                                    f"got {proxy!r}.") from None  # fmt: skip
     if not 0 < args.body_timeout <= 3600:
         raise BridgeOptionError(f"--body-timeout must be in (0, 3600] seconds, got {args.body_timeout}.")
     app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data,

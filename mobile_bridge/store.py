@@ -86,10 +86,16 @@ class Store:
     def __init__(self, path: Path) -> None:
         """Open (or create) the state file; one that exists but is not a whole bridge database is
         refused with a BridgeError, never replaced: it holds every device's enrolment."""
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         existed = path.exists()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        if existed and not path.is_file():
+            raise BridgeError(f"bridge state {path} is not a file (a directory?); name the state file with --state.")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise BridgeError(f"cannot open bridge state {path} ({getattr(exc, 'strerror', None) or exc}); "
+                              "choose a writable --state.") from None  # fmt: skip
         try:
             if existed:
                 _check_state(self._db, path)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -34,6 +36,8 @@ from .session import ort_error_message
 
 if TYPE_CHECKING:
     from .engines import Engine
+
+log = logging.getLogger(__name__)
 
 __all__ = ["save_state", "unpacked", "read_header", "previous_of", "writer_lock", "export_inference"]
 
@@ -99,15 +103,30 @@ def save_state(write: Callable[[Path], None], path: Path, header: dict[str, Any]
             _keep_as_previous(path, str(header["manifest_sha256"]))
         _commit(tmp, path)
     except Exception as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else ort_error_message(exc)
         raise CheckpointError(
-            f"could not write checkpoint {path} ({reason}); the previous checkpoint, if any, is unchanged. "
-            "Free disk space or choose a writable --checkpoint."
+            f"could not write checkpoint {path} ({_write_failure(exc)}); the previous checkpoint, if any, is "
+            "unchanged. Free disk space or choose a writable --checkpoint."
         ) from exc
     finally:
         raw.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _write_failure(exc: Exception) -> str:
+    """Why a write failed, in the system's words: ORT reports a failed write with its temporary file's
+    name and an errno, which reads as if ONNX Runtime were at fault."""
+    errno = exc.errno if isinstance(exc, OSError) else None
+    if errno is None:
+        found = re.search(r"errno:(\d+)", str(exc))
+        errno = int(found.group(1)) if found else None
+    if errno == 27:
+        return "the file-size limit of this process was reached (ulimit -f)"
+    if errno == 28:
+        return "the disk is full"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return os.strerror(errno) if errno else ort_error_message(exc)
 
 
 def _keep_as_previous(path: Path, manifest_sha: str) -> None:
@@ -116,6 +135,10 @@ def _keep_as_previous(path: Path, manifest_sha: str) -> None:
     A hard link (a copy where links are not possible) renamed over NAME.previous: ``path`` itself
     never moves, so a reader always finds a whole checkpoint under its name.
     """
+    previous = previous_of(path)
+    if previous.is_symlink() or (previous.exists() and not previous.is_file()):
+        log.warning("%s is not a file odt wrote (a directory?): the checkpoint before this save is not kept", previous)
+        return
     try:
         read_header(path, manifest_sha, verify=True)
     except CheckpointError:
@@ -123,11 +146,13 @@ def _keep_as_previous(path: Path, manifest_sha: str) -> None:
     keep = _temp_beside(path, ".previous")
     keep.unlink(missing_ok=True)
     try:
-        os.link(path, keep)
-    except OSError:
-        shutil.copyfile(path, keep)
-    os.replace(keep, previous_of(path))
-    keep.unlink(missing_ok=True)  # a rename between two links of one file does nothing and leaves both
+        try:
+            os.link(path, keep)
+        except OSError:
+            shutil.copyfile(path, keep)
+        os.replace(keep, previous)
+    finally:
+        keep.unlink(missing_ok=True)  # a rename between two links of one file does nothing and leaves both
 
 
 def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = True) -> dict[str, Any]:
@@ -137,7 +162,8 @@ def read_header(path: Path, manifest_sha: str | None = None, *, verify: bool = T
     CheckpointError for one that belongs to other artifacts.
     """
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist.")
+        what = "is not a file (a directory?)" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {path} {what}.")
     with open(path, "rb") as handle:
         header = _header(handle, path, manifest_sha)
         if verify and _sha256(handle, int(header["size"])) != header["sha256"]:
@@ -183,7 +209,8 @@ def unpacked(path: Path, manifest_sha: str) -> Iterator[tuple[Path, dict[str, An
     The payload is hashed while it is copied (one read); the sha256 is checked before ORT opens it.
     """
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist.")
+        what = "is not a file (a directory?)" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {path} {what}.")
     with tempfile.TemporaryDirectory(prefix="odt-ckpt-") as tmp:
         raw = Path(tmp) / "checkpoint"
         digest = hashlib.sha256()

@@ -278,11 +278,15 @@ def _run_predict(args: argparse.Namespace) -> int:
     if args.out:
         import io
 
+        from .errors import OndeviceError
         from .files import atomic_write_bytes
 
         buffer = io.BytesIO()
         np.savez(buffer, **outputs)
-        atomic_write_bytes(args.out, buffer.getvalue())
+        try:
+            atomic_write_bytes(args.out, buffer.getvalue())
+        except OSError as exc:
+            raise OndeviceError(f"cannot write {args.out}: {exc.strerror}. Choose a writable --out.") from None
     _note(note)
     if args.json:
         print(json.dumps({name: value.tolist() for name, value in outputs.items()}))
@@ -420,9 +424,10 @@ def _load_checkpoint(directory: str, checkpoint: Path, **options: Any):  # type:
         print(f"warning: {exc} Using {previous}.", file=sys.stderr)
     except CheckpointError:
         previous = previous_of(checkpoint)
-        if checkpoint.exists() or not previous.is_file():
+        if checkpoint.is_file() or not previous.is_file():
             raise
-        print(f"warning: {checkpoint} is missing (a save was interrupted); using {previous}.", file=sys.stderr)
+        why = "is not a file" if checkpoint.exists() else "is missing (a save was interrupted)"
+        print(f"warning: {checkpoint} {why}; using {previous}.", file=sys.stderr)
     return Trainer.load(directory, checkpoint=previous, **options)
 
 

@@ -79,6 +79,11 @@ CASES = [
     # issue 22's corpus: each of these was silent, untyped, a hang or a crash before
     (["bridge", "serve", "{tmp}", "--port", "99999"], 2, "--port must be a TCP port, 1 to 65535, got 99999"),
     (["bridge", "enroll", "{tmp}", "--count", "10000000"], 2, "--count must be 1 to 10,000"),
+    # issue 40's corpus (point 7)
+    (["bridge", "serve", "{tmp}", "--max-examples", "0"], 2, "--max-examples must be at least 1, got 0"),
+    (["bridge", "serve", "{tmp}", "--max-examples", "-5"], 2, "--max-examples must be at least 1, got -5"),
+    (["bridge", "serve", "{tmp}", "--trusted-proxy", "not-an-ip"], 2, "--trusted-proxy takes an IP address"),
+    (["predict", "{art}", "--data", "{good}", "--out", "/proc/x.npz"], 1, "cannot write /proc/x.npz"),
     (["train", "{art}", "--data", "{good}", "--seed", "-1"], 2, "seed must be an integer in [0, 2**32), got -1"),
     (
         [

@@ -60,3 +60,6 @@ def test_deploy_refuses_more_supernodes_than_the_machine_can_start(digits_artifa
     err = capsys.readouterr().err
     assert code == 2 and "--nodes 100000 would start 100000 SuperNode processes" in err, err
     assert not (tmp_path / "out").exists()
+    code = main(["fl", "deploy", "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", "/proc/x"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: cannot create --out /proc/x") and err.count("\n") == 1, err

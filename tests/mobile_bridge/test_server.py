@@ -258,6 +258,16 @@ def test_a_damaged_state_database_is_refused_and_kept(bundle, tmp_path, damage):
     assert state.read_bytes() == before
 
 
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_a_state_path_that_cannot_be_a_database_is_a_typed_error(bundle, tmp_path, where):
+    from mobile_bridge.errors import BridgeError
+
+    (tmp_path / "file").write_text("")
+    state = tmp_path if where == "a directory" else tmp_path / "file" / "b.db"
+    with pytest.raises(BridgeError, match="is not a file|cannot open bridge state"):
+        create_app(bundle, relay_secret=SECRET, enrolment_secret=ENROL, state=state)
+
+
 def test_garbage_demo_data_is_refused_at_start(bundle, tmp_path):
     from mobile_bridge.errors import BridgeError
 

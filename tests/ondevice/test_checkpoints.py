@@ -79,6 +79,46 @@ def test_the_previous_checkpoint_is_kept_and_resume_falls_back_to_it(digits_arti
     np.testing.assert_array_equal(resumed.get_flat_weights(), straight.get_flat_weights())
 
 
+def test_a_checkpoint_replaced_by_a_directory_falls_back_to_the_previous(digits_artifacts, digits_data, tmp_path,
+                                                                         capsys):  # fmt: skip
+    trainer = Trainer.load(digits_artifacts)
+    latest = tmp_path / "latest.ckpt"
+    trainer.save(latest)
+    trainer.fit(_data(digits_data), epochs=1, batch_size=16, progress=False)
+    trainer.save(latest)  # the first save is now latest.ckpt.previous
+    latest.unlink()
+    latest.mkdir()
+    assert main(["evaluate", str(digits_artifacts), "--data", str(_npz(digits_data, tmp_path)),
+                 "--checkpoint", str(tmp_path)]) == 0  # fmt: skip
+    assert f"warning: {latest} is not a file; using {tmp_path / 'latest.ckpt.previous'}" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="is not a file"):
+        Trainer.load(digits_artifacts, checkpoint=latest)
+
+
+def test_a_directory_in_the_previous_checkpoints_place_is_left_alone(digits_artifacts, tmp_path):
+    trainer = Trainer.load(digits_artifacts)
+    latest = tmp_path / "latest.ckpt"
+    trainer.save(latest)
+    (tmp_path / "latest.ckpt.previous").mkdir()
+    (tmp_path / "latest.ckpt.previous" / "mine.txt").write_text("a user's file")
+    trainer.epoch = 4
+    trainer.save(latest)  # saved; the directory is not replaced, and no hidden link stays behind
+    assert Trainer.load(digits_artifacts, checkpoint=latest).epoch == 4
+    assert (tmp_path / "latest.ckpt.previous" / "mine.txt").read_text() == "a user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.ckpt.lock", "latest.ckpt", "latest.ckpt.previous"]
+
+
+def test_a_lock_that_cannot_be_opened_is_a_checkpoint_error(digits_artifacts, tmp_path):
+    (tmp_path / ".c.ckpt.lock").mkdir()  # as a read-only folder or another user's lock file would
+    with pytest.raises(CheckpointError, match=r"cannot lock checkpoint .*c.ckpt .*Is a directory"):
+        Trainer.load(digits_artifacts).save(tmp_path / "c.ckpt")
+
+
+def _npz(digits_data, tmp_path: Path) -> Path:
+    np.savez(tmp_path / "d.npz", **_data(digits_data))
+    return tmp_path / "d.npz"
+
+
 def test_a_second_writer_is_refused_with_the_holder(digits_artifacts, digits_data, tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", f"""

@@ -247,6 +247,7 @@ except CheckpointError as exc:
     assert result.returncode == 0, result.stderr
     size, refused = result.stdout.strip().splitlines()
     assert refused.startswith("refused: could not write checkpoint") and "previous checkpoint" in refused
+    assert "the file-size limit of this process was reached (ulimit -f)" in refused and ".ort.tmp" not in refused
     assert (tmp_path / "c.ckpt").stat().st_size == int(size)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".c.ckpt.lock", "c.ckpt"]  # no temporary file left
     assert Trainer.load(digits_artifacts, checkpoint=tmp_path / "c.ckpt").epoch == 0
