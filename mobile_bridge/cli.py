@@ -50,7 +50,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "own address counts, so a header cannot dodge the registration rate limit)",
     )
     serve.add_argument("--body-timeout", type=float, default=30.0,
-                       help="seconds a request body may stall before a 408 (default 30)")  # fmt: skip
+                       help="seconds a request body may stall before a 408, and its headers may take before "
+                       "the connection is closed (default 30)")  # fmt: skip
     serve.set_defaults(run=_run_serve)
     enroll = modes.add_parser("enroll", help="issue one-time enrolment codes for devices (stored hashed)")
     enroll.add_argument("bundle", help="bundle directory the bridge serves")
@@ -121,6 +122,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .errors import BridgeOptionError
+    from .headers import header_deadline
     from .server import create_app
 
     secret = os.environ.get("ODT_BRIDGE_SECRET")
@@ -145,7 +147,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
     proxies = ",".join(args.trusted_proxy)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=bool(proxies),
-                forwarded_allow_ips=proxies or None)  # fmt: skip
+                forwarded_allow_ips=proxies or None, http=header_deadline(args.body_timeout))  # fmt: skip
     return 0
 
 

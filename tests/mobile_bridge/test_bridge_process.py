@@ -147,6 +147,30 @@ def test_a_body_that_stops_short_is_answered_and_closed(bridge):
     assert answer.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in answer
 
 
+def test_headers_that_never_end_are_cut_off(bridge):
+    """A request line, then one header byte a second (slowloris): the connection is closed once
+    --body-timeout passes, where it was held for as long as the client kept sending."""
+    import socket
+
+    port, start = bridge
+    start("--body-timeout", "1")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"GET /v1/task HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for _ in range(60):  # up to a minute of trickled header bytes
+            try:
+                sock.sendall(b"X")
+                sock.settimeout(1.0)
+                closed = sock.recv(4096) == b""
+            except socket.timeout:
+                continue
+            except OSError:  # reset by the bridge
+                closed = True
+            if closed:
+                break
+    assert closed, "the bridge kept a connection whose headers never ended"
+
+
 @pytest.mark.flower
 def test_bridge_deploy_stops_with_the_cause_when_its_bridge_dies(digits_artifacts, data_dir, tmp_path, capsys):
     """The port is taken, so the bridge exits at once: before, `odt bridge deploy` still told the user
