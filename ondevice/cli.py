@@ -255,6 +255,8 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--artifacts", help="with an .onnx file exported before models carried their manifest: its "
                    "artifact directory (default: the manifest and tokenizer inside the file)")  # fmt: skip
     p.add_argument("--out", help="also write every output to this .npz (default: print only)")
+    p.add_argument("--force", action="store_true", help="replace --out if odt wrote it (default: refuse an "
+                   "existing --out; files odt did not write are never replaced)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print every output as JSON")
     _engine_option(p)
     p.set_defaults(run=_run_predict)
@@ -265,6 +267,13 @@ def _run_predict(args: argparse.Namespace) -> int:
 
     from .text import TextEncoder, load_data
 
+    if args.out is not None:  # refused before the work, not after it
+        from .errors import OutputRefusedError
+        from .files import export_refusal
+
+        refusal = export_refusal(args.out, args.model, folder=False, force=args.force)
+        if refusal:
+            raise OutputRefusedError(f"{refusal}.")
     note = ""
     if args.model.endswith(".onnx"):
         predictor, encoder = _exported(args.model, args.artifacts)
@@ -277,12 +286,15 @@ def _run_predict(args: argparse.Namespace) -> int:
         manifest, outputs = trainer.manifest, trainer.predict(data, progress=not args.json)
     if args.out:
         import io
+        import zipfile
 
         from .errors import OndeviceError
-        from .files import atomic_write_bytes
+        from .files import PRODUCER, atomic_write_bytes
 
         buffer = io.BytesIO()
         np.savez(buffer, **outputs)
+        with zipfile.ZipFile(buffer, "a") as archive:  # a later predict may replace it (files.written_by_odt)
+            archive.comment = PRODUCER.encode()
         try:
             atomic_write_bytes(args.out, buffer.getvalue())
         except OSError as exc:

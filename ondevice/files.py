@@ -180,13 +180,22 @@ def publish_dir(work: Path, target: Path) -> None:
 
 
 def written_by_odt(path: Path) -> bool:
-    """Whether the file at ``path`` is an ONNX model or a .safetensors file that odt exported (its
-    producer is :data:`PRODUCER`). Reads only the file's first bytes."""
+    """Whether the file at ``path`` is an ONNX model, a .safetensors file or an .npz that odt wrote
+    (its producer, or the zip comment, is :data:`PRODUCER`). Reads only the file's first bytes (an
+    .npz: its central directory)."""
     try:
         with open(path, "rb") as handle:
             head = handle.read(1 << 16)
     except OSError:
         return False
+    if head[:4] == b"PK\x03\x04":  # an .npz (a zip): odt predict names itself in the archive comment
+        import zipfile
+
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return archive.comment == PRODUCER.encode()
+        except (OSError, zipfile.BadZipFile):
+            return False
     if len(head) >= 8 and head[8:9] == b"{":  # safetensors: u64 header length, then a JSON header
         size = int.from_bytes(head[:8], "little")
         try:
@@ -227,18 +236,19 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     return value, pos
 
 
-def export_refusal(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, folder: bool,
+def export_refusal(out: str | os.PathLike[str], source: str | os.PathLike[str], *, folder: bool,
                    force: bool) -> str | None:  # fmt: skip
-    """Why ``odt export`` must not write ``out``, or None when it may: a new path, or with ``force``
-    a file (``folder`` False) or folder odt exported. Never the artifact directory or anything in
-    it, a symbolic link, a device or other special file, or the working directory."""
+    """Why a command that writes ``out`` (``odt export``, ``odt predict --out``) must not write it, or
+    None when it may: a new path, or with ``force`` a file (``folder`` False) or folder odt wrote.
+    Never ``source`` (the artifacts or model the command reads) or anything in it, a symbolic link,
+    a device or other special file, or the working directory."""
     if not os.fspath(out).strip():
         return "--out is empty (an unset shell variable?); name the file or folder to write"
     target = Path(out).absolute()
-    real, source = target.resolve(), Path(artifacts).resolve()
-    if real == source or source in real.parents:
-        return (f"--out {os.fspath(out)!r} is inside the artifact directory {artifacts}: the export would "
-                "overwrite the artifacts. Choose a path outside it")  # fmt: skip
+    real, read = target.resolve(), Path(source).resolve()
+    if real == read or read in real.parents:
+        return (f"--out {os.fspath(out)!r} is {source} or inside it, which this command reads: writing there "
+                "would overwrite it. Choose a path outside it")  # fmt: skip
     if folder:
         return output_refusal(out, force=force, marker=EXPORT_RECORD)
     if target.is_symlink():
@@ -248,8 +258,7 @@ def export_refusal(out: str | os.PathLike[str], artifacts: str | os.PathLike[str
     if not target.is_file():
         return f"{target} is not a regular file (a directory, a device or a pipe); choose another --out"
     if not force:
-        return f"{target} already exists; pass --force to replace it (only a file odt exported is replaced)"
+        return f"{target} already exists; pass --force to replace it (only a file odt wrote is replaced)"
     if not written_by_odt(target):
-        return (f"{target} was not written by odt export, so --force does not replace it. Move it away or "
-                "choose another --out")  # fmt: skip
+        return f"{target} was not written by odt, so --force does not replace it. Move it away or choose another --out"
     return None

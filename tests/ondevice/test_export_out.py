@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ondevice.cli import main
@@ -52,22 +53,24 @@ def _snapshot(root: Path) -> dict[str, bytes | str]:
     return found
 
 
+READS = "or inside it, which this command reads"
 REFUSED = [
     # (what --out is, how it is made, more options, what the error says)
     ("a user's .onnx", lambda t, a: _user_file(t / "m.onnx"), [], "already exists; pass --force"),
-    ("a user's .onnx, --force", lambda t, a: _user_file(t / "m.onnx"), ["--force"], "not written by odt export"),
+    ("a user's .onnx, --force", lambda t, a: _user_file(t / "m.onnx"), ["--force"], "was not written by odt,"),
     ("a user's .safetensors, --force", lambda t, a: _user_file(t / "m.safetensors"), ["--force"], "not written by"),
     ("a user's folder", lambda t, a: _user_folder(t / "p"), ["--format", "peft"], "already exists"),
     ("a user's folder, --force", lambda t, a: _user_folder(t / "p"), ["--format", "peft", "--force"],
      "holds files odt did not write"),
     ("an empty name, peft", lambda t, a: "", ["--format", "peft"], "--out is empty"),
     ("an empty name, onnx", lambda t, a: "", ["--format", "onnx"], "--out is empty"),
-    ("the manifest", lambda t, a: a / "manifest.json", ["--format", "onnx", "--force"], "inside the artifact dir"),
-    ("the artifact directory", lambda t, a: a, ["--format", "peft", "--force"], "inside the artifact directory"),
-    ("a file in the artifacts", lambda t, a: a / "sub" / "m.onnx", [], "inside the artifact directory"),
+    ("the manifest", lambda t, a: a / "manifest.json", ["--format", "onnx", "--force"], READS),
+    ("the artifact directory", lambda t, a: a, ["--format", "peft", "--force"], READS),
+    ("a file in the artifacts", lambda t, a: a / "sub" / "m.onnx", [], READS),
     ("a symbolic link", lambda t, a: _symlink(t / "link.onnx"), ["--force"], "symbolic link"),
     ("a pipe", lambda t, a: _fifo(t / "pipe.onnx"), ["--force"], "not a regular file"),
     ("a directory", lambda t, a: _user_folder(t / "d.onnx"), ["--force"], "not a regular file"),
+    ("a device", lambda t, a: Path("/dev/full"), ["--force", "--format", "onnx"], "not a regular file"),
     ("the working directory", lambda t, a: ".", ["--format", "peft", "--force"], "the working directory"),
 ]  # fmt: skip
 
@@ -144,3 +147,40 @@ except CheckpointError as exc:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("refused: cannot write") and "nothing was written" in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+PREDICT_REFUSED = [
+    ("a user's .npz", lambda t, a: _user_file(t / "p.npz"), [], "already exists; pass --force"),
+    ("a user's .npz, --force", lambda t, a: _user_file(t / "p.npz"), ["--force"], "was not written by odt,"),
+    ("the manifest", lambda t, a: a / "manifest.json", ["--force"], READS),
+    ("a pipe", lambda t, a: _fifo(t / "pipe.npz"), ["--force"], "not a regular file"),
+    ("a device", lambda t, a: Path("/dev/full"), ["--force"], "not a regular file"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "make", "options", "said"), PREDICT_REFUSED, ids=[r[0] for r in PREDICT_REFUSED])
+def test_predict_out_refuses_what_it_did_not_write(lora_trained, tmp_path, capsys, what, make, options, said):  # noqa: F811
+    root, _, _ = lora_trained
+    data = tmp_path / "x.npz"
+    np.savez(data, x=np.ones((4, 8), np.float32))
+    users = tmp_path / "users"
+    users.mkdir()
+    out = make(users, root / "a")
+    before, source = _snapshot(users), _snapshot(root / "a")
+    code = main(["predict", str(root / "a"), "--checkpoint", str(root / "ckpt"), "--data", str(data),
+                 "--out", str(out), *options])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and err.count("\n") == 1, err
+    assert _snapshot(users) == before and _snapshot(root / "a") == source
+
+
+def test_predict_replaces_its_own_npz_with_force(lora_trained, tmp_path, capsys):  # noqa: F811
+    root, _, _ = lora_trained
+    data, out = tmp_path / "x.npz", tmp_path / "p.npz"
+    np.savez(data, x=np.ones((4, 8), np.float32))
+    argv = ["predict", str(root / "a"), "--checkpoint", str(root / "ckpt"), "--data", str(data), "--out", str(out)]
+    assert main(argv) == 0 and written_by_odt(out)
+    first = dict(np.load(out))
+    assert main(argv) == 2 and "already exists" in capsys.readouterr().err
+    assert main([*argv, "--force"]) == 0
+    assert sorted(np.load(out)) == sorted(first)  # the outputs only: the mark is the zip's comment
