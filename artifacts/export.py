@@ -6,12 +6,14 @@ import copy
 import io
 import logging
 import warnings
-from typing import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import onnx
 import torch
 from onnx import helper, numpy_helper
 from torch import nn
+from torch.nn import functional as F
 
 from .errors import ExportError, InputSpecError, UnsupportedOperatorError
 
@@ -99,7 +101,7 @@ def export_onnx(
                 dynamic.pop(name)
         buffer = io.BytesIO()
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _gqa_as_repeated_heads():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(
                     model,
@@ -126,6 +128,28 @@ def export_onnx(
             value = saved[initializer.name].detach().cpu().numpy()
             exported.graph.initializer[index].CopyFrom(numpy_helper.from_array(value, initializer.name))
     return exported, list(output_names)
+
+
+@contextmanager
+def _gqa_as_repeated_heads() -> Iterator[None]:
+    """Export ``scaled_dot_product_attention(..., enable_gqa=True)`` (grouped-query attention: fewer
+    key/value heads than query heads, as Llama 3, Qwen, Mistral and SmolLM have) as the same call on
+    key and value heads repeated to the query heads: exactly what ``enable_gqa`` computes, which
+    torch's ONNX exporter refuses ("not implemented if enable_gqa is True")."""
+    original = F.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, enable_gqa: bool = False,
+                  **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        if enable_gqa and key.size(-3) != query.size(-3):
+            repeat = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -216,6 +216,23 @@ REGISTRY: tuple[Pass, ...] = (
          "with x_hat = (X - mean) inv_std and a = dY scale: dX = inv_std (a - mean(a) - x_hat mean(a x_hat)), "
          "dscale = sum(dY x_hat), dbias = sum(dY) over the rows: the kernel's formulas, rounded in another order",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-rmsnorm-grad", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("SimplifiedLayerNormalizationGrad",)),
+         "SimplifiedLayerNormalizationGrad (RMSNorm's gradient: Llama, Qwen, Mistral, SmolLM) is not in stock ORT",
+         "with x_hat = X inv_std and a = dY scale: dX = inv_std (a - x_hat mean(a x_hat)), dscale = sum(dY x_hat) "
+         "over the rows: the kernel's formulas, rounded in another order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-silu-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("QuickGeluGrad",)),
+         "QuickGeluGrad (the gradient of X sigmoid(alpha X): SwiGLU's SiLU) is not in stock ORT",
+         "with v = alpha X and s = Sigmoid(v): dY s (1 + v (1 - s)), the kernel's formula",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-cross-entropy-grad", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("SoftmaxCrossEntropyLossGrad",)),
+         "SoftmaxCrossEntropyLossGrad (what the cross-entropy pass leaves: a loss with ignore_index or class "
+         "weights, as a causal LM's token loss) is not in stock ORT",
+         "(Exp(log_prob) - OneHot(label)) w dY / sum(w), w the label's class weight and 0 at ignore_index: the "
+         "kernel's formula, rounded in another order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-concat-split", "portable",
          lambda m, c: lower_operators(m, c.opset, ("ConcatTraining", "SplitTraining")),
          "ConcatTraining and SplitTraining (Concat and Split that pass each part's length) are not in stock ORT",

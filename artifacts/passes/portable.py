@@ -197,6 +197,71 @@ def _layer_norm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
             b.op("Reshape", [summed, target], node.output[index])
 
 
+def _simplified_layer_norm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # ORT's SimplifiedLayerNormalizationGrad (RMSNorm, as Llama, Qwen, Mistral and SmolLM normalize):
+    #   x_hat = X * inv_std;  a = dY * scale;  dX = inv_std * (a - x_hat * mean(a * x_hat))
+    #   dscale = sum_rows dY * x_hat
+    node = b.node
+    dy, x, scale, inv_std = node.input[:4]
+    normalized = shapes.get(scale)
+    if normalized is None:
+        raise _Unlowerable(f"the shape of SimplifiedLayerNormalization's scale {scale!r} is unknown")
+    axes = list(range(-len(normalized), 0))
+    x_hat = b.op("Mul", [x, inv_std])
+    if _out(node, 0):
+        a = b.op("Mul", [dy, scale])
+        mean_ax = b.reduce("ReduceMean", b.op("Mul", [a, x_hat]), axes, 1)
+        b.op("Mul", [b.op("Sub", [a, b.op("Mul", [x_hat, mean_ax])]), inv_std], node.output[0])
+    if _out(node, 1):
+        rows = b.const(np.array([-1, int(np.prod(normalized))], np.int64))
+        summed = b.reduce("ReduceSum", b.op("Reshape", [b.op("Mul", [dy, x_hat]), rows]), [0], 0)
+        b.op("Reshape", [summed, b.const(np.array(normalized, np.int64))], node.output[1])
+
+
+def _quick_gelu_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # QuickGelu(X) = X * sigmoid(alpha X) (SiLU when alpha is 1): with v = alpha X and s = sigmoid(v),
+    # dX = dY * s * (1 + v * (1 - s)), the kernel's formula
+    dy, x = b.node.input[:2]
+    v = b.op("Mul", [x, b.const(float(attributes(b.node).get("alpha", 1.702)))])
+    s = b.op("Sigmoid", [v])
+    slope = b.op("Add", [b.const(1.0), b.op("Mul", [v, b.op("Sub", [b.const(1.0), s])])])
+    b.op("Mul", [b.op("Mul", [dy, s]), slope], b.node.output[0])
+
+
+def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # ORT's SoftmaxCrossEntropyLossGrad: dX = (exp(log_prob) - onehot(label)) * w * dY / W, where w is
+    # the label's class weight (1 without weights) and 0 at ignore_index, and W the sum of w ("mean"),
+    # or 1 ("sum"); with "none" dY holds one value per row. The class axis is 1, as ONNX's loss has it.
+    node = b.node
+    dy, log_prob, label = node.input[:3]
+    weight = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    a = attributes(node)
+    reduction = a.get("reduction", b"mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
+    rank = b.ranks.get(log_prob)
+    if rank is None:
+        raise _Unlowerable(f"the rank of the cross-entropy scores {log_prob!r} is unknown")
+    if "ignore_index" in a:
+        valid = b.op("Not", [b.op("Equal", [label, b.const(np.array(int(a["ignore_index"]), np.int64))])])
+        label = b.op("Where", [valid, label, b.const(np.array(0, np.int64))])  # any class: its row counts 0
+        w = b.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
+    else:
+        w = b.op("Cast", [b.op("Equal", [label, label])], to=onnx.TensorProto.FLOAT)  # ones of the label's shape
+    if weight is not None:
+        w = b.op("Mul", [w, b.op("Gather", [weight, label])])
+    classes = b.op("Slice", [b.op("Shape", [log_prob]), b.const(np.array([1], np.int64)),
+                             b.const(np.array([2], np.int64))])  # fmt: skip
+    onehot = b.op("OneHot", [label, classes, b.const(np.array([0.0, 1.0], np.float32))], axis=1)
+    if reduction == "mean":
+        per_row = b.op("Div", [b.op("Mul", [w, dy]), b.reduce("ReduceSum", w, list(range(rank - 1)), 0)])
+    elif reduction in ("sum", "none"):
+        per_row = b.op("Mul", [w, dy])
+    else:
+        raise _Unlowerable(f"reduction {reduction!r}")
+    unsqueezed = b.op("Unsqueeze", [per_row, b.const(np.array([1], np.int64))])
+    b.op("Mul", [b.op("Sub", [b.op("Exp", [log_prob]), onehot]), unsqueezed], node.output[0])
+
+
 def _concat_training(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # Concat, and (when read) each input's length along the axis as an int64 vector.
     node = b.node
@@ -428,6 +493,9 @@ LOWERINGS: dict[str, Callable[[_Builder, dict[str, list[int]]], None]] = {
     "SoftmaxGrad_13": _softmax_grad,
     "LogSoftmaxGrad_13": _log_softmax_grad,
     "LayerNormalizationGrad": _layer_norm_grad,
+    "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
+    "QuickGeluGrad": _quick_gelu_grad,
+    "SoftmaxCrossEntropyLossGrad": _softmax_cross_entropy_grad,
     "ConcatTraining": _concat_training,
     "SplitTraining": _split_training,
     "SigmoidGrad": _sigmoid_grad,

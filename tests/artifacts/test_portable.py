@@ -42,6 +42,9 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
     bn_mean, bn_inv = _normalized(bn_x, (0, 2, 3))
     logits = _r(4, 7)
     mask = RNG.random((6, 5)) > 0.3
+    rms_inv = (1 / np.sqrt((x * x).mean(axis=2, keepdims=True) + 1e-6)).astype(np.float32)
+    log_probs = np.log(_softmax(_r(9, 7), 1))
+    tokens = np.array([3, -100, 0, 6, 2, -100, 5, 1, 4], np.int64)
     return [
         ("DropoutGrad", {"dy": _r(6, 5), "mask": mask, "ratio": np.array(0.3, np.float32),
                          "training": np.array(True)}, {}, 1, {}),
@@ -49,6 +52,19 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
         ("LogSoftmaxGrad_13", {"dy": _r(4, 7), "y": np.log(_softmax(logits, -1))}, {"axis": -1}, 1, {}),
         ("LayerNormalizationGrad", {"dy": _r(4, 6, 8), "x": x, "scale": _r(8), "mean": ln_mean, "inv": ln_inv},
          {"axis": -1}, 3, {"scale": [8]}),
+        ("SimplifiedLayerNormalizationGrad", {"dy": _r(4, 6, 8), "x": x, "scale": _r(8), "inv": rms_inv},
+         {"axis": -1, "epsilon": 1e-6}, 2, {"scale": [8]}),
+        ("QuickGeluGrad", {"dy": _r(3, 5), "x": 3 * _r(3, 5)}, {"alpha": 1.0}, 1, {}),
+        ("QuickGeluGrad", {"dy": _r(3, 5), "x": 3 * _r(3, 5)}, {}, 1, {}),  # GELU's default alpha, 1.702
+        ("SoftmaxCrossEntropyLossGrad", {"dy": np.array(0.7, np.float32), "log_prob": log_probs, "label": tokens},
+         {"reduction": "mean", "ignore_index": -100}, 1, {}),  # a causal LM's token loss: prompt and padding ignored
+        ("SoftmaxCrossEntropyLossGrad", {"dy": np.array(0.7, np.float32), "log_prob": log_probs, "label": tokens,
+                                         "weight": np.abs(_r(7)) + 0.5},
+         {"reduction": "mean", "ignore_index": -100}, 1, {}),
+        ("SoftmaxCrossEntropyLossGrad", {"dy": np.array(1.3, np.float32), "log_prob": log_probs,
+                                         "label": np.abs(tokens)}, {"reduction": "sum"}, 1, {}),
+        ("SoftmaxCrossEntropyLossGrad", {"dy": _r(9), "log_prob": log_probs, "label": tokens},
+         {"reduction": "none", "ignore_index": -100}, 1, {}),
         ("ConcatTraining", {"a": _r(2, 3), "b": _r(2, 5)}, {"axis": 1}, 2, {}),
         ("SplitTraining", {"x": _r(2, 8), "split": np.array([3, 5], np.int64)}, {"axis": 1}, 2, {}),
         ("SigmoidGrad", {"dy": _r(3, 4), "y": (1 / (1 + np.exp(-_r(3, 4)))).astype(np.float32)}, {}, 1, {}),

@@ -1,0 +1,99 @@
+"""Today's decoders (grouped-query attention, RMSNorm, SwiGLU, rotary embeddings) with their own
+next-token loss: they export (SDPA's enable_gqa as repeated key/value heads), verify against
+PyTorch, and train on the portable engine as on the classic one, on stock ONNX Runtime too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from artifacts import AdamW, generate
+from artifacts.losses import loss_from_name
+from ondevice import Trainer
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+FAMILIES = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=None)),
+}
+
+
+class CausalLM(nn.Module):
+    """``(ids[, mask], labels) -> loss``: the model's own next-token loss (labels -100 are not counted)."""
+
+    def __init__(self, model: nn.Module, mask: bool) -> None:
+        super().__init__()
+        self.model, self.mask = model, mask
+
+    def forward(self, ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        mask, labels = rest if self.mask else (None, rest[0])
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def _example(rows: int = 4, length: int = 12, seed: int = 0, mask: bool = True) -> dict[str, torch.Tensor]:
+    """Token ids whose first third is a prompt (label -100, not counted), as a fine-tuning set has."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, SMALL["vocab_size"], (rows, length), generator=generator)
+    labels = ids.clone()
+    labels[:, : length // 3] = -100
+    return {"ids": ids, **({"mask": torch.ones_like(ids)} if mask else {}), "labels": labels}
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.0
+    return model
+
+
+@pytest.mark.parametrize(("family", "mask"), [("llama", True), ("llama", False), ("qwen2", True), ("mistral", False)])
+def test_a_grouped_query_decoder_generates_verifies_and_has_a_portable_graph(tmp_path, family, mask):
+    """Without an attention mask, transformers calls SDPA with enable_gqa=True, which torch's exporter
+    refused; the export repeats the key/value heads (exact), and verification compares with PyTorch."""
+    torch.manual_seed(0)
+    model = CausalLM(FAMILIES[family](), mask)
+    manifest = generate(model, _example(mask=mask), tmp_path / "a", loss=loss_from_name("model"))
+    assert manifest.verification.passed
+    assert manifest.engines == ("classic", "portable"), manifest.portable
+
+
+def _batches(count: int, mask: bool) -> list[dict[str, np.ndarray]]:
+    return [{k: v.numpy() for k, v in _example(seed=10 + i, mask=mask).items()} for i in range(count)]
+
+
+def test_a_decoder_trains_alike_on_both_engines_and_on_stock_onnxruntime(tmp_path, stock_python):
+    """20 AdamW steps of a Llama with grouped-query attention and its token loss (prompts ignored):
+    the portable graphs (RMSNorm, SiLU and the ignore-index cross-entropy gradients lowered to
+    standard operators) give the classic engine's losses, in the training build and in stock ORT."""
+    torch.manual_seed(0)
+    model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
+    generate(model, _example(), tmp_path / "a", loss=loss_from_name("model"), optimizer=AdamW(lr=3e-3), verify=False)
+    batches = _batches(5, mask=True)
+    losses = {}
+    for engine in ("classic", "portable"):
+        trainer = Trainer.load(tmp_path / "a", engine=engine, threads=1)
+        losses[engine] = [trainer.train_step(batches[step % 5]).loss for step in range(20)]
+    assert losses["classic"][-1] < 0.9 * losses["classic"][0]  # it learns
+    np.testing.assert_allclose(losses["portable"], losses["classic"], rtol=2e-5)
+    np.savez(tmp_path / "batches.npz", **{f"{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()})
+    script = f"""
+import json, numpy as np
+from ondevice import Trainer
+saved = np.load({str(tmp_path / "batches.npz")!r})
+batches = [{{k.split(".", 1)[1]: saved[k] for k in saved if k.startswith(f"{{i}}.")}} for i in range(5)]
+trainer = Trainer.load({str(tmp_path / "a")!r}, threads=1)
+print(json.dumps([trainer.engine, trainer.ort_version, [trainer.train_step(batches[s % 5]).loss for s in range(20)]]))
+"""
+    done = subprocess.run([*stock_python, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    engine, version, stock = json.loads(done.stdout.strip().splitlines()[-1])
+    assert engine == "portable" and not version.startswith("1.19"), version
+    np.testing.assert_allclose(stock, losses["classic"], rtol=1e-4)
