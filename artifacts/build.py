@@ -21,7 +21,7 @@ from .export import (
     export_onnx,
     torch_module,
 )
-from .lora import add_adapters
+from .lora import add_adapters, with_targets
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .recurrent import unroll_recurrent
@@ -106,6 +106,7 @@ def generate(
             raise SelectionError(
                 "LoRA chooses what trains: combine it with trainable=[...] only, not train_last/bias_only."
             )
+        lora = with_targets(lora, model)  # the architecture's attention projections when none are named
         model, adapters = add_adapters(model, lora, spec.seed)
         saved: tuple[str, ...] = ()
         if start is not None:

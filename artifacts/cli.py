@@ -90,9 +90,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     t.add_argument(
         "--lora-targets",
-        default="query,value",
+        default="",
         metavar="NAMES",
-        help="comma-separated Linear layer names (or globs) that get adapters (default query,value)",
+        help="comma-separated Linear layer names (or globs) that get adapters (default: the architecture's "
+        "query and value projections as PEFT names them: query,value for BERT-like encoders, q_proj,v_proj for "
+        "Llama, Qwen, Mistral, Gemma and SmolLM, qkv_proj for Phi-3, q_lin,v_lin for DistilBERT, q,v for T5)",
     )
 
     t.add_argument(

@@ -24,7 +24,8 @@ from ondevice.manifest import Adapter
 from .errors import SelectionError
 from .selection import matches
 
-__all__ = ["Lora", "LoraLinear", "add_adapters", "read_peft", "load_peft", "saved_modules"]
+__all__ = ["Lora", "LoraLinear", "add_adapters", "with_targets", "read_peft", "load_peft", "saved_modules",
+           "ATTENTION_TARGETS"]
 
 PEFT_PREFIX = "base_model.model."
 
@@ -38,15 +39,17 @@ class Lora:
 
     rank: int = 8
     alpha: float = 16.0
-    targets: tuple[str, ...] = ("query", "value")
+    targets: tuple[str, ...] = ()
+    """Linear layer names or globs; empty (the default): the architecture's attention projections,
+    as PEFT names them (:data:`ATTENTION_TARGETS`, resolved by :func:`with_targets`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise SelectionError(f"LoRA rank must be an integer >= 1, got {self.rank!r}.")
         if not (isinstance(self.alpha, (int, float)) and self.alpha > 0 and math.isfinite(self.alpha)):
             raise SelectionError(f"LoRA alpha must be a positive number, got {self.alpha!r}.")
-        if isinstance(self.targets, str) or not self.targets or not all(isinstance(t, str) and t for t in self.targets):
-            raise SelectionError(f"LoRA targets must be a non-empty list of layer names, got {self.targets!r}.")
+        if isinstance(self.targets, str) or not all(isinstance(t, str) and t for t in self.targets):
+            raise SelectionError(f"LoRA targets must be a list of layer names, got {self.targets!r}.")
 
     @property
     def scale(self) -> float:
@@ -74,6 +77,44 @@ class LoraLinear(nn.Module):
         return self.weight + self.scale * (self.lora_B @ self.lora_A)
 
 
+ATTENTION_TARGETS = (
+    ("query", "value"),  # BERT, RoBERTa, MiniLM, ViT
+    ("q_proj", "v_proj"),  # Llama, Qwen, Mistral, Gemma, SmolLM, Phi
+    ("qkv_proj",),  # Phi-3 (one fused projection)
+    ("q_lin", "v_lin"),  # DistilBERT
+    ("q", "v"),  # T5
+)
+"""The query and value projections PEFT adapts by default, per architecture, tried in this order."""
+
+
+def with_targets(lora: Lora, model: nn.Module) -> Lora:
+    """``lora`` with its targets resolved: as given, or (empty) the first of :data:`ATTENTION_TARGETS`
+    whose names are all Linear layers of ``model``. Raises SelectionError listing the Linear layers
+    when no known names fit, or when given names match none."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if lora.targets:
+        targets = lora.targets
+        missing = [t for t in targets if not any(_is_target(n, (t,)) for n in linears)]
+        if len(missing) == len(targets):
+            raise SelectionError(f"LoRA targets {list(targets)} match no Linear layer. {_listing(linears)}")
+        return lora
+    for targets in ATTENTION_TARGETS:
+        if all(any(_is_target(n, (t,)) for n in linears) for t in targets):
+            return Lora(lora.rank, lora.alpha, targets)
+    known = ", ".join("/".join(t) for t in ATTENTION_TARGETS)
+    raise SelectionError(f"no attention projections of a known architecture ({known}) in this model: name the "
+                         f"layers (--lora-targets). {_listing(linears)}")  # fmt: skip
+
+
+def _listing(linears: list[str]) -> str:
+    """The model's Linear layer names, shortened to their distinct last parts when there are many."""
+    if not linears:
+        return "It has no Linear layers."
+    ends = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears))
+    shown = ", ".join(ends[:12]) + (", ..." if len(ends) > 12 else "")
+    return f"Its Linear layers end in: {shown}."
+
+
 def _is_target(name: str, targets: tuple[str, ...]) -> bool:
     return any(name == t or name.endswith("." + t) or matches(t, name) for t in targets)
 
@@ -83,15 +124,11 @@ def add_adapters(model: nn.Module, lora: Lora, seed: int = 0) -> tuple[nn.Module
 
     The caller's model is not changed. Raises SelectionError when no Linear matches.
     """
+    lora = with_targets(lora, model)
     adapted = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(seed)
     linears = [(n, m) for n, m in adapted.named_modules() if isinstance(m, nn.Linear)]
     chosen = [(n, m) for n, m in linears if _is_target(n, lora.targets)]
-    if not chosen:
-        sample = ", ".join(n for n, _ in linears[:8]) + (", ..." if len(linears) > 8 else "")
-        raise SelectionError(
-            f"LoRA targets {list(lora.targets)} match no Linear layer. Linear layers are: {sample or 'none'}."
-        )
     small = [(n, m) for n, m in chosen if lora.rank > min(m.in_features, m.out_features)]
     if small:
         name, module = small[0]
@@ -143,6 +180,9 @@ def read_peft(directory: str | os.PathLike[str]) -> tuple[Lora, dict[str, torch.
         raise SelectionError(f"{directory}: only plain LoRA adapters (one rank and alpha) can start the adapters.")
     targets = config.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets) if isinstance(targets, list) else ()
+    if not targets:
+        raise SelectionError(f"{directory}/adapter_config.json: LoRA targets must be a non-empty list of layer "
+                             f"names, got {config.get('target_modules')!r}.")  # fmt: skip
     try:
         lora = Lora(rank=config.get("r"), alpha=config.get("lora_alpha"), targets=targets)  # type: ignore[arg-type]
     except SelectionError as exc:

@@ -39,7 +39,7 @@ from torch import nn
 
 from .errors import OptionError, SelectionError
 from .estimate import Footprint, footprint, reachable_parameters
-from .lora import Lora
+from .lora import Lora, with_targets
 from .spec import Spec
 
 __all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure",
@@ -107,7 +107,8 @@ def candidates(
     ranks: Sequence[int],
     head: Sequence[str],
 ) -> list[Candidate]:
-    """Trainable sets of ``model`` with their sizes and estimates, in the order the planner tries them."""
+    """Trainable sets of ``model`` with their sizes and estimates, in the order the planner tries them.
+    LoRA sets go on ``lora``'s targets (none named: the architecture's attention projections, if any)."""
     reachable = reachable_parameters(model, example)  # the generator freezes the rest (a pooler never used)
     params = {n: p for n, p in model.named_parameters() if n in reachable}
     total = sum(p.numel() for p in params.values())
@@ -119,6 +120,11 @@ def candidates(
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in reachable)
     everything = [candidate("everything", {}, total, f"{unused:,} parameters do not reach the loss" if unused else "")]
     adapters: list[Candidate] = []
+    if lora is not None and not lora.targets:  # the architecture's attention projections; none known: no LoRA
+        try:
+            lora = with_targets(lora, model)
+        except SelectionError:
+            lora = None
     if lora is not None:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targeted = [m for n, m in linears.items() if any(n == t or n.endswith("." + t) for t in lora.targets)]

@@ -97,3 +97,15 @@ print(json.dumps([trainer.engine, trainer.ort_version, [trainer.train_step(batch
     engine, version, stock = json.loads(done.stdout.strip().splitlines()[-1])
     assert engine == "portable" and not version.startswith("1.19"), version
     np.testing.assert_allclose(stock, losses["classic"], rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "expected"), [("llama", ("q_proj", "v_proj")), ("qwen2", ("q_proj", "v_proj"))])
+def test_lora_adapts_the_architectures_attention_projections_by_default(tmp_path, family, expected):
+    """`Lora(4)` (`--lora 4`) on a decoder: its q_proj and v_proj, as PEFT's defaults name them."""
+    from artifacts import Lora
+
+    torch.manual_seed(0)
+    manifest = generate(CausalLM(FAMILIES[family](), True), _example(), tmp_path / "a", loss=loss_from_name("model"),
+                        lora=Lora(4))  # fmt: skip
+    adapted = sorted(a.weight.rsplit(".", 2)[-2] for a in manifest.adapters)
+    assert adapted == sorted(expected * SMALL["num_hidden_layers"]) and manifest.verification.passed

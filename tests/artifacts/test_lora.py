@@ -138,8 +138,13 @@ def test_export_folds_adapters_into_a_plain_model(lora_artifacts, tmp_path):
 
 
 def test_lora_options_are_checked(tmp_path):
-    with pytest.raises(SelectionError, match="match no Linear layer. Linear layers are: model.bert"):
+    with pytest.raises(SelectionError, match="match no Linear layer. Its Linear layers end in: query, key, value"):
         generate(Classifier(), _example(), tmp_path / "a", lora=Lora(targets=("qkv",)))
+    with pytest.raises(SelectionError, match=r"no attention projections of a known architecture \(query/value, "
+                       r"q_proj/v_proj.*\) in this model: name the layers \(--lora-targets\). Its Linear layers "
+                       r"end in: 0, 2"):  # fmt: skip
+        generate(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)),
+                 {"x": torch.randn(4, 4)}, tmp_path / "a", lora=Lora())  # fmt: skip
     with pytest.raises(SelectionError, match="not train_last/bias_only"):
         generate(Classifier(), _example(), tmp_path / "a", lora=LORA, bias_only=True)
     with pytest.raises(SelectionError, match="rank must be an integer >= 1"):
