@@ -116,9 +116,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     x.add_argument("--max-length", type=int, help="tokens per text (default: the example's sequence length; "
                    "64 for hf: models)")  # fmt: skip
-    x.add_argument("--task", default="sequence-classification", choices=["sequence-classification"],
-                   help="the head an hf: model gets (default sequence-classification: mean pooling + Linear, "
-                   "sized by --labels)")  # fmt: skip
+    x.add_argument("--task", default="sequence-classification", choices=["sequence-classification", "causal-lm"],
+                   help="what an hf: model learns (default sequence-classification: mean pooling + Linear, sized "
+                   "by --labels; causal-lm: a causal language model's next-token loss on .jsonl text, no "
+                   "--labels)")  # fmt: skip
 
     v = p.add_argument_group("export and verification")
     v.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
@@ -276,7 +277,9 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
         args.lr = HF_LORA_LR if adapters else HF_FINETUNE_LR
         adapter_lr = HF_LORA_LR  # a memory plan that picks LoRA (or a small set) trains at the adapter rate
         args.adapter_rate = True
-    trainable = ("head",) if not chosen or (args.memory_budget and not args.trainable) else args.trainable
+    causal = args.task == "causal-lm"
+    head = () if causal else ("head",)  # a causal LM's output layer is its own (often tied to its embeddings)
+    trainable = head if not chosen or (args.memory_budget and not args.trainable) else args.trainable
     spec = _spec(args).but(
         adapter_lr=adapter_lr,
         dynamic_axes=model.dynamic_axes,
@@ -284,6 +287,10 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
         trainable=trainable,  # the new head always trains (under a memory budget: beside LoRA)
         tokenizer=model.tokenizer,
     )
+    if causal:  # the model's own next-token loss (shifted, prompt and padding not counted)
+        from .losses import loss_from_name
+
+        spec = spec.but(loss=loss_from_name("model"))
     return generate(model.model, model.example, args.out, spec=spec, force=args.force)
 
 

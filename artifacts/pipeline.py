@@ -290,7 +290,7 @@ def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: 
     if spec is None:
         return None
     source = Path(spec.file)
-    for name in (spec.ids, spec.mask):
+    for name in (spec.ids, spec.mask, spec.labels):
         if name is not None and name not in input_names:
             raise InputSpecError(f"the tokenizer fills input {name!r}, but the model's inputs are {input_names}.")
     if not source.is_file():

@@ -8,7 +8,7 @@ from typing import Mapping
 import numpy as np
 
 from .errors import WeightsError
-from .manifest import Manifest
+from .manifest import IGNORE_INDEX, Manifest
 
 __all__ = ["flatten_weights", "Meter"]
 
@@ -52,6 +52,9 @@ class Meter:
         self.top3 = bool(manifest.num_classes and manifest.num_classes > 3)
         self.labels = manifest.targets[0].name if manifest.targets else None
         self.ignore = manifest.loss.options.get("ignore_index")
+        self.tokens = manifest.tokenizer.labels if manifest.tokenizer is not None else None
+        """A causal LM's token labels: batches weigh by the tokens their loss counts, and the result
+        has the perplexity."""
         self.loss_sum = 0.0
         self.count = 0
         self.correct = 0
@@ -61,8 +64,8 @@ class Meter:
         self._held_bytes = 0
 
     def add(self, loss: float, size: int, scores: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
-        """One batch of ``size`` examples: its mean loss and, for accuracy, the class scores (the
-        output named ``self.scores``) and the labels."""
+        """One batch of ``size`` examples (for a causal LM: counted tokens, :meth:`weight`): its mean
+        loss and, for accuracy, the class scores (the output named ``self.scores``) and the labels."""
         if math.isfinite(loss):
             self.loss_sum += loss * size
             self.count += size
@@ -71,6 +74,13 @@ class Meter:
             self._held_bytes += scores.nbytes
             if self._held_bytes > self.FLUSH_BYTES:
                 self._score()
+
+    def weight(self, batch: dict[str, np.ndarray], examples: int) -> int:
+        """How much a batch's mean loss weighs: its examples, or for a causal LM the tokens its loss
+        counts (every label but the first of a row, which predicts nothing, and the ignored ones)."""
+        if self.tokens is None or self.tokens not in batch:
+            return examples
+        return int(np.count_nonzero(batch[self.tokens][:, 1:] != IGNORE_INDEX))
 
     def _score(self) -> None:
         if not self._held:
@@ -91,6 +101,8 @@ class Meter:
     def result(self) -> dict[str, float]:
         self._score()
         metrics = {"loss": self.loss_sum / self.count if self.count else float("nan")}
+        if self.tokens is not None:  # exp of the mean loss per counted token: the model's perplexity
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
         if self.labelled:
             metrics["accuracy"] = self.correct / self.labelled
             if self.top3:

@@ -21,6 +21,7 @@ from .schema import validate_manifest
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
+    "IGNORE_INDEX",
     "TensorSpec",
     "ParamSpec",
     "BufferUpdate",
@@ -85,18 +86,25 @@ class Adapter:
     scale: float
 
 
+IGNORE_INDEX = -100
+"""The label of a token the loss does not count (PyTorch's and Hugging Face's convention)."""
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """A Hugging Face ``tokenizer.json`` in the artifact directory that turns text into the inputs.
 
     ``ids`` (and ``mask``, when the model takes an attention mask) name the inputs it fills;
-    texts are padded or cut to ``max_length`` tokens.
+    texts are padded or cut to ``max_length`` tokens. ``labels`` names the input that takes each
+    text's own token ids as next-token labels (a causal language model's), with :data:`IGNORE_INDEX`
+    at prompt and padding positions; None for every other model.
     """
 
     file: str
     ids: str
     mask: str | None
     max_length: int
+    labels: str | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +255,8 @@ class Manifest:
         """The JSON form, sealed: ``contract_sha256`` hashes what the graphs were built for (see
         :func:`contract_digest`), so a hand edit of it is refused on load."""
         data = asdict(self)
+        if data["tokenizer"] is not None and data["tokenizer"]["labels"] is None:
+            del data["tokenizer"]["labels"]  # only a causal LM's tokenizer fills labels: others read as before
         data["contract_sha256"] = contract_digest(data)
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 

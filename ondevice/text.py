@@ -16,7 +16,7 @@ import numpy as np
 
 from .data import load_npz
 from .errors import DataError, ManifestError
-from .manifest import Manifest
+from .manifest import IGNORE_INDEX, Manifest
 
 __all__ = ["TextEncoder", "load_jsonl", "load_data", "DATA_FORMATS"]
 
@@ -93,7 +93,10 @@ class TextEncoder:
         """The texts rows of token ids spell (special tokens and padding dropped)."""
         return self._tokenizer.decode_batch(np.asarray(ids).tolist(), skip_special_tokens=True)
 
-    def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+    def __call__(self, texts: Sequence[str], prompts: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """The inputs for ``texts``; for a causal language model (the tokenizer spec names ``labels``)
+        also the labels: each text's token ids, :data:`IGNORE_INDEX` at padding and at the tokens of
+        its first ``prompts[i]`` characters (the prompt, which the loss does not count)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise DataError("texts must be a list of strings.")
         for index, text in enumerate(texts):
@@ -101,18 +104,25 @@ class TextEncoder:
         if not texts:
             raise DataError("no texts given.")
         limit = max(4096, self.spec.max_length * CHARS_PER_TOKEN)
+        prompts = list(prompts) if prompts is not None else [0] * len(texts)
         parts = []
         for start in range(0, len(texts), ENCODE_CHUNK):  # a chunk's Encoding objects are dropped before the next
             encoded = self._tokenizer.encode_batch([t[:limit] for t in texts[start : start + ENCODE_CHUNK]])
-            parts.append(
-                (np.array([e.ids for e in encoded], np.int64), np.array([e.attention_mask for e in encoded], np.int64))
-            )
-        width = max(ids.shape[1] for ids, _ in parts)  # each chunk padded to its longest: pad all to the longest
+            ids = np.array([e.ids for e in encoded], np.int64)
+            mask = np.array([e.attention_mask for e in encoded], np.int64)
+            labels = None
+            if self.spec.labels is not None:  # a token counts when it ends after the prompt and is not padding
+                ends = np.array([[end for _, end in e.offsets] for e in encoded], np.int64)
+                cut = np.array(prompts[start : start + ENCODE_CHUNK], np.int64)[:, None]
+                labels = np.where((mask == 1) & (ends > cut), ids, IGNORE_INDEX)
+            parts.append((ids, mask, labels))
+        width = max(ids.shape[1] for ids, _, _ in parts)  # each chunk padded to its longest: pad all to the longest
         pad_id, side = self._pad
-        ids = np.concatenate([_pad(i, width, pad_id, side) for i, _ in parts])
-        out = {self.spec.ids: ids}
+        out = {self.spec.ids: np.concatenate([_pad(i, width, pad_id, side) for i, _, _ in parts])}
         if self.spec.mask is not None:
-            out[self.spec.mask] = np.concatenate([_pad(m, width, 0, side) for _, m in parts])
+            out[self.spec.mask] = np.concatenate([_pad(m, width, 0, side) for _, m, _ in parts])
+        if self.spec.labels is not None:
+            out[self.spec.labels] = np.concatenate([_pad(lab, width, IGNORE_INDEX, side) for _, _, lab in parts])
         return out
 
 
@@ -141,7 +151,7 @@ def load_jsonl(
     if not path.is_file():
         raise DataError(f"data file {path} does not exist.")
     _check_size(path)
-    texts, targets = [], []
+    texts, targets, prompts = [], [], []
     with path.open("rb") as lines:
         for number, raw in enumerate(iter(lambda: lines.readline(MAX_LINE_BYTES + 1), b""), 1):
             if number == 1:
@@ -152,7 +162,12 @@ def load_jsonl(
                 continue
             if number > MAX_LINES:
                 raise DataError(f"{path} has more than {MAX_LINES:,} lines: split it.")
-            row = _row(raw, f"{path}:{number}")
+            row = _row(raw, f"{path}:{number}", completions=encoder.spec.labels is not None)
+            if "prompt" in row:  # a causal LM's pair: the loss counts the completion only
+                prompts.append(len(row["prompt"]))
+                texts.append(row["prompt"] + row["completion"])
+                continue
+            prompts.append(0)
             texts.append(row["text"])
             if labels and manifest.targets:
                 if "label" not in row:
@@ -162,7 +177,7 @@ def load_jsonl(
                 targets.append(_label(row["label"], manifest, f"{path}:{number}"))
     if not texts:
         raise DataError(f"{path} holds no examples.")
-    data = encoder(texts)
+    data = encoder(texts, prompts)
     if labels and manifest.targets:
         data[manifest.targets[0].name] = np.array(targets, dtype=np.int64)
     return data
@@ -180,8 +195,9 @@ def _check_size(path: Path) -> None:
         )
 
 
-def _row(raw: bytes, where: str) -> dict:
-    """One ``{"text", "label"}`` object; invalid UTF-8, JSON or nesting are DataErrors naming the line."""
+def _row(raw: bytes, where: str, *, completions: bool = False) -> dict:
+    """One ``{"text", "label"}`` object (with ``completions``, a causal LM's ``{"text"}`` or
+    ``{"prompt", "completion"}``); invalid UTF-8, JSON or nesting are DataErrors naming the line."""
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -190,10 +206,15 @@ def _row(raw: bytes, where: str) -> dict:
         raise DataError(f"{where} is not JSON ({exc.msg}): write one object per line.") from None
     except RecursionError:
         raise DataError(f'{where} nests too deeply: write flat {{"text": "...", "label": ...}} objects.') from None
-    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+    pair = completions and isinstance(row, dict) and "text" not in row
+    keys = ("prompt", "completion") if pair else ("text",)
+    if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in keys):
         shown = raw.decode("utf-8", "replace").strip()[:80]
-        raise DataError(f'{where}: expected {{"text": "...", "label": ...}}, found {shown!r}.')
-    _check_characters(row["text"], f"{where}: the text")
+        wanted = '{"text": "..."} or {"prompt": "...", "completion": "..."}' if completions else \
+            '{"text": "...", "label": ...}'  # fmt: skip
+        raise DataError(f"{where}: expected {wanted}, found {shown!r}.")
+    for key in keys:
+        _check_characters(row[key], f"{where}: the {key}")
     return row
 
 

@@ -403,7 +403,7 @@ class Trainer:
             for batch in parts:
                 fetched = self._session.eval_step(self._trimmed(list(batch.values())))
                 self._release_rows()
-                count = len(next(iter(batch.values())))
+                count = meter.weight(batch, len(next(iter(batch.values()))))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
                 bar.update(1)

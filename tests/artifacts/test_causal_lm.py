@@ -1,0 +1,119 @@
+"""`--task causal-lm`: a pretrained causal LM from a local folder (grouped-query attention, tied
+embeddings) with its own next-token loss; `.jsonl` prompts and completions tokenized on the device
+with the prompt not counted; `odt evaluate` reports the token-mean loss and the perplexity,
+equal to PyTorch's over the same texts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from ondevice import Manifest, Trainer
+from ondevice.cli import main
+from ondevice.manifest import IGNORE_INDEX
+from ondevice.text import TextEncoder, load_data
+
+WORDS = ("<pad> <unk> turn on off the kitchen living room bedroom lights fan heater please set to "
+         "{ } intent name area : , HassTurnOn HassTurnOff").split()  # fmt: skip
+PAIRS = [
+    ("turn on the kitchen lights", " { intent : HassTurnOn , area : kitchen }"),
+    ("turn off the bedroom fan", " { intent : HassTurnOff , area : bedroom }"),
+    ("please turn on the heater", " { intent : HassTurnOn , name : heater }"),
+    ("turn off the living room lights", " { intent : HassTurnOff , area : living room }"),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A tiny Llama (4 query heads, 2 key/value heads, tied embeddings) saved as Hugging Face saves one."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, tie_word_embeddings=True)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def artifacts(folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lm") / "a"
+    assert main(["generate", "--model", f"hf:{folder}", "--task", "causal-lm", "--max-length", "24",
+                 "--out", str(out)]) == 0  # fmt: skip
+    return out
+
+
+@pytest.fixture()
+def data(tmp_path) -> Path:
+    path = tmp_path / "pairs.jsonl"
+    lines = [{"prompt": p, "completion": c} for p, c in PAIRS] + [{"text": "turn on the fan"}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_a_causal_lm_generates_with_lora_on_its_attention_and_one_tied_embedding(artifacts):
+    manifest = Manifest.load(artifacts)
+    assert manifest.verification.passed and manifest.loss.kind == "model"
+    assert manifest.tokenizer.labels == "labels" and [t.name for t in manifest.inputs] == ["ids", "mask", "labels"]
+    assert sorted({a.weight.rsplit(".", 2)[-2] for a in manifest.adapters}) == ["q_proj", "v_proj"]
+    names = [p.name for p in (*manifest.trainable, *manifest.frozen)]
+    assert "model.model.embed_tokens.weight" in names and not any("lm_head" in n for n in names)  # one, tied
+    assert manifest.engines == ("classic", "portable"), manifest.portable
+
+
+def test_prompts_are_not_counted_and_padding_is_not_either(artifacts, data):
+    batch = load_data(data, artifacts)
+    tokenizer = Tokenizer.from_file(str(artifacts / "tokenizer.json"))
+    for row, (prompt, completion) in enumerate(PAIRS):
+        whole = tokenizer.encode(prompt + completion).ids
+        counted = len(tokenizer.encode(completion).ids)
+        length = len(whole)
+        assert batch["ids"][row, :length].tolist() == whole and batch["mask"][row, :length].all()
+        expected = [IGNORE_INDEX] * (length - counted) + whole[length - counted :]
+        assert batch["labels"][row, :length].tolist() == expected
+        assert (batch["labels"][row, length:] == IGNORE_INDEX).all() and not batch["mask"][row, length:].any()
+    text = tokenizer.encode("turn on the fan").ids  # a plain text: every token counts
+    assert batch["labels"][len(PAIRS), : len(text)].tolist() == text
+
+
+def test_evaluate_gives_pytorchs_token_mean_loss_and_its_perplexity(artifacts, folder, data, capsys):
+    """One batch per text, so batches weigh by the tokens they count: the mean over all counted tokens
+    equals PyTorch's loss over the whole set, and the perplexity is its exp."""
+    batch = load_data(data, artifacts)
+    metrics = Trainer.load(artifacts).evaluate(batch, batch_size=1)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ids, mask = torch.from_numpy(batch["ids"]), torch.from_numpy(batch["mask"])
+        logits = reference(input_ids=ids, attention_mask=mask).logits
+    labels = torch.from_numpy(batch["labels"])[:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels).item()
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert main(["evaluate", str(artifacts), "--data", str(data), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shown["perplexity"] == pytest.approx(math.exp(shown["loss"]), rel=1e-9)
+
+
+def test_the_device_fine_tunes_it_on_jsonl_text(artifacts, data, tmp_path):
+    """LoRA on q_proj and v_proj, from `odt train` on prompt/completion lines: the completions'
+    perplexity falls, and the prompts stay uncounted."""
+    before = Trainer.load(artifacts).evaluate(load_data(data, artifacts))
+    assert main(["train", str(artifacts), "--data", str(data), "--epochs", "60", "--batch-size", "5",
+                 "--checkpoint", str(tmp_path / "ckpt"), "--lr", "3e-2"]) == 0  # fmt: skip
+    after = Trainer.load(artifacts, checkpoint=tmp_path / "ckpt" / "latest.ckpt").evaluate(load_data(data, artifacts))
+    assert after["perplexity"] < 0.7 * before["perplexity"], (before, after)
+    encoder = TextEncoder(artifacts)
+    assert encoder(["turn on"], [len("turn on")])["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX]]
+    assert np.isfinite(after["loss"])
