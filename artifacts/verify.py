@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -124,7 +125,7 @@ def verify_batches(
             raise
         except Exception as exc:
             if not index:
-                raise
+                raise VerificationError(_step_failure(exc)) from exc
             raise VerificationError(
                 f"the artifacts fail at input shape {_shape(example)} (another batch size or length than the example): "
                 f"{ort_error_message(exc)}. A size is baked into the graph, e.g. a reshape to a constant; "
@@ -133,6 +134,21 @@ def verify_batches(
     report = merge_reports(reports, examples)
     report = replace(report, note="; ".join([report.note, *kinks]))
     return report, likely_causes(report, manifest, [r.passed for r in reports])
+
+
+def _step_failure(exc: Exception) -> str:
+    """ORT's failure of the first step, with the node and the layer its name carries (a gradient
+    node is named after the forward node it differentiates: ``/encoder/block.0/.../Unsqueeze_14_Grad``)."""
+    text = ort_error_message(exc)
+    found = re.search(r"Name:'([^']+)'", str(exc))
+    if found is None:
+        return f"ONNX Runtime cannot run the generated training step: {text}."
+    node = found.group(1)
+    layer = node.split("_Grad")[0].rsplit("/", 1)[0] or node
+    kind = "the gradient of" if "_Grad" in node else "node"
+    return (f"ONNX Runtime cannot run the generated training step: {kind} {node.split('_Grad')[0]!r} in layer "
+            f"{layer!r} failed ({text}). A shape error in a gradient usually means a broadcast input whose gradient "
+            "ORT does not sum: freeze that layer, or report the model.")
 
 
 def _shape(example: Sequence[torch.Tensor]) -> str:

@@ -28,6 +28,7 @@ import onnx
 from .activations import rewrite_activations
 from .avgpool import average_pool_to_conv
 from .batchnorm import expose_batchnorm_updates, reuse_batch_statistics
+from .broadcast import expand_where_inputs
 from .convgrad import rewrite_conv_grad
 from .crossentropy import rewrite_cross_entropy
 from .dropout import activate_dropout, keep_dropout_masks
@@ -109,6 +110,12 @@ REGISTRY: tuple[Pass, ...] = (
          "no gradient for Elu, Selu, Celu, Softplus, HardSigmoid, HardSwish, Mish, PRelu, InstanceNorm, ...",
          "each operator rewritten as the formula it computes, with operators that have gradients",
          "tests/artifacts/test_activations.py::test_rewrite_trains_everything_and_matches_pytorch"),
+    Pass("broadcast-where", "shaped", lambda m, c: expand_where_inputs(m),
+         "ORT's gradient of Where hands a broadcast input the output-shaped gradient, unsummed: T5's relative "
+         "position bias [1, heads, q, k] masked by a [batch, 1, q, k] mask failed in the step",
+         "the broadcast input goes through Expand to the broadcast shape (the elementwise max of the padded input "
+         "shapes) first: the same values, and Expand's gradient is the missing sum over the broadcast axes",
+         "tests/artifacts/test_text_models.py::test_t5s_relative_position_bias_trains_through_sdpas_mask"),
     Pass("batchnorm-statistics", "shaped", lambda m, c: expose_batchnorm_updates(m, c.frozen, c.opset),
          "training does not update BatchNorm's running statistics; a training-mode BatchNorm breaks the eval graph",
          "PyTorch's momentum update computed in the training graph and returned as outputs",

@@ -310,3 +310,47 @@ def test_a_pretrained_model_by_name_generates_with_its_tokenizer_and_trains_on_t
     assert main(argv) == 0 and Manifest.load(tmp_path / "c").optimizer.lr == 1e-4  # its own weights: a gentler rate
     assert main(["generate", "--model", "hf:no-such-weights", "--labels", "a,b", "--out", str(tmp_path / "b")]) == 1
     assert "neither a folder with config.json nor an installed package" in capsys.readouterr().err
+
+
+class T5Classifier(nn.Module):
+    """A T5 encoder (relative position bias, SDPA attention) and a head on its first position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                       dropout_rate=0.1, attn_implementation="sdpa")  # fmt: skip
+        self.encoder, self.head = transformers.T5EncoderModel(config), nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0])
+
+
+def _t5_example() -> dict[str, torch.Tensor]:
+    mask = torch.ones(4, 12, dtype=torch.int64)
+    mask[1, 9:] = 0  # padding: the mask is [batch, 1, q, k], the bias [1, heads, q, k]
+    return {"ids": torch.randint(1, 100, (4, 12), generator=torch.Generator().manual_seed(0)), "mask": mask}
+
+
+def test_t5s_relative_position_bias_trains_through_sdpas_mask(tmp_path):
+    """The bias reaches SDPA through a Where that broadcasts it over the batch; its gradient must be
+    summed over that axis (the broadcast-where pass). Verified against PyTorch with dropout off and on,
+    the bias table among the trainable tensors."""
+    torch.manual_seed(0)
+    manifest = generate(T5Classifier(), _t5_example(), tmp_path / "a", dynamic_axes={"ids": {1: "s"}, "mask": {1: "s"}})
+    assert manifest.verification.passed
+    bias = "encoder.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert bias in {p.name for p in manifest.trainable}
+    assert f"grad {bias}" in {row.item for row in manifest.verification.rows}
+
+
+def test_without_the_broadcast_pass_the_step_fails_with_a_typed_error_naming_the_layer(tmp_path, monkeypatch):
+    from artifacts import passes
+
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("broadcast-where"))
+    torch.manual_seed(0)
+    layer = "/encoder/encoder/block.0/layer.0/SelfAttention"
+    with pytest.raises(VerificationError, match=rf"the gradient of '{layer}/.*' in layer '{layer}' failed \(Dimension"):
+        generate(T5Classifier(), _t5_example(), tmp_path / "a")
+    assert not (tmp_path / "a").exists()
