@@ -9,9 +9,10 @@ OUT ?= out
 
 .PHONY: demo test check bench clean chromium arm64 wheel nextword
 
-$(STAMP): pyproject.toml requirements/lock.txt
+$(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/no-deps.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 

