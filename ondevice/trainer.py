@@ -348,7 +348,8 @@ class Trainer:
             loss, fetched, applied = self._micro_step(feeds, micro=pending)
             bad |= not applied
             held = None if scores is None else fetched[scores]
-            meter.add(loss, len(index), held, None if labels is None else feeds[labels])
+            weight = len(index) if meter.tokens is None else meter.weight(dict(zip(data, feeds)), len(index))
+            meter.add(loss, weight, held, None if labels is None else feeds[labels])
             pending += 1
             bar.update(1)
             if pending == accumulate:
