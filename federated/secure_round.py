@@ -73,7 +73,8 @@ class SecureRound:
         if problem:
             raise RoundFailedError(f"secure aggregation: {problem}")
 
-    def exchange(self, stage: str, outgoing: dict[int, RecordDict], check: Any = None) -> dict[int, RecordDict]:
+    def exchange(self, stage: str, outgoing: dict[int, RecordDict],
+                 check: Callable[[int, RecordDict], str | None] | None = None) -> dict[int, RecordDict]:  # fmt: skip
         """Send one stage's tasks; the sound replies by node. A node that does not answer is dropped;
         one whose reply the stage cannot use (``check(node, content)`` names why) is excluded."""
         sent = [Message(c, dst_node_id=n, message_type=MessageType.TRAIN, group_id=self.group)

@@ -240,6 +240,13 @@ REGISTRY: tuple[Pass, ...] = (
          "(Exp(log_prob) - OneHot(label)) w dY / sum(w), w the label's class weight and 0 at ignore_index: the "
          "kernel's formula, rounded in another order",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-gpt2-grads", "portable", lambda m, c: lower_operators(m, c.opset, ("FastGeluGrad", "GatherGrad")),
+         "FastGeluGrad (GPT-2's tanh GELU) and GatherGrad on an activation (what the lookup-grad pass leaves: a "
+         "pick of one position per row) are not in stock ORT",
+         "dY (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 0.134145 x^2)) with t the tanh of the forward; and "
+         "ScatterElements(zeros, indices, dY, reduction add) along axis 0: the kernels' formulas, sums in index "
+         "order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-concat-split", "portable",
          lambda m, c: lower_operators(m, c.opset, ("ConcatTraining", "SplitTraining")),
          "ConcatTraining and SplitTraining (Concat and Split that pass each part's length) are not in stock ORT",

@@ -262,6 +262,41 @@ def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> No
     b.op("Mul", [b.op("Sub", [b.op("Exp", [log_prob]), onehot]), unsqueezed], node.output[0])
 
 
+def _fast_gelu_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # FastGelu(X) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's tanh GELU):
+    # dX = dY (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)), t = tanh(u), the kernel's formula
+    node = b.node
+    dy, x = node.input[:2]
+    root, cube = b.const(float(np.sqrt(2 / np.pi))), b.const(0.044715)
+    square = b.op("Mul", [x, x])
+    t = b.op("Tanh", [b.op("Mul", [root, b.op("Mul", [x, b.op("Add", [b.const(1.0), b.op("Mul", [cube, square])])])])])
+    left = b.op("Mul", [b.const(0.5), b.op("Add", [b.const(1.0), t])])
+    slope = b.op("Mul", [root, b.op("Add", [b.const(1.0), b.op("Mul", [b.const(3 * 0.044715), square])])])
+    right = b.op("Mul", [b.op("Mul", [b.const(0.5), x]), b.op("Mul", [b.op("Sub", [b.const(1.0), b.op("Mul", [t, t])]),
+                                                                       slope])])  # fmt: skip
+    b.op("Mul", [dy, b.op("Add", [left, right])], node.output[0])
+
+
+def _gather_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # GatherGrad(shape, indices, dY; axis 0): zeros of ``shape`` with each row of dY added into the row its
+    # index names (negative indices count from the end). ScatterElements with reduction "add" sums repeated
+    # indices in order (ScatterND's CPU kernel loses repeated updates across threads; see gathergrad.py).
+    node = b.node
+    shape, indices, dy = node.input[:3]
+    rank = (b.dims.get(shape) or [None])[0]
+    if int(attributes(node).get("axis", 0)) != 0 or not isinstance(rank, int) or rank < 1 or b.opset < 16:
+        raise _Unlowerable("GatherGrad on an axis other than 0, of an unknown rank, or below opset 16")
+    zeros = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.array([0.0], np.float32)))
+    rows = b.op("Slice", [shape, b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))])
+    flat = b.op("Reshape", [indices, b.const(np.array([-1], np.int64))])
+    flat = b.op("Where", [b.op("Less", [flat, b.const(np.array(0, np.int64))]), b.op("Add", [flat, rows]), flat])
+    rest = b.op("Slice", [shape, b.const(np.array([1], np.int64)), b.const(np.array([rank], np.int64))])
+    updates = b.op("Reshape", [dy, b.op("Concat", [b.const(np.array([-1], np.int64)), rest], axis=0)])
+    column = b.op("Reshape", [flat, b.const(np.array([-1] + [1] * (rank - 1), np.int64))])
+    spread = b.op("Expand", [column, b.op("Shape", [updates])])
+    b.op("ScatterElements", [zeros, spread, updates], node.output[0], axis=0, reduction="add")
+
+
 def _concat_training(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # Concat, and (when read) each input's length along the axis as an int64 vector.
     node = b.node
@@ -496,6 +531,8 @@ LOWERINGS: dict[str, Callable[[_Builder, dict[str, list[int]]], None]] = {
     "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
     "QuickGeluGrad": _quick_gelu_grad,
     "SoftmaxCrossEntropyLossGrad": _softmax_cross_entropy_grad,
+    "FastGeluGrad": _fast_gelu_grad,
+    "GatherGrad": _gather_grad,
     "ConcatTraining": _concat_training,
     "SplitTraining": _split_training,
     "SigmoidGrad": _sigmoid_grad,

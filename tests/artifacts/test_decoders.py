@@ -109,3 +109,37 @@ def test_lora_adapts_the_architectures_attention_projections_by_default(tmp_path
                         lora=Lora(4))  # fmt: skip
     adapted = sorted(a.weight.rsplit(".", 2)[-2] for a in manifest.adapters)
     assert adapted == sorted(expected * SMALL["num_hidden_layers"]) and manifest.verification.passed
+
+
+class GPT2Classifier(nn.Module):
+    """GPT-2 (tanh GELU, and the last real token of each row picked: a Gather on an activation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=3,
+                                         pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        self.model = transformers.GPT2ForSequenceClassification(config)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def test_gpt2_gets_a_portable_graph_that_trains_like_the_classic_engine(tmp_path):
+    """FastGeluGrad and the GatherGrad of the last-token pick lower to standard operators: GPT-2 had
+    no portable engine before."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (4, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[2, 9:] = 0  # a shorter row: its last real token is picked
+    torch.manual_seed(0)
+    manifest = generate(GPT2Classifier(), {"ids": ids, "mask": mask}, tmp_path / "a", optimizer=AdamW(lr=3e-3))
+    assert manifest.verification.passed and manifest.engines == ("classic", "portable"), manifest.portable
+    rng = np.random.default_rng(1)
+    batches = [{"ids": rng.integers(1, 100, (4, 12)), "mask": np.ones((4, 12), np.int64),
+                "labels": rng.integers(0, 3, 4)} for _ in range(5)]  # fmt: skip
+    losses = {}
+    for engine in ("classic", "portable"):
+        trainer = Trainer.load(tmp_path / "a", engine=engine, threads=1)
+        losses[engine] = [trainer.train_step(batches[step % 5]).loss for step in range(20)]
+    np.testing.assert_allclose(losses["portable"], losses["classic"], rtol=2e-5)

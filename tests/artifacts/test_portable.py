@@ -65,6 +65,9 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
                                          "label": np.abs(tokens)}, {"reduction": "sum"}, 1, {}),
         ("SoftmaxCrossEntropyLossGrad", {"dy": _r(9), "log_prob": log_probs, "label": tokens},
          {"reduction": "none", "ignore_index": -100}, 1, {}),
+        ("FastGeluGrad", {"dy": _r(3, 5), "x": 2 * _r(3, 5)}, {}, 1, {}),
+        ("GatherGrad", {"shape": np.array([5, 4, 3], np.int64), "indices": np.array([[1, 4], [-1, 1]], np.int64),
+                        "dy": _r(2, 2, 4, 3)}, {"axis": 0}, 1, {}),  # repeated and negative rows sum
         ("ConcatTraining", {"a": _r(2, 3), "b": _r(2, 5)}, {"axis": 1}, 2, {}),
         ("SplitTraining", {"x": _r(2, 8), "split": np.array([3, 5], np.int64)}, {"axis": 1}, 2, {}),
         ("SigmoidGrad", {"dy": _r(3, 4), "y": (1 / (1 + np.exp(-_r(3, 4)))).astype(np.float32)}, {}, 1, {}),
