@@ -54,3 +54,14 @@ def test_a_trainer_waits_for_no_one_but_refuses_artifacts_being_replaced(tmp_pat
         holder.wait()
     first, second = Trainer.load(out), Trainer.load(out)  # readers share the artifacts
     assert first.manifest_sha256 == second.manifest_sha256
+
+
+def test_a_process_may_replace_artifacts_it_trains_itself(tmp_path):
+    """Benchmarks regenerate into one directory while an earlier trainer of theirs is still alive:
+    only other processes' holds refuse (Linux names them in /proc/locks)."""
+    torch.manual_seed(0)
+    out = tmp_path / "a"
+    generate(torch.nn.Linear(4, 3), {"x": torch.randn(8, 4)}, out, verify=False)
+    trainer = Trainer.load(out)
+    generate(torch.nn.Linear(4, 3), {"x": torch.randn(8, 4)}, out, force=True, verify=False)
+    assert trainer.manifest_sha256 != Trainer.load(out).manifest_sha256
