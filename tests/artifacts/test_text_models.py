@@ -309,7 +309,7 @@ def test_a_pretrained_model_by_name_generates_with_its_tokenizer_and_trains_on_t
             "--out", str(tmp_path / "c")]  # fmt: skip
     assert main(argv) == 0 and Manifest.load(tmp_path / "c").optimizer.lr == 1e-4  # its own weights: a gentler rate
     assert main(["generate", "--model", "hf:no-such-weights", "--labels", "a,b", "--out", str(tmp_path / "b")]) == 1
-    assert "neither a folder with config.json nor an installed package" in capsys.readouterr().err
+    assert "neither a folder with config.json or a .gguf file nor an installed package" in capsys.readouterr().err
 
 
 class T5Classifier(nn.Module):
