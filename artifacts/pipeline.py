@@ -118,7 +118,8 @@ def _replacing(out_dir: Path) -> ContextManager[None]:
     if not (out_dir / MANIFEST_NAME).is_file():  # not artifacts (an empty folder, say): no trainer holds it
         return nullcontext()
     return exclusive(out_dir / ARTIFACTS_LOCK, f"artifacts {out_dir}",
-                     "a trainer is using them: let it finish, or write the new artifacts to another --out")  # fmt: skip
+                     "a trainer is using them: let it finish, or write the new artifacts to another --out",
+                     own_holds=True)  # fmt: skip
 
 
 def check_output(out_dir: str | os.PathLike[str], force: bool) -> Path:

@@ -34,12 +34,12 @@ def _open(lock: Path) -> IO[str]:
 
 
 @contextmanager
-def exclusive(lock: Path, what: str, advice: str) -> Iterator[None]:
+def exclusive(lock: Path, what: str, advice: str, *, own_holds: bool = False) -> Iterator[None]:
     """Hold ``lock`` alone while the block runs, with this process named in it. Raises
     :class:`InUseError` ("``what`` is in use by ...; ``advice``") when another process holds it,
-    shared or alone, and when the lock file cannot be made. A hold of this process's own (a trainer
-    it still has on artifacts it regenerates, as benchmarks do) does not stop it (Linux: the kernel
-    says whose locks they are)."""
+    shared or alone, and when the lock file cannot be made. With ``own_holds``, holds of this
+    process's own do not stop it (a trainer it still has on artifacts it regenerates, as benchmarks
+    do; Linux, where the kernel says whose locks they are)."""
     try:
         handle = _open(lock)
     except OSError as exc:
@@ -49,7 +49,7 @@ def exclusive(lock: Path, what: str, advice: str) -> Iterator[None]:
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if _lock_pids(lock) != {os.getpid()}:  # this process alone may replace what it holds itself
+                if not own_holds or _lock_pids(lock) != {os.getpid()}:
                     raise InUseError(f"{what} is in use by {holders(lock, handle)}; {advice}.") from None
         handle.seek(0)
         handle.truncate()
