@@ -29,8 +29,6 @@ import numpy as np
 from cryptography.fernet import InvalidToken
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
-from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 from flwr.serverapp import Grid
 
 from .flower_internals import SecAgg
@@ -146,7 +144,8 @@ def _keep_usable_sources(state: Any, configs: ConfigRecord) -> list[int]:
         usable = source in state.ss2_dict and source not in sources
         if usable:
             try:
-                sender, receiver, _, _ = share_keys_plaintext_separate(decrypt(state.ss2_dict[source], ciphertext))
+                plaintext = SecAgg.decrypt(state.ss2_dict[source], ciphertext)
+                sender, receiver, _, _ = SecAgg.share_keys_plaintext_separate(plaintext)
                 usable = sender == source and receiver == state.nid
             except (InvalidToken, ValueError, TypeError):
                 usable = False

@@ -199,9 +199,11 @@ def written_by_odt(path: Path) -> bool:
     if len(head) >= 8 and head[8:9] == b"{":  # safetensors: u64 header length, then a JSON header
         size = int.from_bytes(head[:8], "little")
         try:
-            with open(path, "rb") as handle:
-                handle.seek(8)
-                header = json.loads(handle.read(min(size, 1 << 24)))
+            if 8 + size > len(head):  # a header longer than the first read (many tensors)
+                with open(path, "rb") as handle:
+                    handle.seek(8)
+                    head = b"\0" * 8 + handle.read(min(size, 1 << 24))
+            header = json.loads(head[8 : 8 + size])
             return isinstance(header, dict) and header.get("__metadata__", {}).get("producer") == PRODUCER
         except (OSError, ValueError, RecursionError, AttributeError):
             return False
