@@ -16,6 +16,7 @@ from torch import nn
 from ondevice.manifest import Manifest
 
 from ._edges import edge_batches, embedding_inputs
+from .decoder import export_decoder
 from .errors import InputSpecError, ModelLoadError, SelectionError
 from .export import (
     export_onnx,
@@ -78,6 +79,7 @@ def generate(
     spec = spec.but(**changes)
     out_dir = check_output(out_dir, force)
     _check_finite(model)
+    decoder = export_decoder(model, spec.opset, spec.tolerances) if spec.decoder else None
     names, example = _examples(model, example_inputs, spec.input_names)
     axes = resolve_axes(names, example, spec.dynamic_axes)
     # Layers ORT 1.19 cannot train, as the same computation over the same parameters in ops it can
@@ -116,7 +118,7 @@ def generate(
             saved = tuple(m for m in saved_modules(start) if m not in spec.trainable)  # PEFT trains them too
         spec = spec.but(lora=lora, trainable=(*(n for a in adapters for n in (a.a, a.b)), *spec.trainable, *saved))
     options = Options(spec=spec, dynamic_axes=axes, adapters=tuple(adapters), plan=plan_record,
-                      hf_config=_hf_config(model))  # fmt: skip
+                      hf_config=_hf_config(model), decoder=decoder)  # fmt: skip
 
     def source() -> Source:
         graph, outputs = export_onnx(model, example, names, spec.output_names, spec.opset, axes)

@@ -22,6 +22,7 @@ from ondevice.manifest import (
     MANIFEST_NAME,
     Adapter,
     BufferUpdate,
+    DecoderSpec,
     LossSpec,
     Manifest,
     OptimizerSpec,
@@ -34,6 +35,7 @@ from ondevice.session import NCHWC, ORT_VERSION
 
 from . import passes
 from ._ort_build import check_loads, convert_to_ort_format, repair_eval_model, run_ort_generator
+from .decoder import Decoder
 from .errors import (
     ArtifactError,
     InputSpecError,
@@ -96,6 +98,9 @@ def build_artifacts(
         manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
         if prove is not None:
             report, causes = prove(work, manifest, original, loss_index)
+            if options.decoder is not None:
+                rows = (*report.rows, *options.decoder.rows)
+                report = replace(report, rows=rows, passed=all(row.passed for row in rows))
             manifest = replace(manifest, verification=report)
             if not report.passed:
                 raise VerificationError(
@@ -169,6 +174,7 @@ class Options:
     adapters: tuple[Adapter, ...] = ()
     plan: Mapping[str, Any] | None = None
     hf_config: Mapping[str, Any] | None = None
+    decoder: Decoder | None = None
 
 
 def _build(
@@ -239,6 +245,7 @@ def _build(
     portable = write_portable(work, optimizer, [(p.name, p.shape) for p in trainable_specs], opset,
                               lambda node: "{!r} ({})".format(*source.describe(node)))  # fmt: skip
     target = loss.target_spec(output_specs[loss_output])
+    decoder = o.decoder and _write_decoder(o.decoder, {*trainable, *frozen}, work)
     manifest = Manifest(
         name=name,
         files={p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file() and p.name != MANIFEST_NAME},
@@ -270,6 +277,7 @@ def _build(
         else None,
         variants=variants,
         portable=portable,
+        decoder=decoder,
         versions={
             "odt": _own_version(),
             "torch": torch.__version__,
@@ -285,6 +293,14 @@ def _build(
         )
     check_loads(work, manifest)
     return manifest, outputs.index(loss_output), original
+
+
+def _write_decoder(decoder: Decoder, held: set[str], work: Path) -> DecoderSpec:
+    missing = sorted(decoder.weights - held)
+    if missing:
+        raise ArtifactError(f"the cached decoder reads weights the artifacts do not hold: {', '.join(missing[:5])}.")
+    onnx.save(decoder.graph, work / decoder.spec.file)
+    return decoder.spec
 
 
 def _attach_tokenizer(spec: TokenizerSpec | None, input_names: list[str], work: Path) -> TokenizerSpec | None:

@@ -184,7 +184,7 @@ def plan(
                  for c in candidates(model, longest, fixed, [fixed.rank], head) if "lora" in c.options]  # fmt: skip
     else:
         found = candidates(model, longest, spec.lora or Lora(), ranks, head)
-    base = spec.but(input_names=None, memory_budget=None, verify=False, lora=None, lora_from=None,
+    base = spec.but(input_names=None, memory_budget=None, verify=False, decoder=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))
     try:

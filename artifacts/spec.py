@@ -70,6 +70,8 @@ class Spec:
     labels: tuple[str, ...] = ()
     tokenizer: TokenizerSpec | None = None
     ort_format: bool = False
+    decoder: bool = True
+    """A causal language model also gets its cached inference graph (``odt export``, ``odt predict --prompt``)."""
 
     # The proof
     verify: bool = True

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
-from .errors import CheckpointCorruptError, CheckpointError, InUseError
+from .errors import CheckpointCorruptError, CheckpointError, InUseError, OndeviceError
 from .files import PRODUCER, clear_stale_temps, fsync_dir, public_mode
 from .locks import exclusive
 from .session import ort_error_message
@@ -255,20 +255,31 @@ def export_inference(
     """
     if not outputs:
         raise CheckpointError("these artifacts have no outputs besides the loss: nothing to export.")
-    _make_parent(path, "export directory")
-    clear_stale_temps(path)
-    tmp = _temp_beside(path)
-    try:
-        session.export_model(tmp, outputs)
+
+    def build(tmp: Path):  # type: ignore[no-untyped-def]
         import onnx
         from onnx.external_data_helper import load_external_data_for_model
 
         from .lora import fold_adapters
 
+        session.export_model(tmp, outputs)
         model = onnx.load(tmp, load_external_data=False)
         if external is not None:
             load_external_data_for_model(model, os.fspath(external))
-        model = fold_adapters(model, adapters)
+        return fold_adapters(model, adapters)
+
+    return write_model(path, build, metadata)
+
+
+def write_model(path: Path, build: Callable[[Path], Any], metadata: dict[str, str] | None = None) -> Path:
+    """Write the ONNX model ``build(temporary path)`` returns, with ``metadata``, atomically at ``path``."""
+    _make_parent(path, "export directory")
+    clear_stale_temps(path)
+    tmp = _temp_beside(path)
+    try:
+        import onnx
+
+        model = build(tmp)
         for key, value in (metadata or {}).items():
             entry = model.metadata_props.add()
             entry.key, entry.value = key, value
@@ -278,6 +289,8 @@ def export_inference(
         _commit(tmp, path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OndeviceError):
+            raise
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else ort_error_message(exc)
         raise CheckpointError(f"could not export {path}: {reason}. Choose a writable --out.") from exc
     return path

@@ -249,6 +249,14 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer)"
     )
+    source.add_argument(
+        "--prompt", action="append", help="a prompt a language model completes (repeatable; causal-lm artifacts or "
+        "their `odt export`): greedy decoding with its key/value cache"
+    )  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, metavar="N",
+        help="with --prompt: stop each completion after N tokens (default 32) or at its end token",
+    )  # fmt: skip
     p.add_argument(
         "--checkpoint", metavar="CKPT_DIR", help=f"with an artifact directory: CKPT_DIR/latest.ckpt {_CKPT_DEFAULT}"
     )
@@ -274,6 +282,8 @@ def _run_predict(args: argparse.Namespace) -> int:
         refusal = export_refusal(args.out, args.model, folder=False, force=args.force)
         if refusal:
             raise OutputRefusedError(f"{refusal}.")
+    if args.prompt:
+        return _complete(args)
     note = ""
     if args.model.endswith(".onnx"):
         predictor, encoder = _exported(args.model, args.artifacts)
@@ -316,6 +326,32 @@ def _run_predict(args: argparse.Namespace) -> int:
             print(f"{name}: shape {value.shape}, first {np.ravel(value)[:5].tolist()}")
     if args.out:
         print(f"outputs: {args.out}")
+    return 0
+
+
+def _complete(args: argparse.Namespace) -> int:
+    """``odt predict --prompt``: greedy completions, printed (or as JSON lines' worth of one object)."""
+    from .predict import Predictor
+
+    if args.out is not None:
+        raise UsageError("--out writes model outputs; completions are printed (add --json for a script).")
+    note = ""
+    if args.model.endswith(".onnx"):
+        generator = Predictor(args.model).text_generator()
+    else:
+        trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
+        generator = trainer.text_generator()
+    completions = generator(args.prompt, max_new_tokens=args.max_new_tokens, progress=not args.json)
+    _note(note)
+    if args.json:
+        rows = [{"prompt": c.prompt, "completion": c.text, "tokens": len(c.tokens), "stopped": c.stopped}
+                for c in completions]  # fmt: skip
+        print(json.dumps({"completions": rows, "tokens_per_second": round(generator.tokens_per_second, 2)}))
+        return 0
+    for completion in completions:
+        cut = "" if completion.stopped == "eos" else f"  [{completion.stopped}]"
+        print(f"{completion.prompt}{completion.text}{cut}")
+    print(f"({generator.tokens_per_second:.1f} tokens/s)", file=sys.stderr)
     return 0
 
 

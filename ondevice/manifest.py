@@ -27,6 +27,7 @@ __all__ = [
     "BufferUpdate",
     "Adapter",
     "TokenizerSpec",
+    "DecoderSpec",
     "LossSpec",
     "OptimizerSpec",
     "VerificationRow",
@@ -88,6 +89,36 @@ class Adapter:
 
 IGNORE_INDEX = -100
 """The label of a token the loss does not count (PyTorch's and Hugging Face's convention)."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """A causal language model's inference graph with a key/value cache (``odt export`` fills in the
+    trained weights; ``odt predict --prompt`` decodes with it).
+
+    The graph takes ``ids`` [batch, new], ``mask`` [batch, past + new] (0 for left padding),
+    ``positions`` [batch, new] and ``past.{layer}.key`` / ``past.{layer}.value`` [batch, kv_heads,
+    past, head_dim]; it returns ``logits`` [batch, vocabulary] of the last position and the
+    ``present.{layer}.key`` / ``.value`` caches, past + new long.
+    """
+
+    file: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    eos: tuple[int, ...]
+    """Token ids that end a completion."""
+    max_positions: int
+    """The longest prompt + completion the model's positions cover."""
+    attention: str
+    """How attention was exported: ``"sdpa"``, ``"sdpa-repeated-kv"`` (grouped-query attention as
+    key/value heads repeated to the query heads, exactly) or ``"eager"``."""
+
+    def past_names(self) -> list[str]:
+        return [f"past.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+
+    def present_names(self) -> list[str]:
+        return [f"present.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
 
 
 @dataclass(frozen=True)
@@ -198,6 +229,8 @@ class Manifest:
     index_limits: Mapping[str, int] = field(default_factory=dict)
     """Integer inputs that index a table (token ids into an embedding): input -> rows. The runtime
     refuses ids outside [0, rows) before ORT sees them (ORT reads -1 as the last row)."""
+    decoder: DecoderSpec | None = None
+    """A causal language model's cached inference graph (:class:`DecoderSpec`), or None."""
 
     @property
     def trainable_size(self) -> int:
@@ -380,6 +413,7 @@ def _from_dict(data: Any) -> Manifest:
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
             plan=data.get("plan"),
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
+            decoder=None if data.get("decoder") is None else _decoder(data["decoder"]),
             hf_config=data.get("hf_config"),
             frozen_file=data.get("frozen_file"),
             variants={str(k): str(v) for k, v in data.get("variants", {}).items()},
@@ -402,3 +436,7 @@ def _param(data: dict[str, Any]) -> ParamSpec:
 def _verification(data: dict[str, Any]) -> Verification:
     rows = tuple(VerificationRow(**row) for row in data["rows"])
     return Verification(passed=bool(data["passed"]), rows=rows, note=data.get("note", ""))
+
+
+def _decoder(data: dict[str, Any]) -> DecoderSpec:
+    return DecoderSpec(**{**data, "eos": tuple(int(t) for t in data["eos"])})

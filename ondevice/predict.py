@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
 from .data import check_data
 from .errors import OndeviceError
-from .manifest import Manifest
+from .manifest import DecoderSpec, Manifest
 from .session import ort, ort_error_message, session_options
 
-__all__ = ["Predictor", "METADATA_MANIFEST", "METADATA_TOKENIZER"]
+if TYPE_CHECKING:
+    from .decode import TextGenerator
+
+__all__ = ["Predictor", "METADATA_MANIFEST", "METADATA_TOKENIZER", "METADATA_DECODER"]
 
 METADATA_MANIFEST = "odt.manifest"
 """An exported model's metadata key holding the manifest of the artifacts it came from."""
 METADATA_TOKENIZER = "odt.tokenizer"
 """... and the ``tokenizer.json`` text, when the artifacts read text."""
+METADATA_DECODER = "odt.decoder"
+"""... and, for a causal language model's cached decoder, its :class:`~ondevice.manifest.DecoderSpec`."""
 
 
 class Predictor:
@@ -51,6 +56,14 @@ class Predictor:
                 )
             manifest = Manifest.from_json(metadata[METADATA_MANIFEST])
         self.manifest = manifest
+        self.decoder: DecoderSpec | None = None
+        """The cached decoder's layout when the model is a causal LM's (``text_generator``), else None."""
+        if METADATA_DECODER in metadata:
+            import json
+
+            from .manifest import _decoder
+
+            self.decoder = _decoder(json.loads(metadata[METADATA_DECODER]))
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
 
@@ -60,6 +73,9 @@ class Predictor:
         """Every output for every example, computed ``batch_size`` examples at a time (so a large
         file never becomes one huge batch; default: the manifest's ``eval_batch_size``, the memory
         plan's micro-batch, else 256); ``progress`` shows a bar on a terminal."""
+        if self.decoder is not None:
+            raise OndeviceError("this model is a language model's decoder: complete prompts with "
+                                "`odt predict MODEL --prompt TEXT` (Predictor.text_generator()).")  # fmt: skip
         if batch_size is None:
             batch_size = self.manifest.eval_batch_size
         from ._progress import progress_bar
@@ -75,3 +91,14 @@ class Predictor:
                 parts.append(self._session.run(self._outputs, feeds))
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._outputs)}
+
+    def text_generator(self) -> TextGenerator:
+        """Greedy text completion with this model (a causal LM's decoder from ``odt export``)."""
+        from .decode import TextGenerator
+
+        if self.decoder is None or self.tokenizer_json is None:
+            raise OndeviceError(
+                "this model is not a language model's decoder with its tokenizer: export causal-lm artifacts "
+                "(`odt generate --task causal-lm`) with `odt export` to complete prompts."
+            )
+        return TextGenerator(self._session, self.decoder, self.tokenizer_json)

@@ -197,6 +197,9 @@ def validate_manifest(data: dict[str, Any]) -> None:
         name = (data.get("portable") or {}).get(kind)
         if name is not None and name not in files:
             _fail(f"portable.{kind}", "a file listed in files", name)
+    decoder = data.get("decoder")
+    if decoder is not None and decoder["file"] not in files:
+        _fail("decoder.file", "a file listed in files", decoder["file"])
 
 
 def _unique(where: str, specs: list[dict[str, Any]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -95,8 +95,8 @@ class TextEncoder:
 
     def __call__(self, texts: Sequence[str], prompts: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """The inputs for ``texts``; for a causal language model (the tokenizer spec names ``labels``)
-        also the labels: each text's token ids, :data:`IGNORE_INDEX` at padding and at the tokens of
-        its first ``prompts[i]`` characters (the prompt, which the loss does not count)."""
+        also the labels: each text's token ids and its end token, :data:`IGNORE_INDEX` at padding and
+        at the tokens of its first ``prompts[i]`` characters (the prompt, which the loss does not count)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise DataError("texts must be a list of strings.")
         for index, text in enumerate(texts):
@@ -108,14 +108,12 @@ class TextEncoder:
         parts = []
         for start in range(0, len(texts), ENCODE_CHUNK):  # a chunk's Encoding objects are dropped before the next
             encoded = self._tokenizer.encode_batch([t[:limit] for t in texts[start : start + ENCODE_CHUNK]])
+            if self.spec.labels is not None:
+                parts.append(self._causal(encoded, prompts[start : start + ENCODE_CHUNK]))
+                continue
             ids = np.array([e.ids for e in encoded], np.int64)
             mask = np.array([e.attention_mask for e in encoded], np.int64)
-            labels = None
-            if self.spec.labels is not None:  # a token counts when it ends after the prompt and is not padding
-                ends = np.array([[end for _, end in e.offsets] for e in encoded], np.int64)
-                cut = np.array(prompts[start : start + ENCODE_CHUNK], np.int64)[:, None]
-                labels = np.where((mask == 1) & (ends > cut), ids, IGNORE_INDEX)
-            parts.append((ids, mask, labels))
+            parts.append((ids, mask, None))
         width = max(ids.shape[1] for ids, _, _ in parts)  # each chunk padded to its longest: pad all to the longest
         pad_id, side = self._pad
         out = {self.spec.ids: np.concatenate([_pad(i, width, pad_id, side) for i, _, _ in parts])}
@@ -124,6 +122,28 @@ class TextEncoder:
         if self.spec.labels is not None:
             out[self.spec.labels] = np.concatenate([_pad(lab, width, IGNORE_INDEX, side) for _, _, lab in parts])
         return out
+
+
+    def _causal(self, encoded: list[Any], prompts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A causal LM's rows: each text's tokens, then its end token unless the text was cut (so the model
+        learns to stop, as Hugging Face's TRL trains); labels count the tokens that end after the prompt."""
+        eos = self.manifest.decoder.eos[0] if self.manifest.decoder is not None and self.manifest.decoder.eos else None
+        rows = []
+        for encoding, cut in zip(encoded, prompts):
+            kept = [i for i, m in enumerate(encoding.attention_mask) if m]
+            ids = [encoding.ids[i] for i in kept]
+            labels = [t if encoding.offsets[i][1] > cut else IGNORE_INDEX for t, i in zip(ids, kept)]
+            if eos is not None and not encoding.overflowing and len(ids) < self.spec.max_length:
+                ids, labels = [*ids, eos], [*labels, eos]
+            rows.append((ids, labels))
+        width = max(len(ids) for ids, _ in rows)
+        pad_id, side = self._pad
+
+        def padded(values: list[list[int]], fill: int) -> np.ndarray:
+            return np.concatenate([_pad(np.array([v], np.int64).reshape(1, -1), width, fill, side) for v in values])
+
+        return (padded([i for i, _ in rows], pad_id), padded([[1] * len(i) for i, _ in rows], 0),
+                padded([lab for _, lab in rows], IGNORE_INDEX))  # fmt: skip
 
 
 ENCODE_CHUNK = 256

@@ -8,20 +8,31 @@ import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from ._metrics import Meter, flatten_weights
 from .data import batch_indices, batches, check_data, padding_trimmer, trim_padding
 from .engines import Engine, open_engine, resolve
-from .errors import CheckpointError, ConfigError, DataError, OndeviceError, VersionMismatchError, WeightsError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ManifestError,
+    OndeviceError,
+    VersionMismatchError,
+    WeightsError,
+)
 from .files import sha256_file
 from .frozen import FrozenWeights
 from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
 from .session import ORT_VERSION, ort_error_message, set_seed, training_graph
+
+if TYPE_CHECKING:
+    from .decode import TextGenerator
 
 __all__ = ["Trainer", "StepResult", "History"]
 
@@ -563,19 +574,50 @@ class Trainer:
             self.schedule = Schedule(**json.loads(str(get("odt.schedule"))))
         self._session.set_learning_rate(self._lr)
 
+    def text_generator(self, *, threads: int | None = None) -> TextGenerator:
+        """Greedy text completion with the current weights (causal-LM artifacts), without a file:
+        the decoder is built in memory as ``export`` would write it.
+
+        Examples
+        --------
+        >>> trainer.text_generator()(["Turn on the fan ->"], max_new_tokens=16)[0].text  # doctest: +SKIP
+        """
+        from .decode import TextGenerator, decoder_model
+        from .formats import model_weights
+        from .session import ort, session_options
+
+        decoder, tokenizer = self.manifest.decoder, self.manifest.tokenizer
+        if decoder is None or tokenizer is None:
+            raise ManifestError(f"{self.directory} holds no language model decoder: only causal-lm artifacts "
+                                "(`odt generate --task causal-lm`) complete prompts.")  # fmt: skip
+        self.manifest.check_files(self.directory, names=(decoder.file, tokenizer.file))
+        model = decoder_model(self.directory, decoder, model_weights(self)).SerializeToString()
+        session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+        return TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text())
+
     def export(self, path: str | os.PathLike[str]) -> Path:
         """Write the current model as an inference ONNX file (outputs: the manifest's outputs).
 
         LoRA adapters are folded into their base weights: the file is a plain model. The manifest
         (labels, inputs) and the tokenizer travel in its metadata, so ``Predictor(path)`` and
-        ``odt predict/evaluate model.onnx`` need nothing else.
+        ``odt predict/evaluate model.onnx`` need nothing else. A causal language model is written
+        as its cached decoder (``odt predict model.onnx --prompt TEXT``).
         """
-        from ._checkpoint import export_inference
-        from .predict import METADATA_MANIFEST, METADATA_TOKENIZER
+        from ._checkpoint import export_inference, write_model
+        from .predict import METADATA_DECODER, METADATA_MANIFEST, METADATA_TOKENIZER
 
         outputs = [o.name for o in self.manifest.outputs]
         metadata = {METADATA_MANIFEST: self.manifest.to_json()}
         if self.manifest.tokenizer is not None:
             metadata[METADATA_TOKENIZER] = (self.directory / self.manifest.tokenizer.file).read_text()
+        decoder = self.manifest.decoder
+        if decoder is not None:
+            from .decode import decoder_model
+            from .formats import model_weights
+
+            self.manifest.check_files(self.directory, names=(decoder.file,))
+            metadata[METADATA_DECODER] = json.dumps(asdict(decoder))
+            weights = model_weights(self)
+            return write_model(Path(path), lambda _: decoder_model(self.directory, decoder, weights), metadata)
         external = None if self.manifest.frozen_file is None else self.directory
         return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata, external)

@@ -85,15 +85,19 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def stock_python(tmp_path_factory) -> list[str]:
-    """A command prefix running Python with stock onnxruntime (the device lock, no torch) and this clone's
-    ``ondevice`` on the path: what the portable engine meets on a device, whose graph optimizer differs from
-    the training build's."""
+    """A command prefix running Python with stock onnxruntime (the device lock and the text extra, no torch)
+    and this clone's ``ondevice`` on the path: what the portable engine meets on a device, whose graph
+    optimizer differs from the training build's."""
     import subprocess
     import sys
 
     where = tmp_path_factory.mktemp("stock-venv")
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     python = str(where / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r",
-                    str(ROOT / "requirements" / "device-lock.txt")], check=True, capture_output=True)  # fmt: skip
+    import tomllib
+
+    text = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["text"]
+    lock = str(ROOT / "requirements" / "device-lock.txt")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", lock, *text],
+                   check=True, capture_output=True)  # fmt: skip
     return ["env", f"PYTHONPATH={ROOT}", python]

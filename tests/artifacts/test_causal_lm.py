@@ -22,7 +22,7 @@ from ondevice.cli import main
 from ondevice.manifest import IGNORE_INDEX
 from ondevice.text import TextEncoder, load_data
 
-WORDS = ("<pad> <unk> turn on off the kitchen living room bedroom lights fan heater please set to "
+WORDS = ("<pad> <unk> </s> turn on off the kitchen living room bedroom lights fan heater please set to "
          "{ } intent name area : , HassTurnOn HassTurnOff").split()  # fmt: skip
 PAIRS = [
     ("turn on the kitchen lights", " { intent : HassTurnOn , area : kitchen }"),
@@ -42,7 +42,8 @@ def folder(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=0, tie_word_embeddings=True)  # fmt: skip
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=2,
+                                      tie_word_embeddings=True)  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -77,14 +78,14 @@ def test_prompts_are_not_counted_and_padding_is_not_either(artifacts, data):
     batch = load_data(data, artifacts)
     tokenizer = Tokenizer.from_file(str(artifacts / "tokenizer.json"))
     for row, (prompt, completion) in enumerate(PAIRS):
-        whole = tokenizer.encode(prompt + completion).ids
-        counted = len(tokenizer.encode(completion).ids)
+        whole = [*tokenizer.encode(prompt + completion).ids, 2]  # the end token, so that the model learns to stop
+        counted = len(tokenizer.encode(completion).ids) + 1
         length = len(whole)
         assert batch["ids"][row, :length].tolist() == whole and batch["mask"][row, :length].all()
         expected = [IGNORE_INDEX] * (length - counted) + whole[length - counted :]
         assert batch["labels"][row, :length].tolist() == expected
         assert (batch["labels"][row, length:] == IGNORE_INDEX).all() and not batch["mask"][row, length:].any()
-    text = tokenizer.encode("turn on the fan").ids  # a plain text: every token counts
+    text = [*tokenizer.encode("turn on the fan").ids, 2]  # a plain text: every token counts
     assert batch["labels"][len(PAIRS), : len(text)].tolist() == text
 
 
@@ -115,7 +116,8 @@ def test_the_device_fine_tunes_it_on_jsonl_text(artifacts, data, tmp_path):
     after = Trainer.load(artifacts, checkpoint=tmp_path / "ckpt" / "latest.ckpt").evaluate(load_data(data, artifacts))
     assert after["perplexity"] < 0.7 * before["perplexity"], (before, after)
     encoder = TextEncoder(artifacts)
-    assert encoder(["turn on"], [len("turn on")])["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX]]
+    # all prompt: only the end token counts
+    assert encoder(["turn on"], [len("turn on")])["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 2]]
     assert np.isfinite(after["loss"])
 
 
@@ -146,3 +148,103 @@ def test_the_tokenizer_a_gguf_file_carries_encodes_on_the_device_as_in_transform
     reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     assert Tokenizer.from_file(str(written)).encode(text).ids == reference(text)["input_ids"]
+
+
+# -- generation with the key/value cache ------------------------------------------------------------
+
+PROMPTS = ["turn on the kitchen lights", "please turn on the heater", "turn off the bedroom fan"]
+
+
+@pytest.fixture(scope="module")
+def trained(artifacts, tmp_path_factory) -> tuple[Trainer, Path]:
+    """The tiny Llama fine-tuned until it answers the pairs, and its `odt export`."""
+    where = tmp_path_factory.mktemp("trained")
+    lines = [json.dumps({"prompt": p, "completion": c}) for p, c in PAIRS]
+    (where / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    trainer = Trainer.load(artifacts)
+    trainer.set_lr(3e-2)
+    trainer.fit(load_data(where / "pairs.jsonl", artifacts), epochs=60, batch_size=4, progress=False)
+    return trainer, trainer.export(where / "model.onnx")
+
+
+def _transformers_generate(trainer: Trainer, folder: Path, prompts: list[str], new: int) -> list[list[int]]:
+    """The reference: transformers' own greedy `generate` (its cache) on the trained weights, one prompt at a time."""
+    from ondevice.formats import model_weights
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    weights = {k.removeprefix("model."): torch.from_numpy(v) for k, v in model_weights(trainer).items()}
+    model.load_state_dict(weights, strict=False)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = model.generation_config.eos_token_id
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt).ids])
+        with torch.no_grad():
+            made = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
+        out.append(made[: made.index(eos)] if eos in made else made)
+    return out
+
+
+def test_the_cached_decoder_is_proved_against_pytorch(artifacts):
+    manifest = Manifest.load(artifacts)
+    decoder = manifest.decoder
+    assert decoder is not None and decoder.file in manifest.files
+    assert (decoder.layers, decoder.kv_heads, decoder.head_dim, decoder.attention) == (2, 2, 8, "sdpa-repeated-kv")
+    rows = [r for r in manifest.verification.rows if r.item.startswith("decoder")]
+    assert [r.item for r in rows][-1] == "decoder: cached = uncached" and len(rows) == 5
+    assert all(r.passed and r.max_abs < 1e-4 for r in rows), rows
+
+
+def test_a_trained_model_completes_prompts_as_transformers_generate_does(trained, folder):
+    """Greedy decoding with the cache, in a left-padded batch, gives transformers' tokens on the same
+    weights; and the fine-tuned model answers with the completions it learned."""
+    from ondevice.predict import Predictor
+
+    trainer, exported = trained
+    expected = _transformers_generate(trainer, folder, PROMPTS, 12)
+    answers = {p: c.strip() for p, c in PAIRS}
+    for generator in (Predictor(exported).text_generator(), trainer.text_generator()):
+        completions = generator(PROMPTS, max_new_tokens=12)
+        assert [list(c.tokens) for c in completions] == expected
+        assert [c.text for c in completions] == [answers[p] for p in PROMPTS]
+        assert generator(PROMPTS[1:2], max_new_tokens=12)[0] == completions[1]  # alone = in a padded batch
+    short = Predictor(exported).text_generator()(PROMPTS[:1], max_new_tokens=3)[0]
+    assert short.stopped == "length" and list(short.tokens) == expected[0][:3]
+
+
+def test_odt_predict_prompt_decodes_on_stock_onnxruntime_as_on_the_training_build(trained, stock_python, capsys):
+    import subprocess
+
+    _, exported = trained
+    args = ["predict", str(exported), "--max-new-tokens", "12", "--json"]
+    args += [a for p in PROMPTS for a in ("--prompt", p)]
+    assert main(args) == 0
+    here = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    script = f"import sys; from ondevice.cli import main; sys.exit(main({args!r}))"
+    done = subprocess.run([*stock_python, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stock = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [c["completion"] for c in stock["completions"]] == [c["completion"] for c in here["completions"]]
+    assert [c["completion"] for c in here["completions"]] == [dict(PAIRS)[p].strip() for p in PROMPTS]
+    assert all(c["stopped"] == "eos" for c in here["completions"])
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        # a decoder is not run on data rows
+        (lambda p, t: p.predict({"ids": np.zeros((1, 2), np.int64)}), "--prompt"),
+        # no prompt, or a zero budget
+        (lambda p, t: p.text_generator()([], max_new_tokens=4), "non-empty list"),
+        (lambda p, t: p.text_generator()(["turn on"], max_new_tokens=0), "max_new_tokens must be an integer"),
+        (lambda p, t: p.text_generator()("turn on"), "non-empty list"),
+    ],
+)
+def test_bad_generation_requests_get_typed_errors(trained, call, error):
+    from ondevice.errors import OdtError
+    from ondevice.predict import Predictor
+
+    trainer, exported = trained
+    with pytest.raises(OdtError, match=error):
+        call(Predictor(exported), trainer)

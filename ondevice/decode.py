@@ -1,0 +1,170 @@
+"""Greedy text generation with a causal language model's cached decoder on any ONNX Runtime.
+
+``odt export`` writes the decoder (``decoder.onnx`` of the artifacts) with the trained weights;
+:class:`TextGenerator` feeds it a left-padded batch of prompts once, then one token per row per
+step, the keys and values of earlier tokens coming back as the cache (never recomputed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import DataError, OndeviceError
+from .manifest import DecoderSpec
+
+__all__ = ["Completion", "TextGenerator", "decoder_model", "positions_of", "MAX_NEW_TOKENS"]
+
+MAX_NEW_TOKENS = 4096
+"""The most tokens one call may ask for: beyond, a typo (1e9) would run for days."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's greedy continuation: its text, token ids and why it stopped (``"eos"``: the model
+    ended it; ``"length"``: ``max_new_tokens`` were made; ``"context"``: the model's positions ran out)."""
+
+    prompt: str
+    text: str
+    tokens: tuple[int, ...]
+    stopped: str
+
+
+def positions_of(mask: np.ndarray) -> np.ndarray:
+    """Position ids of left-padded rows, as ``transformers``' ``generate`` makes them."""
+    positions = np.cumsum(mask, axis=1) - 1
+    return np.where(mask == 0, 1, positions).astype(np.int64)
+
+
+def greedy(
+    step: Callable[[dict[str, Any]], list[Any]],
+    rows: Sequence[Sequence[int]],
+    spec: DecoderSpec,
+    max_new_tokens: int,
+    dtype: type = np.float32,
+) -> list[tuple[list[int], str]]:
+    """``(new tokens, why it stopped)`` per row of prompt token ids: the prompts run once, left-padded,
+    then one token per row per ``step`` (a session's run: feeds -> [logits, *present])."""
+    width = max(len(r) for r in rows)
+    pad = spec.eos[0] if spec.eos else 0
+    ids = np.array([[pad] * (width - len(r)) + list(r) for r in rows], np.int64)
+    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], np.int64)
+    past = [np.zeros((len(rows), spec.kv_heads, 0, spec.head_dim), dtype)] * (2 * spec.layers)
+    made: list[list[int]] = [[] for _ in rows]
+    stopped: list[str | None] = [None] * len(rows)
+    new = ids
+    while True:
+        if mask.shape[1] > spec.max_positions:
+            stopped = [s or "context" for s in stopped]
+            break
+        positions = positions_of(mask)[:, -new.shape[1] :]
+        out = step({"ids": new, "mask": mask, "positions": positions, **dict(zip(spec.past_names(), past))})
+        logits, past = out[0], out[1:]
+        chosen = np.asarray(logits).argmax(-1)
+        for row, token in enumerate(chosen.tolist()):
+            if stopped[row] is None:
+                if token in spec.eos:
+                    stopped[row] = "eos"
+                else:
+                    made[row].append(token)
+                    if len(made[row]) == max_new_tokens:
+                        stopped[row] = "length"
+        if all(stopped):
+            break
+        new = np.where([s is None for s in stopped], chosen, pad).astype(np.int64)[:, None]
+        mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], 1)
+    return [(tokens, str(why)) for tokens, why in zip(made, stopped)]
+
+
+class TextGenerator:
+    """Greedy completions of prompts with an exported decoder (``odt export`` of causal-LM artifacts).
+
+    Examples
+    --------
+    >>> generator = Predictor("assistant.onnx").text_generator()  # doctest: +SKIP
+    >>> generator(["Turn on the kitchen lights ->"], max_new_tokens=24)[0].text  # doctest: +SKIP
+    """
+
+    def __init__(self, session: Any, spec: DecoderSpec, tokenizer_json: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise OndeviceError("a language model reads text with the `tokenizers` library: "
+                                "pip install 'ondevice-training[text]'.") from None  # fmt: skip
+
+        self._session, self.spec = session, spec
+        self._tokenizer = Tokenizer.from_str(tokenizer_json)
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
+        self._outputs = ["logits", *spec.present_names()]
+        self.tokens_per_second = 0.0
+        """Generated tokens per second of the last call (all rows, prompt processing included)."""
+
+    def __call__(
+        self, prompts: Sequence[str], *, max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False
+    ) -> list[Completion]:
+        """The greedy completion of every prompt, ``batch_size`` prompts at a time (left-padded)."""
+        from ._progress import progress_bar
+
+        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise DataError(f"prompts must be a non-empty list of non-empty strings, got {prompts!r:.80}.")
+        for name, value, top in (("max_new_tokens", max_new_tokens, MAX_NEW_TOKENS), ("batch_size", batch_size, 4096)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise DataError(f"{name} must be an integer from 1 to {top}, got {value!r}.")
+        rows = [e.ids for e in self._tokenizer.encode_batch(list(prompts))]
+        for prompt, ids in zip(prompts, rows):
+            if len(ids) >= self.spec.max_positions:
+                raise DataError(f"the prompt {prompt[:40]!r} is {len(ids)} tokens: the model reads at most "
+                                f"{self.spec.max_positions - 1} before its answer. Shorten it.")  # fmt: skip
+        completions: list[Completion] = []
+        start, made = time.perf_counter(), 0
+        with progress_bar(total=-(-len(rows) // batch_size), disable=not progress) as bar:
+            for first in range(0, len(rows), batch_size):
+                chunk = rows[first : first + batch_size]
+                for prompt, (tokens, why) in zip(prompts[first:], greedy(self._run, chunk, self.spec, max_new_tokens)):
+                    text = self._tokenizer.decode(tokens, skip_special_tokens=True)
+                    completions.append(Completion(prompt, text, tuple(tokens), why))
+                    made += len(tokens)
+                bar.update(1)
+        self.tokens_per_second = made / max(time.perf_counter() - start, 1e-9)
+        return completions
+
+    def _run(self, feeds: Mapping[str, Any]) -> list[Any]:
+        from .session import ort_error_message
+
+        try:
+            return self._session.run(self._outputs, dict(feeds))
+        except Exception as exc:
+            raise OndeviceError(f"the decoder failed: {ort_error_message(exc)}") from exc
+
+
+def decoder_model(directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray]):  # type: ignore[no-untyped-def]
+    """The artifacts' decoder graph with ``weights`` (by name, e.g. the trained and folded ones) put
+    into the initializers the generator left empty."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(directory / spec.file)
+    for index, initializer in enumerate(model.graph.initializer):
+        if initializer.HasField("raw_data") or _has_values(initializer):
+            continue
+        if initializer.name not in weights:
+            raise OndeviceError(f"the decoder needs weight {initializer.name!r}, which these artifacts do not hold. "
+                                "Regenerate them with `odt generate`.")  # fmt: skip
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(initializer.data_type)
+        value = np.asarray(weights[initializer.name]).astype(dtype, copy=False)
+        if value.shape != tuple(initializer.dims):
+            raise OndeviceError(f"weight {initializer.name!r} is {value.shape}, the decoder expects "
+                                f"{tuple(initializer.dims)}. Regenerate the artifacts.")  # fmt: skip
+        model.graph.initializer[index].CopyFrom(numpy_helper.from_array(value, initializer.name))
+    return model
+
+
+def _has_values(initializer: Any) -> bool:
+    return any(len(getattr(initializer, f)) for f in ("float_data", "int32_data", "int64_data", "double_data")) or (
+        not initializer.dims or 0 in initializer.dims
+    )
