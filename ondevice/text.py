@@ -125,15 +125,16 @@ class TextEncoder:
 
 
     def _causal(self, encoded: list[Any], prompts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A causal LM's rows: each text's tokens, then its end token unless the text was cut (so the model
-        learns to stop, as Hugging Face's TRL trains); labels count the tokens that end after the prompt."""
+        """A causal LM's rows: each text's tokens, then its end token unless the text was cut or ends with it
+        (so the model learns to stop, as Hugging Face's TRL trains); labels count the tokens that end after
+        the prompt."""
         eos = self.manifest.decoder.eos[0] if self.manifest.decoder is not None and self.manifest.decoder.eos else None
         rows = []
         for encoding, cut in zip(encoded, prompts):
             kept = [i for i, m in enumerate(encoding.attention_mask) if m]
             ids = [encoding.ids[i] for i in kept]
             labels = [t if encoding.offsets[i][1] > cut else IGNORE_INDEX for t, i in zip(ids, kept)]
-            if eos is not None and not encoding.overflowing and len(ids) < self.spec.max_length:
+            if eos is not None and ids[-1:] != [eos] and not encoding.overflowing and len(ids) < self.spec.max_length:
                 ids, labels = [*ids, eos], [*labels, eos]
             rows.append((ids, labels))
         width = max(len(ids) for ids, _ in rows)

@@ -38,6 +38,7 @@ def folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(["</s>"])  # the end token, id 2
     tokenizer.save(str(folder / "tokenizer.json"))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -116,8 +117,9 @@ def test_the_device_fine_tunes_it_on_jsonl_text(artifacts, data, tmp_path):
     after = Trainer.load(artifacts, checkpoint=tmp_path / "ckpt" / "latest.ckpt").evaluate(load_data(data, artifacts))
     assert after["perplexity"] < 0.7 * before["perplexity"], (before, after)
     encoder = TextEncoder(artifacts)
-    # all prompt: only the end token counts
+    # all prompt: only the end token counts; a text that ends with it gets no second one
     assert encoder(["turn on"], [len("turn on")])["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 2]]
+    assert encoder(["turn on </s>"])["ids"].tolist() == [[3, 4, 2]]
     assert np.isfinite(after["loss"])
 
 
@@ -241,10 +243,13 @@ def test_odt_predict_prompt_decodes_on_stock_onnxruntime_as_on_the_training_buil
         (lambda p, t: p.text_generator()("turn on"), "non-empty list"),
     ],
 )
-def test_bad_generation_requests_get_typed_errors(trained, call, error):
+def test_bad_generation_requests_get_typed_errors(trained, call, error, tmp_path, capsys):
     from ondevice.errors import OdtError
     from ondevice.predict import Predictor
 
     trainer, exported = trained
     with pytest.raises(OdtError, match=error):
         call(Predictor(exported), trainer)
+    # completions are printed, not written: --out is a usage error, and nothing is written
+    assert main(["predict", str(exported), "--prompt", "turn on", "--out", str(tmp_path / "o.npz")]) == 2
+    assert "--out writes model outputs" in capsys.readouterr().err and not (tmp_path / "o.npz").exists()
