@@ -7,7 +7,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test check bench clean chromium arm64 wheel nextword
+.PHONY: demo test check bench clean chromium arm64 wheel nextword assistant
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 # The next-word sample (LSTM per home, federated with a personal output layer): a few minutes, not in `make demo`.
 nextword: $(STAMP)
 	$(PY) -m samples.nextword.run --out $(OUT)/nextword --federated 3 --shared-rounds 24
+
+# The assistant sample (SmolLM2 + LoRA on a home's commands, then federated across homes): about
+# 15 minutes on 2 cores and 8 GB for its generate step, not in `make demo`.
+assistant: $(STAMP)
+	$(PY) -m samples.assistant.run --out $(OUT)/assistant --federated 2
 
 demo: $(STAMP)
 	$(PY) -m samples.digits.run --out $(OUT)/digits

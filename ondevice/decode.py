@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class TextGenerator:
     >>> generator(["Turn on the kitchen lights ->"], max_new_tokens=24)[0].text  # doctest: +SKIP
     """
 
-    def __init__(self, session: Any, spec: DecoderSpec, tokenizer_json: str) -> None:
+    def __init__(self, session: Any, spec: DecoderSpec, tokenizer_json: str, keep: object = None) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -97,6 +97,7 @@ class TextGenerator:
                                 "pip install 'ondevice-training[text]'.") from None  # fmt: skip
 
         self._session, self.spec = session, spec
+        self._keep = keep  # buffers the session reads (shared initializers): they live as long as it does
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
@@ -142,15 +143,18 @@ class TextGenerator:
             raise OndeviceError(f"the decoder failed: {ort_error_message(exc)}") from exc
 
 
-def decoder_model(directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray]):  # type: ignore[no-untyped-def]
+def decoder_model(
+    directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray], shared: Collection[str] = ()
+):  # type: ignore[no-untyped-def]
     """The artifacts' decoder graph with ``weights`` (by name, e.g. the trained and folded ones) put
-    into the initializers the generator left empty."""
+    into the initializers the generator left empty; those named in ``shared`` stay empty (a session
+    gets them with ``SessionOptions.add_initializer``, e.g. the trainer's mapping of ``frozen.bin``)."""
     import onnx
     from onnx import numpy_helper
 
     model = onnx.load(directory / spec.file)
     for index, initializer in enumerate(model.graph.initializer):
-        if initializer.HasField("raw_data") or _has_values(initializer):
+        if initializer.HasField("raw_data") or _has_values(initializer) or initializer.name in shared:
             continue
         if initializer.name not in weights:
             raise OndeviceError(f"the decoder needs weight {initializer.name!r}, which these artifacts do not hold. "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 
@@ -42,14 +42,33 @@ def fold_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) 
 def model_weights(trainer: Trainer, *, fold: bool = True) -> dict[str, np.ndarray]:
     """Every parameter and buffer the artifacts hold, by ``state_dict`` name (BatchNorm statistics
     included); LoRA adapters folded into their base weights and left out, unless ``fold=False``."""
-    manifest = trainer.manifest
-    values = {p.name: trainer.parameter(p.name) for p in (*manifest.trainable, *manifest.frozen)}
-    if fold:
-        for adapter in manifest.adapters:
-            values[adapter.weight] = fold_weight(
-                values[adapter.weight], values.pop(adapter.a), values.pop(adapter.b), adapter.scale
-            )
-    return values
+    return dict(LazyWeights(trainer, fold=fold))
+
+
+class LazyWeights(Mapping[str, np.ndarray]):
+    """:func:`model_weights` read one tensor at a time, when asked: writing a model from it holds one
+    weight beside the file, not every weight twice (SmolLM2: 513 MiB)."""
+
+    def __init__(self, trainer: Trainer, *, fold: bool = True) -> None:
+        manifest = trainer.manifest
+        self._trainer = trainer
+        self._folded = {a.weight: a for a in manifest.adapters} if fold else {}
+        hidden = {name for a in self._folded.values() for name in (a.a, a.b)}
+        self._names = [p.name for p in (*manifest.trainable, *manifest.frozen) if p.name not in hidden]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._folded:
+            a, get = self._folded[name], self._trainer.parameter
+            return fold_weight(get(name), get(a.a), get(a.b), a.scale)
+        if name not in self._names:
+            raise KeyError(name)
+        return self._trainer.parameter(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def peft_weights(manifest: Manifest, weights: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

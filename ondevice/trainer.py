@@ -583,7 +583,7 @@ class Trainer:
         >>> trainer.text_generator()(["Turn on the fan ->"], max_new_tokens=16)[0].text  # doctest: +SKIP
         """
         from .decode import TextGenerator, decoder_model
-        from .formats import model_weights
+        from .formats import LazyWeights
         from .session import ort, session_options
 
         decoder, tokenizer = self.manifest.decoder, self.manifest.tokenizer
@@ -591,9 +591,17 @@ class Trainer:
             raise ManifestError(f"{self.directory} holds no language model decoder: only causal-lm artifacts "
                                 "(`odt generate --task causal-lm`) complete prompts.")  # fmt: skip
         self.manifest.check_files(self.directory, names=(decoder.file, tokenizer.file))
-        model = decoder_model(self.directory, decoder, model_weights(self)).SerializeToString()
-        session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
-        return TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text())
+        # The frozen weights no adapter changes are the trainer's own mapping of frozen.bin: shared, not copied.
+        folded = {a.weight for a in self.manifest.adapters}
+        shared = {n: v for n, v in (self._frozen.values if self._frozen else {}).items() if n not in folded}
+        model = decoder_model(self.directory, decoder, LazyWeights(self), shared).SerializeToString()
+        options = session_options(threads)
+        for name, value in shared.items():
+            options.add_initializer(name, value)
+        # Constant folding would read the shared weights from the graph, where they are not.
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=["ConstantFolding"])  # fmt: skip
+        return TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text(), keep=self._frozen)
 
     def export(self, path: str | os.PathLike[str]) -> Path:
         """Write the current model as an inference ONNX file (outputs: the manifest's outputs).
@@ -613,11 +621,11 @@ class Trainer:
         decoder = self.manifest.decoder
         if decoder is not None:
             from .decode import decoder_model
-            from .formats import model_weights
+            from .formats import LazyWeights
 
             self.manifest.check_files(self.directory, names=(decoder.file,))
             metadata[METADATA_DECODER] = json.dumps(asdict(decoder))
-            weights = model_weights(self)
+            weights = LazyWeights(self)  # one tensor at a time into the file
             return write_model(Path(path), lambda _: decoder_model(self.directory, decoder, weights), metadata)
         external = None if self.manifest.frozen_file is None else self.directory
         return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata, external)
