@@ -130,8 +130,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         metrics = evaluator.evaluate(test)
         now = time.monotonic()
         seconds, ended[0] = now - ended[0], now
-        accuracy = metrics.get("accuracy", float("nan"))
-        print(f"round {server_round}: global accuracy {accuracy:.4f}  loss {metrics['loss']:.4f}", flush=True)
+        print(f"round {server_round}: {_headline(metrics)}  loss {metrics['loss']:.4f}", flush=True)
         warning = slow_round(server_round, seconds, paced.used) if server_round > strategy.offset else None
         if warning:
             print(warning, flush=True)
@@ -200,6 +199,13 @@ def node_partitions(grid: Grid, min_nodes: int, timeout: float) -> dict[int, int
         if metrics is not None and "partition-id" in metrics:
             order[reply.metadata.src_node_id] = int(metrics["partition-id"])
     return order
+
+
+def _headline(metrics: dict[str, float]) -> str:
+    """The global model's main metric: a language model's perplexity, else accuracy."""
+    if "perplexity" in metrics:
+        return f"global perplexity {metrics['perplexity']:.4g}"
+    return f"global accuracy {metrics.get('accuracy', float('nan')):.4f}"
 
 
 def _test_file(data: Path) -> Path:

@@ -31,7 +31,7 @@ NEW_TOKENS = 40
 
 def make_artifacts(model: str, out: Path, rank: int) -> Path:
     """Workstation step (torch): what `odt generate --model hf:MODEL --task causal-lm --lora RANK` writes."""
-    from artifacts.cli import main as odt
+    from ondevice.cli import main as odt
 
     artifacts = out / "artifacts"
     argv = ["generate", "--model", f"hf:{model}", "--task", "causal-lm", "--max-length", str(SEQ), "--lora", str(rank),
