@@ -17,7 +17,7 @@ import numpy as np
 from .errors import DataError, OndeviceError
 from .manifest import DecoderSpec
 
-__all__ = ["Completion", "TextGenerator", "decoder_model", "positions_of", "MAX_NEW_TOKENS"]
+__all__ = ["Completion", "TextGenerator", "decoder_model", "greedy", "positions_of", "MAX_NEW_TOKENS"]
 
 MAX_NEW_TOKENS = 4096
 """The most tokens one call may ask for: beyond, a typo (1e9) would run for days."""

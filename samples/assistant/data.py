@@ -86,7 +86,7 @@ def home_actions(home: Home, size: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
-def prepare(out: Path, *, homes: int = 4, unseen_homes: int = 2, per_home: int = 60, test_per_home: int = 20,
+def prepare(out: Path, *, homes: int = 8, unseen_homes: int = 2, per_home: int = 30, test_per_home: int = 20,
             seed: int = 0) -> dict[str, Path]:  # fmt: skip
     """Write ``train.jsonl`` and ``clients/<home>.jsonl`` (each training home's share), ``val/<home>.jsonl``
     (a sixth of each training home's commands) and ``test.jsonl`` (the unseen homes') under ``out``."""

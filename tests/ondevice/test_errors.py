@@ -101,6 +101,13 @@ def _rehash(directory: Path, name: str, content: bytes) -> None:
             ManifestError,
             "tokenizer.file must be a file listed in files",
         ),
+        # a decoder graph that is not one of the hashed files
+        (
+            lambda d: _edit_manifest(d, decoder={"file": "decoder.onnx", "layers": 1, "kv_heads": 1, "head_dim": 4,
+                                                 "eos": [0], "max_positions": 8, "attention": "eager"}),  # fmt: skip
+            ManifestError,
+            "decoder.file must be a file listed in files",
+        ),
         # an artifact file altered after generation
         (
             lambda d: (d / "checkpoint").write_bytes((d / "checkpoint").read_bytes()[:-10] + b"0" * 10),

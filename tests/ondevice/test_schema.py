@@ -73,8 +73,17 @@ def _damaged(manifest):
             yield (*path, "deleted"), data
 
 
-def test_the_interpreter_agrees_with_jsonschema_on_damaged_manifests(manifest):
+DECODER = {"file": "decoder.onnx", "layers": 2, "kv_heads": 2, "head_dim": 8, "eos": [2], "max_positions": 64,
+           "attention": "sdpa-repeated-kv"}  # fmt: skip
+"""A causal language model's cached decoder (absent from the digits manifest)."""
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["digits", "with a decoder"])
+def test_the_interpreter_agrees_with_jsonschema_on_damaged_manifests(manifest, decoder):
     """Hundreds of single edits: `conforms` and the reference validator accept and refuse the same ones."""
+    if decoder:
+        manifest = {**manifest, "files": {**manifest["files"], "decoder.onnx": "0" * 64}, "decoder": DECODER}
+        assert conforms(manifest) is None
     checked = refused = 0
     for path, data in _damaged(manifest):
         ours = conforms(data)
