@@ -9,6 +9,7 @@ the trained weights and ``odt predict --prompt`` decodes with it on any ONNX Run
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +24,14 @@ from ondevice.manifest import DecoderSpec, VerificationRow
 from ondevice.session import ort, session_options
 
 from .errors import ExportError
-from .export import _gqa_as_repeated_heads
+from .export import _gqa_as_repeated_heads, dropout_to_inference
 from .verify import Tolerances, compare
 
 __all__ = ["DECODER_FILE", "Decoder", "causal_lm", "export_decoder"]
 
 DECODER_FILE = "decoder.onnx"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,10 @@ class _Cached(nn.Module):
 
 
 def export_decoder(model: nn.Module, opset: int, tolerances: Tolerances = Tolerances()) -> Decoder | None:
-    """The cached decoder of the causal LM in ``model`` (None when there is none), its initializers
-    named as in ``model``'s ``state_dict``, proved against PyTorch: a left-padded prompt batch, then
-    cached steps, each compared with the model's own forward (the last also with the uncached one)."""
+    """The cached decoder of the causal LM in ``model`` (None when there is none, or, with a warning,
+    when it does not export), its initializers named as in ``model``'s ``state_dict``, proved against
+    PyTorch: a left-padded prompt batch, then cached steps, each compared with the model's own forward
+    (the last also with the uncached one). The rows join the artifacts' verification."""
     found = causal_lm(model)
     if found is None:
         return None
@@ -84,6 +88,9 @@ def export_decoder(model: nn.Module, opset: int, tolerances: Tolerances = Tolera
     lm.eval()
     try:
         return _export(_Cached(lm), prefix, opset, tolerances)
+    except ExportError as exc:  # the artifacts still train; only text generation is missing
+        log.warning("no cached decoder (odt predict --prompt will not work on these artifacts): %s", exc)
+        return None
     finally:
         lm.train(was_training)
 
@@ -115,12 +122,9 @@ def _export(cached: _Cached, prefix: str, opset: int, tolerances: Tolerances) ->
                               dynamo=False)  # fmt: skip
     except Exception as exc:
         raise ExportError(f"the cached decoder did not export: {type(exc).__name__}: {exc}") from exc
-    finally:
-        cached.lm.eval()
     graph = onnx.load_from_string(buffer.getvalue())
     _rename(graph, "lm.", prefix)
-    if any(node.op_type == "Dropout" for node in graph.graph.node):
-        raise ExportError("the cached decoder kept a Dropout: set the model's dropout rates to 0 for inference.")
+    dropout_to_inference(graph)  # exported in training mode: every Dropout becomes the identity it is at inference
     rows = _prove(graph, cached, spec, vocab, tolerances)
     weights = {prefix + name for name, value in cached.lm.state_dict().items() if value.is_floating_point()}
     weights &= {initializer.name for initializer in graph.graph.initializer}

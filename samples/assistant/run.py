@@ -52,6 +52,13 @@ def exact_match(generator, rows: list[dict]) -> tuple[float, list[dict]]:  # typ
     return sum(s["right"] for s in scored) / len(scored), scored
 
 
+def slot_accuracy(scored: list[dict]) -> dict[str, float]:
+    """The share of completions that got each part of the action right (intent, name, area)."""
+    actions = [parse_action(s["completion"]) or {} for s in scored]
+    return {key: sum(a.get(key, "?") == s["wanted"][key] for a, s in zip(actions, scored)) / len(scored)
+            for key in ("intent", "name", "area")}  # fmt: skip
+
+
 def _command(text: str) -> str:
     return text.split("<|im_start|>user\n", 1)[1].split(END, 1)[0]
 
@@ -73,14 +80,18 @@ def on_device(artifacts: Path, data: dict[str, Path], out: Path, epochs: int, lr
     trainer = Trainer.load(artifacts)
     trainer.set_lr(lr)
     before, before_rows = exact_match(trainer.text_generator(), test)
-    report = {"before": {"exact_match": before, "perplexity": perplexities(trainer, data, artifacts)}}
+    report = {"before": {"exact_match": before, "slots": slot_accuracy(before_rows),
+                         "perplexity": perplexities(trainer, data, artifacts)}}  # fmt: skip
     print(f"   before fine-tuning: exact match {before:.3f} on {len(test)} commands of unseen homes; "
           f"validation perplexity {_mean(report['before']['perplexity']):.2f}")  # fmt: skip
     trainer.fit(load_data(data["train"], artifacts), epochs=epochs, batch_size=BATCH,
                 checkpoint=out / "checkpoints" / "latest.ckpt")  # fmt: skip
     after, after_rows = exact_match(trainer.text_generator(), test)
-    report["after"] = {"exact_match": after, "perplexity": perplexities(trainer, data, artifacts)}
-    print(f"   after: exact match {after:.3f}; validation perplexity {_mean(report['after']['perplexity']):.2f}")
+    report["after"] = {"exact_match": after, "slots": slot_accuracy(after_rows),
+                       "perplexity": perplexities(trainer, data, artifacts)}  # fmt: skip
+    slots = ", ".join(f"{k} {v:.3f}" for k, v in report["after"]["slots"].items())
+    print(f"   after: exact match {after:.3f} ({slots}); validation perplexity "
+          f"{_mean(report['after']['perplexity']):.2f}")  # fmt: skip
     model = trainer.export(out / "assistant.onnx")
     command = "turn off the reading light in the attic"
     answer = Predictor(model).text_generator()([prompt(command)], max_new_tokens=NEW_TOKENS)[0].text

@@ -86,6 +86,7 @@ def test_the_sample_decodes_before_and_after_fine_tuning_and_federates_across_ho
         for row in rows:  # each verdict is the completion's action against the wanted one
             assert row["right"] == (parse_action(row["completion"]) == row["wanted"])
         assert report[stage]["exact_match"] == pytest.approx(sum(r["right"] for r in rows) / len(rows))
+        assert report[stage]["exact_match"] <= min(report[stage]["slots"].values())  # all three parts right
     before, after = report["before"]["perplexity"], report["after"]["perplexity"]
     assert set(before) == set(after) == {"home-0", "home-1"}
     assert all(after[home] < before[home] for home in before), (before, after)  # the actions grew likelier
