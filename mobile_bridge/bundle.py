@@ -110,6 +110,11 @@ def make_bundle(
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         _to_ort_format(work)
+        # the app tokenizes text with the artifacts' tokenizer; a language model's decoder (its weights are
+        # the trained ones: it is not an ORT-format graph of its own)
+        for extra in (manifest.tokenizer, manifest.decoder):
+            if extra is not None:
+                shutil.copy2(source / extra.file, work / extra.file)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
         # a bundle carries the classic graphs, for the training builds of onnxruntime-web and ORT Mobile 1.19.2

@@ -253,3 +253,21 @@ def test_bad_generation_requests_get_typed_errors(trained, call, error, tmp_path
     # completions are printed, not written: --out is a usage error, and nothing is written
     assert main(["predict", str(exported), "--prompt", "turn on", "--out", str(tmp_path / "o.npz")]) == 2
     assert "--out writes model outputs" in capsys.readouterr().err and not (tmp_path / "o.npz").exists()
+
+
+def test_a_causal_lm_bundles_with_its_tokenizer_and_trains_there_as_here(artifacts, data, tmp_path):
+    """A phone bundle of causal-LM artifacts carries the tokenizer and the cached decoder: its text
+    (end token included) and its loss are the artifacts', and it completes prompts."""
+    from mobile_bridge import load_trainer, make_bundle
+
+    make_bundle(artifacts, tmp_path / "bundle")
+    trainer = load_trainer(tmp_path / "bundle", None)
+    assert trainer.manifest.decoder == Manifest.load(artifacts).decoder
+    assert {"tokenizer.json", "decoder.onnx"} <= set(trainer.manifest.files)
+    batch = load_data(data, tmp_path / "bundle")
+    np.testing.assert_array_equal(batch["labels"], load_data(data, artifacts)["labels"])
+    here = Trainer.load(artifacts).evaluate(batch)
+    assert trainer.evaluate(batch)["loss"] == pytest.approx(here["loss"], rel=1e-6)
+    prompt = [PAIRS[0][0]]
+    completion = Trainer.load(artifacts).text_generator()(prompt, max_new_tokens=6)
+    assert trainer.text_generator()(prompt, max_new_tokens=6) == completion
