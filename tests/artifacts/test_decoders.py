@@ -23,6 +23,10 @@ FAMILIES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=None)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, head_dim=8)),  # q/k norms
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**SMALL)),  # fused qkv_proj
+    "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL, head_dim=8)),
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL, head_dim=8)),  # eager, softcaps
 }
 
 
@@ -54,15 +58,22 @@ def _without_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("family", "mask"), [("llama", True), ("llama", False), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize(
+    ("family", "mask"),
+    [("llama", True), ("llama", False), ("qwen2", True), ("mistral", False), ("qwen3", True), ("phi3", True),
+     ("gemma", True), ("gemma2", True)],
+)  # fmt: skip
 def test_a_grouped_query_decoder_generates_verifies_and_has_a_portable_graph(tmp_path, family, mask):
     """Without an attention mask, transformers calls SDPA with enable_gqa=True, which torch's exporter
-    refused; the export repeats the key/value heads (exact), and verification compares with PyTorch."""
+    refused; the export repeats the key/value heads (exact), and verification compares with PyTorch.
+    The cached decoder for writing text is proved too (five `decoder:` rows)."""
     torch.manual_seed(0)
     model = CausalLM(FAMILIES[family](), mask)
     manifest = generate(model, _example(mask=mask), tmp_path / "a", loss=loss_from_name("model"))
     assert manifest.verification.passed
     assert manifest.engines == ("classic", "portable"), manifest.portable
+    decoder_rows = [r for r in manifest.verification.rows if r.item.startswith("decoder")]
+    assert len(decoder_rows) == 5 and manifest.decoder.kv_heads == SMALL["num_key_value_heads"]
 
 
 def _batches(count: int, mask: bool) -> list[dict[str, np.ndarray]]:
@@ -99,7 +110,10 @@ print(json.dumps([trainer.engine, trainer.ort_version, [trainer.train_step(batch
     np.testing.assert_allclose(stock, losses["classic"], rtol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "expected"), [("llama", ("q_proj", "v_proj")), ("qwen2", ("q_proj", "v_proj"))])
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [("llama", ("q_proj", "v_proj")), ("qwen2", ("q_proj", "v_proj")), ("phi3", ("qkv_proj",))],
+)
 def test_lora_adapts_the_architectures_attention_projections_by_default(tmp_path, family, expected):
     """`Lora(4)` (`--lora 4`) on a decoder: its q_proj and v_proj, as PEFT's defaults name them."""
     from artifacts import Lora
