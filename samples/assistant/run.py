@@ -20,6 +20,8 @@ import json
 import logging
 from pathlib import Path
 
+from samples import print_round
+
 from .data import END, parse_action, prepare, prompt
 
 SEQ = 128
@@ -124,12 +126,7 @@ def federate(artifacts: Path, data_dir: Path, out: Path, rounds: int, lr: float,
         "secure-aggregation": secure,
     }
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
-    return simulate(homes, config, work=out / "federated" / "logs", on_line=_round_lines)
-
-
-def _round_lines(line: str) -> None:
-    if line.startswith("round "):
-        print(f"   {line}", flush=True)
+    return simulate(homes, config, work=out / "federated" / "logs", on_line=print_round)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+from samples import print_round
+
 from .data import prepare
 
 EPOCHS = 20
@@ -67,12 +69,7 @@ def federate(artifacts: Path, out: Path) -> dict:
         "output": str((out / "federated").resolve()),
         "local-epochs": 2,
     }
-    return simulate(5, config, work=out / "federated" / "logs", on_line=_round_lines)
-
-
-def _round_lines(line: str) -> None:
-    if line.startswith("round "):
-        print(f"   {line}", flush=True)
+    return simulate(5, config, work=out / "federated" / "logs", on_line=print_round)
 
 
 def plot(epochs: list[dict[str, float]], path: Path) -> None:

@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from samples import print_round
+
 from .data import prepare
 
 BATCH = 32
@@ -90,12 +92,7 @@ def federate(artifacts: Path, data_dir: Path, out: Path, rounds: int) -> dict:
         "personal": "head.*",
     }
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
-    return simulate(homes, config, work=out / "federated" / "logs", on_line=_round_lines)
-
-
-def _round_lines(line: str) -> None:
-    if line.startswith("round "):
-        print(f"   {line}", flush=True)
+    return simulate(homes, config, work=out / "federated" / "logs", on_line=print_round)
 
 
 def main() -> int:

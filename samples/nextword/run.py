@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from samples import print_round
+
 from .data import prepare
 
 CONTEXT = 6
@@ -87,13 +89,8 @@ def federate(artifacts: Path, data_dir: Path, out: Path, rounds: int, personal: 
         "partitioning": "files", "personal": personal,
     }  # fmt: skip
     homes = len(list((data_dir / "clients").glob("*.jsonl")))
-    simulate(homes, config, work=where / "logs", on_line=_round_lines)
+    simulate(homes, config, work=where / "logs", on_line=print_round)
     return json.loads((where / "metrics.json").read_text())["rounds"][-1]
-
-
-def _round_lines(line: str) -> None:
-    if line.startswith("round "):
-        print(f"   {line}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
