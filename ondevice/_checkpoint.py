@@ -272,19 +272,30 @@ def export_inference(
 
 
 def write_model(path: Path, build: Callable[[Path], Any], metadata: dict[str, str] | None = None) -> Path:
-    """Write the ONNX model ``build(temporary path)`` returns, with ``metadata``, atomically at ``path``."""
+    """Write the ONNX model ``build(temporary path)`` returns, with ``metadata``, atomically at ``path``.
+
+    ``build`` may return ``(model, initializers)``: the initializers (an iterable of TensorProtos) are
+    then written after the model one at a time, each as a message of its own that protobuf merges
+    into the graph on reading, so a large model never stands in memory whole (SmolLM2's 513 MiB).
+    """
     _make_parent(path, "export directory")
     clear_stale_temps(path)
     tmp = _temp_beside(path)
     try:
         import onnx
 
-        model = build(tmp)
+        built = build(tmp)
+        model, initializers = built if isinstance(built, tuple) else (built, ())
         for key, value in (metadata or {}).items():
             entry = model.metadata_props.add()
             entry.key, entry.value = key, value
         model.producer_name = PRODUCER  # a later export may replace this file (ondevice.files.written_by_odt)
-        onnx.save(model, tmp)
+        with open(tmp, "wb") as handle:
+            handle.write(model.SerializeToString())
+            for tensor in initializers:
+                chunk = onnx.ModelProto()
+                chunk.graph.initializer.append(tensor)
+                handle.write(chunk.SerializeToString())
         os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:

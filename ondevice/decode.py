@@ -17,7 +17,7 @@ import numpy as np
 from .errors import DataError, OndeviceError
 from .manifest import DecoderSpec
 
-__all__ = ["Completion", "TextGenerator", "decoder_model", "greedy", "positions_of", "MAX_NEW_TOKENS"]
+__all__ = ["Completion", "TextGenerator", "decoder_model", "decoder_parts", "greedy", "positions_of", "MAX_NEW_TOKENS"]
 
 MAX_NEW_TOKENS = 4096
 """The most tokens one call may ask for: beyond, a typo (1e9) would run for days."""
@@ -149,23 +149,39 @@ def decoder_model(
     """The artifacts' decoder graph with ``weights`` (by name, e.g. the trained and folded ones) put
     into the initializers the generator left empty; those named in ``shared`` stay empty (a session
     gets them with ``SessionOptions.add_initializer``, e.g. the trainer's mapping of ``frozen.bin``)."""
+    model, tensors = decoder_parts(directory, spec, weights, shared)
+    model.graph.initializer.extend(tensors)
+    return model
+
+
+def decoder_parts(
+    directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray], shared: Collection[str] = ()
+):  # type: ignore[no-untyped-def]
+    """``(graph without the empty initializers, a generator of them filled from weights)``: what
+    :func:`decoder_model` joins, for a writer that puts one weight at a time in a file."""
     import onnx
     from onnx import numpy_helper
 
     model = onnx.load(directory / spec.file)
-    for index, initializer in enumerate(model.graph.initializer):
-        if initializer.HasField("raw_data") or _has_values(initializer) or initializer.name in shared:
-            continue
-        if initializer.name not in weights:
-            raise OndeviceError(f"the decoder needs weight {initializer.name!r}, which these artifacts do not hold. "
+    empty = [t for t in model.graph.initializer
+             if not (t.HasField("raw_data") or _has_values(t) or t.name in shared)]  # fmt: skip
+    for tensor in empty:
+        if tensor.name not in weights:
+            raise OndeviceError(f"the decoder needs weight {tensor.name!r}, which these artifacts do not hold. "
                                 "Regenerate them with `odt generate`.")  # fmt: skip
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(initializer.data_type)
-        value = np.asarray(weights[initializer.name]).astype(dtype, copy=False)
-        if value.shape != tuple(initializer.dims):
-            raise OndeviceError(f"weight {initializer.name!r} is {value.shape}, the decoder expects "
-                                f"{tuple(initializer.dims)}. Regenerate the artifacts.")  # fmt: skip
-        model.graph.initializer[index].CopyFrom(numpy_helper.from_array(value, initializer.name))
-    return model
+    for tensor in empty:
+        model.graph.initializer.remove(tensor)
+
+    def filled():  # type: ignore[no-untyped-def]
+        for tensor in empty:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            value = np.asarray(weights[tensor.name]).astype(dtype, copy=False)
+            if value.shape != tuple(tensor.dims):
+                raise OndeviceError(f"weight {tensor.name!r} is {value.shape}, the decoder expects "
+                                    f"{tuple(tensor.dims)}. Regenerate the artifacts.")  # fmt: skip
+            yield numpy_helper.from_array(value, tensor.name)
+
+    return model, filled()
 
 
 def _has_values(initializer: Any) -> bool:

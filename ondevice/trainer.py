@@ -620,12 +620,12 @@ class Trainer:
             metadata[METADATA_TOKENIZER] = (self.directory / self.manifest.tokenizer.file).read_text()
         decoder = self.manifest.decoder
         if decoder is not None:
-            from .decode import decoder_model
+            from .decode import decoder_parts
             from .formats import LazyWeights
 
             self.manifest.check_files(self.directory, names=(decoder.file,))
             metadata[METADATA_DECODER] = json.dumps(asdict(decoder))
             weights = LazyWeights(self)  # one tensor at a time into the file
-            return write_model(Path(path), lambda _: decoder_model(self.directory, decoder, weights), metadata)
+            return write_model(Path(path), lambda _: decoder_parts(self.directory, decoder, weights), metadata)
         external = None if self.manifest.frozen_file is None else self.directory
         return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata, external)
