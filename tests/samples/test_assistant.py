@@ -75,8 +75,8 @@ def small_lm(tmp_path_factory) -> Path:
 def test_the_sample_decodes_before_and_after_fine_tuning_and_federates_across_homes(small_lm, tmp_path):
     from samples.assistant import run
 
-    argv = ["--out", str(tmp_path), "--model", str(small_lm), "--homes", "2", "--per-home", "24", "--epochs", "3",
-            "--lr", "3e-2", "--federated", "1"]  # fmt: skip
+    argv = ["--out", str(tmp_path), "--model", str(small_lm), "--homes", "2", "--per-home", "24", "--test-per-home",
+            "6", "--epochs", "3", "--lr", "3e-2", "--federated", "1"]  # fmt: skip
     assert run.main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     scored = [json.loads(line) for line in (tmp_path / "predictions.jsonl").open()]
