@@ -199,6 +199,16 @@ def load_jsonl(
     if not texts:
         raise DataError(f"{path} holds no examples.")
     data = encoder(texts, prompts)
+    if encoder.spec.labels is not None:  # a pair whose prompt fills max_length teaches nothing: its loss is 0
+        counted = (data[encoder.spec.labels] != IGNORE_INDEX).any(axis=1)
+        empty = [i for i, (n, c) in enumerate(zip(prompts, counted)) if n and not c]
+        if empty:
+            raise DataError(
+                f"{path}: the prompt of {len(empty)} example(s) (the first: number {empty[0] + 1}, "
+                f"{texts[empty[0]][:40]!r}...) fills all {encoder.spec.max_length} tokens the artifacts read, so "
+                "nothing of its completion is left to learn. Shorten those prompts, or regenerate the artifacts "
+                "with a larger --max-length."
+            )
     if labels and manifest.targets:
         data[manifest.targets[0].name] = np.array(targets, dtype=np.int64)
     return data

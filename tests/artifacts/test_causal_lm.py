@@ -272,3 +272,15 @@ def test_a_causal_lm_bundles_with_its_tokenizer_and_trains_there_as_here(artifac
     prompt = [PAIRS[0][0]]
     completion = Trainer.load(artifacts).text_generator()(prompt, max_new_tokens=6)
     assert trainer.text_generator()(prompt, max_new_tokens=6) == completion
+
+
+def test_a_prompt_that_fills_max_length_is_refused_with_the_fix(artifacts, tmp_path):
+    """Cut at max_length, such a pair counts no token: its loss would be 0 and teach nothing, silently."""
+    from ondevice.errors import DataError
+
+    long = " ".join(["please turn on the kitchen lights"] * 6)  # 36 words, over the 24 tokens read
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": PAIRS[0][0], "completion": PAIRS[0][1]}, {"prompt": long, "completion": PAIRS[0][1]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=r"1 example\(s\) \(the first: number 2, .*fills all 24 tokens.*--max-length"):
+        load_data(path, artifacts)
