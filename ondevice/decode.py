@@ -116,7 +116,7 @@ class TextGenerator:
         for name, value, top in (("max_new_tokens", max_new_tokens, MAX_NEW_TOKENS), ("batch_size", batch_size, 4096)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
                 raise DataError(f"{name} must be an integer from 1 to {top}, got {value!r}.")
-        rows = [e.ids for e in self._tokenizer.encode_batch(list(prompts))]
+        rows = self.encode(prompts)
         for prompt, ids in zip(prompts, rows):
             if len(ids) >= self.spec.max_positions:
                 raise DataError(f"the prompt {prompt[:40]!r} is {len(ids)} tokens: the model reads at most "
@@ -126,7 +126,7 @@ class TextGenerator:
         with progress_bar(total=-(-len(rows) // batch_size), disable=not progress) as bar:
             for first in range(0, len(rows), batch_size):
                 chunk = rows[first : first + batch_size]
-                for prompt, (tokens, why) in zip(prompts[first:], greedy(self._run, chunk, self.spec, max_new_tokens)):
+                for prompt, (tokens, why) in zip(prompts[first:], greedy(self.step, chunk, self.spec, max_new_tokens)):
                     text = self._tokenizer.decode(tokens, skip_special_tokens=True)
                     completions.append(Completion(prompt, text, tuple(tokens), why))
                     made += len(tokens)
@@ -134,7 +134,12 @@ class TextGenerator:
         self.tokens_per_second = made / max(time.perf_counter() - start, 1e-9)
         return completions
 
-    def _run(self, feeds: Mapping[str, Any]) -> list[Any]:
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Each prompt's token ids, as the decoder reads them (special tokens included, no padding)."""
+        return [e.ids for e in self._tokenizer.encode_batch(list(prompts))]
+
+    def step(self, feeds: Mapping[str, Any]) -> list[Any]:
+        """One run of the decoder: ``[logits, *present]`` for ``feeds`` (what :func:`greedy` calls)."""
         from .session import ort_error_message
 
         try:
