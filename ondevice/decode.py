@@ -45,7 +45,6 @@ def greedy(
     rows: Sequence[Sequence[int]],
     spec: DecoderSpec,
     max_new_tokens: int,
-    dtype: type = np.float32,
 ) -> list[tuple[list[int], str]]:
     """``(new tokens, why it stopped)`` per row of prompt token ids: the prompts run once, left-padded,
     then one token per row per ``step`` (a session's run: feeds -> [logits, *present])."""
@@ -53,7 +52,7 @@ def greedy(
     pad = spec.eos[0] if spec.eos else 0
     ids = np.array([[pad] * (width - len(r)) + list(r) for r in rows], np.int64)
     mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], np.int64)
-    past = [np.zeros((len(rows), spec.kv_heads, 0, spec.head_dim), dtype)] * (2 * spec.layers)
+    past = [np.zeros((len(rows), spec.kv_heads, 0, spec.head_dim), np.float32)] * (2 * spec.layers)
     made: list[list[int]] = [[] for _ in rows]
     stopped: list[str | None] = [None] * len(rows)
     new = ids

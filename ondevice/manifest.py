@@ -114,6 +114,10 @@ class DecoderSpec:
     """How attention was exported: ``"sdpa"``, ``"sdpa-repeated-kv"`` (grouped-query attention as
     key/value heads repeated to the query heads, exactly) or ``"eager"``."""
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DecoderSpec:
+        return cls(**{**data, "eos": tuple(int(t) for t in data["eos"])})
+
     def past_names(self) -> list[str]:
         return [f"past.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
 
@@ -413,7 +417,7 @@ def _from_dict(data: Any) -> Manifest:
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
             plan=data.get("plan"),
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
-            decoder=None if data.get("decoder") is None else _decoder(data["decoder"]),
+            decoder=None if data.get("decoder") is None else DecoderSpec.from_dict(data["decoder"]),
             hf_config=data.get("hf_config"),
             frozen_file=data.get("frozen_file"),
             variants={str(k): str(v) for k, v in data.get("variants", {}).items()},
@@ -437,6 +441,3 @@ def _verification(data: dict[str, Any]) -> Verification:
     rows = tuple(VerificationRow(**row) for row in data["rows"])
     return Verification(passed=bool(data["passed"]), rows=rows, note=data.get("note", ""))
 
-
-def _decoder(data: dict[str, Any]) -> DecoderSpec:
-    return DecoderSpec(**{**data, "eos": tuple(int(t) for t in data["eos"])})

@@ -61,9 +61,7 @@ class Predictor:
         if METADATA_DECODER in metadata:
             import json
 
-            from .manifest import _decoder
-
-            self.decoder = _decoder(json.loads(metadata[METADATA_DECODER]))
+            self.decoder = DecoderSpec.from_dict(json.loads(metadata[METADATA_DECODER]))
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._outputs = [o.name for o in self._session.get_outputs()]
 
