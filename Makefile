@@ -16,15 +16,19 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-# The browser client's pinned npm packages (onnxruntime-web, playwright-core), from the lock file;
-# the three onnxruntime-web files the client loads go to $(WEB)/ort, which the wheel ships.
+# The browser client's pinned npm packages (onnxruntime-web, its 1.19.2 training build, playwright-core), from
+# the lock file; the onnxruntime-web files the client loads go to $(WEB)/ort, which the wheel ships: the current
+# WASM build (portable step graphs) and 1.19.2's training build (classic graphs).
 ORT_DIST := $(WEB)/node_modules/onnxruntime-web/dist
+ORT_TRAINING_DIST := $(WEB)/node_modules/onnxruntime-web-training/dist
 $(WEB_STAMP): $(WEB)/package-lock.json
 	cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error
-	mkdir -p $(WEB)/ort
-	cp $(ORT_DIST)/ort.training.wasm.min.mjs $(ORT_DIST)/ort-training-wasm-simd-threaded.mjs \
-	   $(ORT_DIST)/ort-training-wasm-simd-threaded.wasm $(WEB)/ort/
-	cp $(WEB)/node_modules/onnxruntime-web/package.json $(WEB)/ort/onnxruntime-web.package.json  # version, MIT licence
+	rm -rf $(WEB)/ort && mkdir -p $(WEB)/ort
+	cp $(ORT_DIST)/ort.wasm.min.mjs $(ORT_DIST)/ort-wasm-simd-threaded.mjs $(ORT_DIST)/ort-wasm-simd-threaded.wasm $(WEB)/ort/
+	cp $(ORT_TRAINING_DIST)/ort.training.wasm.min.mjs $(ORT_TRAINING_DIST)/ort-training-wasm-simd-threaded.mjs \
+	   $(ORT_TRAINING_DIST)/ort-training-wasm-simd-threaded.wasm $(WEB)/ort/
+	cp $(WEB)/node_modules/onnxruntime-web/package.json $(WEB)/ort/onnxruntime-web.package.json  # versions, MIT licence
+	cp $(WEB)/node_modules/onnxruntime-web-training/package.json $(WEB)/ort/onnxruntime-web-training.package.json
 	touch $@
 
 # The next-word sample (LSTM per home, federated with a personal output layer): a few minutes, not in `make demo`.

@@ -125,7 +125,7 @@ def _site(site: Path) -> Path:
     shutil.rmtree(site, ignore_errors=True)
     site.mkdir()
     (site / "index.html").write_text("<!doctype html><title>bench</title>")
-    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", site / "ort")
+    os.symlink(WEB / "ort", site / "ort")
     return site
 
 

@@ -4,7 +4,11 @@ A bundle directory holds the training/eval/optimizer models (ONNX and ORT format
 checkpoint, ``required_operators.config`` for reduced ORT builds, an updated ``manifest.json``
 (so the Python runtime can load it), ``bundle.json`` (file hashes, the input/output spec and the
 weight-buffer layout an app needs) and, when signed, ``bundle.sig`` (Ed25519 over ``bundle.json``).
-"""
+
+Two sets of graphs: the classic ones for ONNX Runtime 1.19.2's training builds (onnxruntime-web's
+``TrainingSession``, ORT Mobile's training packages), and, when the artifacts carry them, the portable
+step graphs for any current ONNX Runtime (onnxruntime-web 1.30, ORT Mobile's inference packages) with
+``parameters.bin``, the values those graphs take as inputs."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
@@ -32,7 +38,7 @@ __all__ = ["BUNDLE_FORMAT", "make_bundle", "verify_bundle", "load_trainer"]
 BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
-MODELS = ("training_model", "eval_model", "optimizer_model")
+PARAMETERS = "parameters.bin"
 
 
 def make_bundle(
@@ -98,11 +104,19 @@ def make_bundle(
         from .learning_rate import bake_learning_rate
         from .loss_scale import expose_loss_scale
 
+        # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
+        portable = manifest.portable_files
+        graphs = ("training_model.onnx", "eval_model.onnx", *(portable[:1] if portable else ()))
+        trainer = Trainer.load(source, evaluation=False)  # reads the checkpoint's tensors and frozen.bin's alike
         if manifest.frozen_file is None:
-            for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
+            for name in (*graphs, "checkpoint"):
                 shutil.copy2(source / name, work / name)
         else:
-            internalize_frozen(source, work, manifest)
+            internalize_frozen(source, work, manifest, graphs, trainer)
+        if portable:
+            shutil.copy2(source / portable[1], work / portable[1])
+            layout = _write_parameters(trainer, manifest, work / PARAMETERS)
+        del trainer
 
         training = onnx.load(work / "training_model.onnx")
         expose_loss_scale(training, manifest.loss_output, list(manifest.feed_names))
@@ -117,13 +131,23 @@ def make_bundle(
                 shutil.copy2(source / extra.file, work / extra.file)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        # a bundle carries the classic graphs, for the training builds of onnxruntime-web and ORT Mobile 1.19.2
-        portable = {"unsupported": "a bundle carries the graphs of ONNX Runtime 1.19.2's training builds only"}
-        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={},
-                          portable=portable)  # fmt: skip
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={})
         bundled.save(work)
         artifacts_sha = sha256_file(source / MANIFEST_NAME)
         description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)
+        if portable:
+            options = manifest.optimizer.options
+            description["portable"] = {
+                "training": portable[0],
+                "optimizer": portable[1],
+                "eval": "eval_model.onnx",
+                "parameters": PARAMETERS,
+                "frozen": layout,
+                "optimizer_options": {
+                    "betas": list(options.get("betas", (0.9, 0.999))),
+                    "weight_decay": options.get("weight_decay", 0.0),
+                },
+            }
         text = json.dumps(description, indent=2, sort_keys=True).encode()
         (work / BUNDLE_JSON).write_bytes(text)
         if sign_key is not None:
@@ -133,6 +157,21 @@ def make_bundle(
         shutil.rmtree(work, ignore_errors=True)
         raise
     return description
+
+
+def _write_parameters(trainer: Trainer, manifest: Manifest, path: Path) -> list[dict[str, Any]]:
+    """``parameters.bin``: every trainable parameter in the manifest's order (the flat weight buffer), then
+    every frozen one, float32 little-endian, for clients that feed parameters to the portable graphs.
+    Returns the frozen tensors' places (offsets in values)."""
+    layout, offset = [], manifest.trainable_size
+    with open(path, "wb") as handle:
+        for spec in manifest.trainable:
+            handle.write(np.ascontiguousarray(trainer.parameter(spec.name), "<f4").tobytes())
+        for spec in manifest.frozen:
+            handle.write(np.ascontiguousarray(trainer.parameter(spec.name), "<f4").tobytes())
+            layout.append({"name": spec.name, "shape": list(spec.shape), "offset": offset})
+            offset += spec.size
+    return layout
 
 
 def _to_ort_format(work: Path) -> None:

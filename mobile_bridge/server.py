@@ -484,9 +484,5 @@ def create_app(
         return RedirectResponse("/web/")
 
     web = Path(__file__).resolve().parent / "web"
-    # The wheel ships web/ort (copied by `make` from the npm lock); a fresh checkout has node_modules only.
-    ort_files = next((d for d in (web / "ort", web / "node_modules" / "onnxruntime-web" / "dist") if d.is_dir()), None)
-    if ort_files is not None:
-        app.mount("/web/ort", StaticFiles(directory=ort_files), name="ort")
     app.mount("/web", StaticFiles(directory=web, html=True), name="web")
     return app

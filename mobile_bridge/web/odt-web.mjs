@@ -1,13 +1,19 @@
-// Browser client for ondevice-training bundles, on onnxruntime-web 1.19.2's training build.
+// Browser client for ondevice-training bundles. It trains on either onnxruntime-web build it is given:
+// the current one (1.30: plain inference sessions over the bundle's portable step graphs, the parameters
+// and optimizer state owned here) or 1.19.2's training build (TrainingSession over the classic graphs).
 //
+//   const ort = await import("/ort/ort.wasm.min.mjs");          // or /ort/ort.training.wasm.min.mjs
 //   const client = await OdtClient.load(ort, "/bundle/", { publicKeyPem });
 //   await client.fit({ input: Float32Array, labels: BigInt64Array }, { epochs: 1, batchSize: 32, onProgress });
 //   const weights = await client.getWeights();   // Float32Array in manifest order
 //   await client.setWeights(weights);
+//   client.setLearningRate(1e-3);                // portable: the rate is an input (else the bundle's schedule)
+//   await client.saveState("digits");            // portable: parameters, moments and step, checksummed, in IndexedDB
+//   await client.restoreState("digits");         // after a page reload, say
 //
 // Or the same client in a Web Worker, so that training never blocks the page:
 //
-//   const client = await WorkerClient.load("/bundle/", { ortUrl: "/ort/ort.training.wasm.min.mjs", wasmPaths: "/ort/" });
+//   const client = await WorkerClient.load("/bundle/", { ortUrl: "/ort/ort.wasm.min.mjs", wasmPaths: "/ort/" });
 //
 // Every check happens before ORT sees the data: ORT web reports bad dtypes or shapes as bare numbers.
 //
@@ -32,7 +38,7 @@ export class InputError extends Error {
   }
 }
 
-const MODELS = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
+const CLASSIC_FILES = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
 const SCHEMA_FILE = "manifest.schema.json";
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
 
@@ -186,18 +192,263 @@ export function toTensor(ort, spec, values, batch) {
   return new ort.Tensor(spec.dtype, values, dims);
 }
 
-export class OdtClient {
-  constructor(ort, session, description) {
-    this.ort = ort;
-    this.session = session;
-    this.description = description;
-    this.specs = [...description.inputs, ...description.targets];
-    // Bundles name the loss-gradient input; a memory plan's micro-batch splits each step into parts.
-    this.scale = description.loss_scale ?? null;
-    this.micro = this.scale ? description.micro_batch_size ?? null : null;
+/** A bundle file's bytes, fetched and checked against the bundle's hash table. */
+async function fetchChecked(base, name, description, headers) {
+  const entry = description.files[name];
+  if (!entry) throw new BundleError(`bundle.json lists no ${name}`);
+  const bytes = await fetchBytes(`${base}${name}`, headers);
+  if ((await sha256Hex(bytes)) !== entry.sha256) throw new BundleError(`${name} was altered (sha256 differs)`);
+  return bytes;
+}
+
+/** ORT-web's WebAssembly throws a bare number (a C++ exception) for models it cannot run. */
+function openError(error, build) {
+  const cause = error instanceof Error ? error.message : `error ${error}`;
+  return new BundleError(`ONNX Runtime Web could not open the bundle's models (${cause}); `
+                         + `check that the bundle was made for this client's ONNX Runtime Web (${build})`);
+}
+
+/** The learning rate of optimizer step `step` (0-based) on the bundle's schedule: ondevice.lr_at. */
+export function rateAt(step, { kind, base, total, warmup = 0, min_lr: minLr = 0 }) {
+  if (kind === "constant") return base;
+  if (step < warmup) return (base * (step + 1)) / warmup;
+  const progress = Math.min(Math.max(step - warmup, 0) / Math.max(total - warmup, 1), 1);
+  if (kind === "linear") return minLr + (base - minLr) * (1 - progress);
+  return minLr + (base - minLr) * 0.5 * (1 + Math.cos(Math.PI * progress));
+}
+
+/** `[lr, lr_corrected, lr * weight_decay]` for AdamW step `step` (1-based) in float32, as ORT's kernel and
+ * the Python portable engine (ondevice.engines.portable.adamw_rates) compute them. */
+export function adamwRates(lr, step, [beta1, beta2], weightDecay) {
+  const f = Math.fround;
+  const alpha = f(1 - f(Math.pow(f(beta1), step)));
+  const beta = f(1 - f(Math.pow(f(beta2), step)));
+  const rate = f(lr);
+  return [rate, f(rate * f(f(Math.sqrt(beta)) / alpha)), f(rate * f(weightDecay))];
+}
+
+/** onnxruntime-web 1.19.2's training build over the classic graphs (rates baked into the optimizer graph). */
+class ClassicEngine {
+  static async open(ort, base, description, headers) {
+    if (description.optimizer === "sgd") {
+      // Measured: ONNX Runtime Web 1.19.2 opens the training and eval models but fails to create the SGD
+      // optimizer session (SGDOptimizerV2), with a bare number for an error.
+      throw new BundleError("this bundle trains with SGD, whose optimizer graph ONNX Runtime Web 1.19 cannot run; "
+                            + "use onnxruntime-web 1.30 (the portable graphs), or generate the artifacts with "
+                            + "--optimizer adamw");
+    }
+    const files = {};
+    for (const name of CLASSIC_FILES) files[name] = await fetchChecked(base, name, description, headers);
+    try {
+      return new ClassicEngine(await ort.TrainingSession.create({
+        checkpointState: files["checkpoint"],
+        trainModel: files["training_model.onnx"],
+        evalModel: files["eval_model.onnx"],
+        optimizerModel: files["optimizer_model.onnx"],
+      }), description);
+    } catch (error) {
+      throw openError(error, "1.19");
+    }
   }
 
-  /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT. */
+  constructor(session, description) {
+    Object.assign(this, { name: "classic", session, description });
+  }
+
+  /** One part's forward and backward, its loss gradient scaled by `scale` (ORT accumulates the parts). */
+  async trainStep(ort, feeds, scale) {
+    const name = this.description.loss_scale;
+    if (name) feeds[name] = new ort.Tensor("float32", new Float32Array([scale]), []);
+    return this.session.runTrainStep(feeds);
+  }
+
+  async optimizerStep() {
+    await this.session.runOptimizerStep();
+  }
+
+  async resetGrad() {
+    await this.session.lazyResetGrad();
+  }
+
+  async getWeights() {
+    return new Float32Array((await this.session.getContiguousParameters(true)).data);
+  }
+
+  async setWeights(weights) {
+    await this.session.loadParametersBuffer(new Uint8Array(weights.buffer, weights.byteOffset, weights.byteLength), true);
+  }
+}
+
+/**
+ * The current onnxruntime-web over the portable step graphs (as ondevice.engines.portable in Python): the
+ * training graph takes the parameters as inputs and returns each one's gradient; the optimizer graph updates
+ * one flat vector each of parameters, gradients and AdamW's moments, with the learning rate as an input.
+ */
+class PortableEngine {
+  static async open(ort, base, description, headers) {
+    const layout = description.portable;
+    const bytes = {};
+    for (const name of [layout.training, layout.optimizer, layout.parameters]) {
+      bytes[name] = await fetchChecked(base, name, description, headers);
+    }
+    const values = bytes[layout.parameters];
+    const size = description.weights.size;
+    const total = layout.frozen.reduce((sum, t) => Math.max(sum, t.offset + t.shape.reduce((a, b) => a * b, 1)), size);
+    if (values.byteLength !== total * 4) throw new BundleError(`${layout.parameters} holds ${values.byteLength} bytes, not ${total * 4}; rebuild the bundle`);
+    const all = new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength));
+    let training, optimizer;
+    try {
+      const options = { executionProviders: ["wasm"], graphOptimizationLevel: "all" };
+      training = await ort.InferenceSession.create(bytes[layout.training], options);
+      optimizer = await ort.InferenceSession.create(bytes[layout.optimizer], options);
+    } catch (error) {
+      throw openError(error, "1.30 or later");
+    }
+    return new PortableEngine(ort, description, training, optimizer, all);
+  }
+
+  constructor(ort, description, training, optimizer, all) {
+    const size = description.weights.size;
+    Object.assign(this, { name: "portable", ort, description, training, optimizer });
+    this.flat = { value: all.slice(0, size), grad: new Float32Array(size), momentum0: new Float32Array(size),
+                  momentum1: new Float32Array(size) };
+    this.frozen = {};
+    for (const t of description.portable.frozen) {
+      const count = t.shape.reduce((a, b) => a * b, 1);
+      this.frozen[t.name] = new ort.Tensor("float32", all.subarray(t.offset, t.offset + count), t.shape);
+    }
+    this.step = 0;
+    this.pending = 0; // parts whose gradients the accumulator holds
+    this.learningRate = null; // null: the bundle's schedule
+  }
+
+  /** The bundle's optimizer settings (the manifest's AdamW betas and weight decay). */
+  get hyper() {
+    return this.description.portable.optimizer_options;
+  }
+
+  /** One part's forward and backward; its gradients add into the accumulator (a mean loss's are averaged
+   * over the parts before the update, as the Python trainer does). */
+  async trainStep(ort, feeds) {
+    const tensors = this.description.weights.tensors;
+    for (const t of tensors) {
+      const count = t.shape.reduce((a, b) => a * b, 1);
+      feeds[t.name] = new ort.Tensor("float32", this.flat.value.subarray(t.offset, t.offset + count), t.shape);
+    }
+    Object.assign(feeds, this.frozen);
+    const results = await this.training.run(feeds);
+    const grad = this.flat.grad;
+    for (const t of tensors) {
+      const part = results[`${t.name}_grad`].data;
+      if (this.pending === 0) grad.set(part, t.offset);
+      else for (let i = 0; i < part.length; i++) grad[t.offset + i] += part[i];
+    }
+    this.pending++;
+    return results;
+  }
+
+  async optimizerStep() {
+    const { ort, flat } = this;
+    const mean = (this.description.loss?.options?.reduction ?? "mean") === "mean";
+    if (this.pending > 1 && mean) {
+      const scale = Math.fround(1 / this.pending);
+      for (let i = 0; i < flat.grad.length; i++) flat.grad[i] *= scale;
+    }
+    const lr = this.learningRate ?? rateAt(this.step, this.description.learning_rate);
+    this.step++;
+    const adamw = this.description.optimizer === "adamw";
+    const rates = adamw ? adamwRates(lr, this.step, this.hyper.betas ?? [0.9, 0.999], this.hyper.weight_decay ?? 0)
+      : [Math.fround(lr), Math.fround(lr), 0];
+    const scalar = (v) => new ort.Tensor("float32", new Float32Array([v]), []);
+    const vector = (v) => new ort.Tensor("float32", v, [v.length]);
+    const candidates = { "odt.lr": scalar(rates[0]), "odt.lr_corrected": scalar(rates[1]), "odt.lr_decay": scalar(rates[2]),
+      "odt.parameters": vector(flat.value), "odt.gradients": vector(flat.grad), "odt.momentum0": vector(flat.momentum0),
+      "odt.momentum1": vector(flat.momentum1) };
+    const feeds = Object.fromEntries(this.optimizer.inputNames.map((n) => [n, candidates[n]]));
+    const results = await this.optimizer.run(feeds);
+    flat.value.set(results["odt.parameters.updated"].data);
+    if (adamw) {
+      flat.momentum0.set(results["odt.momentum0.updated"].data);
+      flat.momentum1.set(results["odt.momentum1.updated"].data);
+    }
+  }
+
+  async resetGrad() {
+    this.pending = 0;
+  }
+
+  async getWeights() {
+    return this.flat.value.slice();
+  }
+
+  async setWeights(weights) {
+    this.flat.value.set(weights);
+  }
+
+  /** Everything a resumed run needs, as one byte buffer: a JSON header line, then the four flat vectors. */
+  state() {
+    const header = new TextEncoder().encode(`${JSON.stringify({ step: this.step, learningRate: this.learningRate,
+                                                                 size: this.flat.value.length })}\n`);
+    const out = new Uint8Array(header.length + 16 * this.flat.value.length);
+    out.set(header);
+    let at = header.length;
+    for (const kind of ["value", "momentum0", "momentum1", "grad"]) {
+      const v = this.flat[kind];
+      out.set(new Uint8Array(v.buffer, v.byteOffset, v.byteLength), at);
+      at += v.byteLength;
+    }
+    return out;
+  }
+
+  restore(bytes) {
+    const end = bytes.indexOf(10);
+    const header = JSON.parse(new TextDecoder().decode(bytes.subarray(0, end)));
+    const size = this.flat.value.length;
+    if (header.size !== size || bytes.length !== end + 1 + 16 * size) {
+      throw new InputError(`the saved state holds ${header.size} weights, this bundle trains ${size}: it was saved from another bundle`);
+    }
+    const values = new Float32Array(bytes.buffer.slice(bytes.byteOffset + end + 1, bytes.byteOffset + bytes.length));
+    ["value", "momentum0", "momentum1", "grad"].forEach((kind, i) => this.flat[kind].set(values.subarray(i * size, (i + 1) * size)));
+    Object.assign(this, { step: header.step, learningRate: header.learningRate, pending: 0 });
+  }
+}
+
+const STATE_DB = "odt-state";
+
+/** The IndexedDB store of saved client states (one record per key). */
+function stateStore(mode, work) {
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open(STATE_DB, 1);
+    open.onupgradeneeded = () => open.result.createObjectStore("states");
+    open.onerror = () => reject(new BundleError(`cannot open IndexedDB: ${open.error?.message}`));
+    open.onsuccess = () => {
+      const db = open.result;
+      const transaction = db.transaction("states", mode);
+      const request = work(transaction.objectStore("states"));
+      transaction.oncomplete = () => { db.close(); resolve(request.result); };
+      transaction.onerror = () => { db.close(); reject(new BundleError(`IndexedDB: ${transaction.error?.message}`)); };
+    };
+  });
+}
+
+export class OdtClient {
+  constructor(ort, engine, description) {
+    this.ort = ort;
+    this.engine = engine;
+    this.description = description;
+    this.specs = [...description.inputs, ...description.targets];
+    // A memory plan's micro-batch splits each step into parts (the classic graphs scale each part's loss
+    // gradient through the bundle's loss-scale input; the portable engine averages the parts' gradients).
+    this.micro = engine.name === "portable" || description.loss_scale ? description.micro_batch_size ?? null : null;
+  }
+
+  /** Which engine trains: "portable" (current onnxruntime-web) or "classic" (its 1.19.2 training build). */
+  get engineName() {
+    return this.engine.name;
+  }
+
+  /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT: the portable
+   * graphs on a current onnxruntime-web, the classic ones on 1.19.2's training build. */
   static async load(ort, baseUrl, { publicKeyPem = null, headers = {} } = {}) {
     const base = baseUrl.endsWith("/") ? baseUrl : `${baseUrl}/`;
     const descriptionBytes = await fetchBytes(`${base}bundle.json`, headers);
@@ -217,34 +468,14 @@ export class OdtClient {
     const schemaBytes = await fetchBytes(`${base}${SCHEMA_FILE}`, headers);
     if ((await sha256Hex(schemaBytes)) !== schemaEntry.sha256) throw new BundleError(`${SCHEMA_FILE} was altered (sha256 differs)`);
     checkDescription(description, JSON.parse(new TextDecoder().decode(schemaBytes)));
-    if (description.optimizer === "sgd") {
-      // Measured: ONNX Runtime Web 1.19.2 opens the training and eval models but fails to create the SGD
-      // optimizer session (SGDOptimizerV2), with a bare number for an error.
-      throw new BundleError("this bundle trains with SGD, whose optimizer graph ONNX Runtime Web 1.19 cannot run; "
-                            + "generate the artifacts with --optimizer adamw for browsers");
+    let engine;
+    if (typeof ort.TrainingSession === "function") engine = await ClassicEngine.open(ort, base, description, headers);
+    else if (description.portable) engine = await PortableEngine.open(ort, base, description, headers);
+    else {
+      throw new BundleError("this bundle has no portable graphs, which this onnxruntime-web (no training build) needs; "
+                            + "regenerate the artifacts with odt generate and bundle them again");
     }
-    const files = {};
-    for (const name of MODELS) {
-      const entry = description.files[name];
-      if (!entry) throw new BundleError(`bundle.json lists no ${name}`);
-      files[name] = await fetchBytes(`${base}${name}`, headers);
-      if ((await sha256Hex(files[name])) !== entry.sha256) throw new BundleError(`${name} was altered (sha256 differs)`);
-    }
-    let session;
-    try {
-      session = await ort.TrainingSession.create({
-        checkpointState: files["checkpoint"],
-        trainModel: files["training_model.onnx"],
-        evalModel: files["eval_model.onnx"],
-        optimizerModel: files["optimizer_model.onnx"],
-      });
-    } catch (error) {
-      // ORT-web's WebAssembly throws a bare number (a C++ exception) for models it cannot run.
-      const cause = error instanceof Error ? error.message : `error ${error}`;
-      throw new BundleError(`ONNX Runtime Web could not open the bundle's models (${cause}); `
-                            + "check that the bundle was made for this client's ONNX Runtime Web (1.19)");
-    }
-    return new OdtClient(ort, session, description);
+    return new OdtClient(ort, engine, description);
   }
 
   feeds(batch, size) {
@@ -266,8 +497,8 @@ export class OdtClient {
   }
 
   /** One optimizer step on a batch of `size` examples, skipped when the loss or a gradient is not finite.
-   * With a memory plan the batch trains in parts whose gradients add up to the whole batch's: each part's
-   * loss gradient is scaled by part / size (a mean loss), ORT accumulates, then one optimizer step. */
+   * With a memory plan the batch trains in parts whose gradients add up to the whole batch's, then one
+   * optimizer step. */
   async trainStep(batch, size) {
     const part = this.partSize(size);
     const mean = (this.description.loss?.options?.reduction ?? "mean") === "mean";
@@ -280,22 +511,17 @@ export class OdtClient {
     for (let start = 0; start < size; start += part) {
       const piece = part === size ? batch : this.slice(batch, size, start, part);
       const feeds = part === size ? whole : this.feeds(piece, part);
-      if (this.scale) feeds[this.scale] = new this.ort.Tensor("float32", new Float32Array([mean ? part / size : 1]), []);
-      const results = await this.session.runTrainStep(feeds);
-      const outputs = Object.values(results);
-      const partLoss = Number(outputs[0].data[0]);
+      const results = await this.engine.trainStep(this.ort, feeds, mean ? part / size : 1);
+      const [lossOut, scores] = Object.values(results); // the graph's outputs in order: loss, scores, ...
+      const partLoss = Number(lossOut.data[0]);
       loss += mean ? (partLoss * part) / size : partLoss;
-      const partCorrect = this.countCorrect(outputs[1], piece, part);
+      const partCorrect = this.countCorrect(scores, piece, part);
       if (partCorrect !== null) correct = (correct ?? 0) + partCorrect;
       finite &&= check ? Number.isFinite(Number(results[check].data[0])) : Number.isFinite(partLoss);
     }
-    if (!finite) {
-      await this.session.lazyResetGrad();
-      return { loss, correct, applied: false };
-    }
-    await this.session.runOptimizerStep();
-    await this.session.lazyResetGrad();
-    return { loss, correct, applied: true };
+    if (finite) await this.engine.optimizerStep();
+    await this.engine.resetGrad();
+    return { loss, correct, applied: finite };
   }
 
   /** Examples [start, start + count) of a batch of `size` (views, no copies). */
@@ -343,8 +569,7 @@ export class OdtClient {
 
   /** Trainable weights as one Float32Array in manifest order (the federated exchange format). */
   async getWeights() {
-    const value = await this.session.getContiguousParameters(true);
-    return new Float32Array(value.data);
+    return this.engine.getWeights();
   }
 
   async setWeights(weights) {
@@ -353,7 +578,50 @@ export class OdtClient {
       throw new InputError(`weights must be a Float32Array of ${expected} values, got ${weights?.length}`);
     }
     if (!weights.every(Number.isFinite)) throw new InputError("weights hold NaN/Inf");
-    await this.session.loadParametersBuffer(new Uint8Array(weights.buffer, weights.byteOffset, weights.byteLength), true);
+    await this.engine.setWeights(weights);
+  }
+
+  /** The learning rate of the next optimizer steps (portable engine; null: back to the bundle's schedule). */
+  setLearningRate(lr) {
+    if (this.engine.name !== "portable") {
+      throw new InputError("onnxruntime-web 1.19.2's training build has no learning-rate setter: the bundle's rate is baked in");
+    }
+    if (lr !== null && !(typeof lr === "number" && Number.isFinite(lr) && lr > 0)) {
+      throw new InputError(`the learning rate must be a finite number > 0 (or null for the bundle's schedule), got ${lr}`);
+    }
+    this.engine.learningRate = lr;
+  }
+
+  /** Save the training state (parameters, moments, step, rate) under `key` in IndexedDB, with its sha256 and
+   * the bundle's identity, replacing the previous record in one transaction. */
+  async saveState(key) {
+    this.portableOnly("saveState");
+    const bytes = this.engine.state();
+    const record = { bytes, sha256: await sha256Hex(bytes), bundle: this.description.manifest_sha256 };
+    await stateStore("readwrite", (store) => store.put(record, key));
+  }
+
+  /** Restore what `saveState(key)` saved; refuses a record that is missing, damaged or of another bundle. */
+  async restoreState(key) {
+    this.portableOnly("restoreState");
+    const record = await stateStore("readonly", (store) => store.get(key));
+    if (!record) throw new InputError(`no saved state named ${JSON.stringify(key)} in this browser`);
+    if (record.bundle !== this.description.manifest_sha256) {
+      throw new InputError(`the state ${JSON.stringify(key)} was saved from another bundle; start afresh or load that bundle`);
+    }
+    if ((await sha256Hex(record.bytes)) !== record.sha256) {
+      throw new InputError(`the state ${JSON.stringify(key)} is damaged (sha256 differs); start afresh`);
+    }
+    this.engine.restore(record.bytes);
+  }
+
+  /** The optimizer steps taken (portable engine; the classic build keeps no count the page can read). */
+  get step() {
+    return this.engine.step ?? null;
+  }
+
+  portableOnly(what) {
+    if (this.engine.name !== "portable") throw new InputError(`${what} needs the current onnxruntime-web (the portable graphs)`);
   }
 }
 
@@ -390,7 +658,8 @@ export class WorkerClient {
 
   /**
    * Start a worker and load a bundle in it (every hash checked, the signature with a key).
-   * `ortUrl`: onnxruntime-web's training module; `wasmPaths`: the folder of its .wasm files.
+   * `ortUrl`: an onnxruntime-web module (ort.wasm.min.mjs, or 1.19.2's ort.training.wasm.min.mjs); `wasmPaths`: the
+   * folder of its .wasm files.
    */
   static async load(baseUrl, { ortUrl, wasmPaths, numThreads = 1, publicKeyPem = null, headers = {},
                                workerUrl = new URL("./odt-worker.mjs", import.meta.url) } = {}) {
@@ -437,6 +706,18 @@ export class WorkerClient {
 
   setWeights(weights) {
     return this.call("setWeights", [weights]);
+  }
+
+  setLearningRate(lr) {
+    return this.call("setLearningRate", [lr]);
+  }
+
+  saveState(key) {
+    return this.call("saveState", [key]);
+  }
+
+  restoreState(key) {
+    return this.call("restoreState", [key]);
   }
 
   /** Stop the worker (and ORT in it); pending calls fail. */

@@ -11,7 +11,8 @@ const ops = {
     ort.env.wasm.wasmPaths = wasmPaths;
     ort.env.wasm.numThreads = numThreads; // ORT falls back to 1 unless the page is cross-origin isolated
     client = await OdtClient.load(ort, baseUrl, options);
-    return { value: { description: client.description, threads: ort.env.wasm.numThreads, isolated: self.crossOriginIsolated } };
+    return { value: { description: client.description, engineName: client.engineName, threads: ort.env.wasm.numThreads,
+                      isolated: self.crossOriginIsolated } };
   },
   async trainStep(_id, batch, size) {
     return { value: await client.trainStep(batch, size) };
@@ -27,6 +28,18 @@ const ops = {
   },
   async setWeights(_id, weights) {
     await client.setWeights(weights);
+    return { value: null };
+  },
+  async setLearningRate(_id, lr) {
+    client.setLearningRate(lr);
+    return { value: null };
+  },
+  async saveState(_id, key) {
+    await client.saveState(key);
+    return { value: null };
+  },
+  async restoreState(_id, key) {
+    await client.restoreState(key);
     return { value: null };
   },
 };

@@ -37,7 +37,7 @@ def site(tmp_path):
     shutil.copy(WEB / "odt-worker.mjs", root / "odt-worker.mjs")
     shutil.copy(WEB / "odt-secagg.mjs", root / "odt-secagg.mjs")
     (root / "index.html").write_text("<!doctype html><title>odt test</title>")
-    os.symlink(WEB / "node_modules" / "onnxruntime-web" / "dist", root / "ort")
+    os.symlink(WEB / "ort", root / "ort")
     handler = functools.partial(_QuietHandler, directory=str(root))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -72,12 +72,27 @@ def _steps(digits_data, count: int, size: int = 16) -> list[dict]:
     ]  # fmt: skip
 
 
-def _python(bundle: Path, steps: list[dict], weights: np.ndarray | None = None) -> tuple[list[float], np.ndarray]:
-    session = OrtTraining(bundle)
+def _python(
+    bundle: Path, steps: list[dict], weights: np.ndarray | None = None, *, engine: str = "portable"
+) -> tuple[list[float], np.ndarray]:
+    """Python ORT's losses and final weights on ``steps`` (the bundle's learning-rate schedule, or a step's
+    own ``lr`` from then on), on the engine the browser runs: portable (current onnxruntime-web) or classic."""
+    from ondevice import Manifest, lr_at
+    from ondevice.engines.portable import PortableEngine
+
+    manifest = Manifest.load(bundle)
+    if engine == "portable":
+        session = PortableEngine(bundle, manifest, bundle / "checkpoint", threads=1, with_eval=False)
+    else:
+        session = OrtTraining(bundle)
     if weights is not None:
         session.set_flat(weights)
-    losses = []
-    for step in steps:
+    rate = json.loads((bundle / "bundle.json").read_text())["learning_rate"]
+    settings = {k: rate[k] for k in ("kind", "base", "total", "warmup", "min_lr")}
+    losses, fixed = [], None
+    for k, step in enumerate(steps):
+        fixed = step.get("lr", fixed)
+        session.set_learning_rate(fixed if fixed is not None else lr_at(k, **settings))
         x = np.asarray(step["input"], np.float32).reshape(step["size"], 64)
         fetched = session.train_step([x, np.asarray(step["labels"], np.int64)])
         losses.append(float(fetched[0]))
@@ -88,31 +103,38 @@ def _python(bundle: Path, steps: list[dict], weights: np.ndarray | None = None) 
 
 @pytest.mark.parametrize("worker", [False, True], ids=["page", "web-worker"])
 def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tmp_path, worker):
-    """On the page's thread and in a Web Worker (WorkerClient): the same steps as Python ORT, and a
-    bad batch is refused with the client's own error type (across the worker's message boundary)."""
+    """On the page's thread and in a Web Worker (WorkerClient), on the current onnxruntime-web: 20 steps of
+    the portable graphs on the bundle's cosine schedule, then a learning rate set mid-run, equal to Python's
+    portable engine; a bad batch is refused with the client's own error type (across the worker's boundary)."""
     root, url = site
-    make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01, schedule="cosine", total_steps=6, warmup=2)
-    steps = _steps(digits_data, 8)
+    make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01, schedule="cosine", total_steps=12, warmup=2)
+    steps = _steps(digits_data, 20)
+    steps[14]["lr"] = 0.003
     result = _browser(url, {"steps": steps, "badInput": True, "worker": worker}, tmp_path)
     assert result["ok"], result
+    assert result["engine"] == "portable"
     losses, weights = _python(root / "bundle", steps)
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
     np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
     assert result["losses"][-1] < result["losses"][0]
     assert result["badInput"].startswith("InputError: input must be a Float32Array")
+    # the rate change mattered: Python on the schedule alone ends elsewhere
+    assert np.abs(_python(root / "bundle", _steps(digits_data, 20))[1] - weights).max() > 1e-4
 
 
-def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_data, site, tmp_path):
-    """A plan's micro-batch splits each browser step into parts whose loss gradients are scaled by
-    part / batch; ORT-web accumulates them into one step. With AdamW's eps at 1 the update is about
-    linear in the gradient, so a wrong scale would show; the weights equal Python's whole-batch steps."""
+@pytest.mark.parametrize("build", ["current", "training"])
+def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_data, site, tmp_path, build):
+    """A plan's micro-batch splits each browser step into parts: the portable engine averages the parts'
+    gradients, 1.19.2's training build scales each part's loss gradient by part / batch and accumulates. With
+    AdamW's eps at 1 the update is about linear in the gradient, so a wrong scale would show; the weights
+    equal Python's whole-batch steps on the same engine."""
     import torch
 
     from artifacts import AdamW, generate
-    from samples.digits.model import build
+    from samples.digits.model import build as digits
 
     root, url = site
-    model = build()
+    model = digits()
     model[2].p = 0.0
     planned = tmp_path / "planned"
     generate(model, {"input": torch.randn(32, 64)}, planned, optimizer=AdamW(lr=1.0, eps=1.0), verify=False)
@@ -121,24 +143,51 @@ def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_d
     (planned / "manifest.json").write_text(json.dumps(manifest))
     assert make_bundle(planned, root / "bundle")["micro_batch_size"] == 5
     steps = _steps(digits_data, 6)
-    result = _browser(url, {"steps": steps, "parts": 16}, tmp_path)
+    result = _browser(url, {"steps": steps, "parts": 16, "build": build}, tmp_path)
     assert result["ok"], result
     assert result["parts"] == 4  # the largest size up to the plan's 5 that tiles 16, like Trainer.micro_batches
-    losses, weights = _python(root / "bundle", steps)
+    engine = "portable" if build == "current" else "classic"
+    assert result["engine"] == engine
+    losses, weights = _python(root / "bundle", steps, engine=engine)
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
     np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
     assert np.abs(weights - result["initial"]).max() > 1e-2  # it trained
 
 
-def test_browser_refuses_an_sgd_bundle_with_a_clear_error(digits_sgd, site, tmp_path):
-    """ONNX Runtime Web 1.19 cannot create the SGD optimizer session (it throws a bare number):
-    the client names the optimizer and the remedy before ORT sees the bundle."""
+def test_browser_trains_an_sgd_bundle_and_the_training_build_refuses_it(digits_sgd, digits_data, site, tmp_path):
+    """SGD runs on the portable graphs like Python's; ONNX Runtime Web 1.19 cannot create the SGD optimizer
+    session (it throws a bare number), so on that build the client names the optimizer and the remedy."""
     root, url = site
     make_bundle(digits_sgd, root / "bundle")
-    result = _browser(url, {"steps": []}, tmp_path)
-    assert not result["ok"]
-    assert result["error"].startswith("BundleError: this bundle trains with SGD")
-    assert "--optimizer adamw" in result["error"]
+    steps = _steps(digits_data, 10)
+    result = _browser(url, {"steps": steps}, tmp_path)
+    assert result["ok"], result
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    assert result["losses"][-1] < result["losses"][0]
+    refused = _browser(url, {"steps": [], "build": "training"}, tmp_path)
+    assert not refused["ok"]
+    assert refused["error"].startswith("BundleError: this bundle trains with SGD")
+    assert "onnxruntime-web 1.30" in refused["error"]
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["page", "web-worker"])
+def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_dropout, digits_data, site, tmp_path,
+                                                                  worker):
+    """Train 10 steps, save the state to IndexedDB, reload the page, load the bundle afresh, restore, train 10
+    more: the restored parameters are the saved ones bit for bit, and the 20 losses are Python's uninterrupted
+    run (the moments and the step count came back too: AdamW's bias correction depends on the step)."""
+    root, url = site
+    make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01)
+    steps = _steps(digits_data, 20)
+    result = _browser(url, {"steps": steps, "reloadAfter": 10, "worker": worker}, tmp_path)
+    assert result["ok"], result
+    np.testing.assert_array_equal(np.asarray(result["restored"], np.float32), np.asarray(result["saved"], np.float32))
+    assert np.abs(np.asarray(result["restored"]) - np.asarray(result["initial"])).max() > 1e-3
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
 
 
 def test_browser_skips_a_step_whose_gradient_is_not_finite(digits_data, site, tmp_path):
@@ -192,29 +241,35 @@ def test_weight_buffers_round_trip_exactly(digits_artifacts, site, tmp_path):
     np.testing.assert_array_equal(session.get_flat(), weights)
 
 
+def _append(name: str):  # type: ignore[no-untyped-def]
+    return lambda b: (b / name).write_bytes((b / name).read_bytes() + b"\0")
+
+
 @pytest.mark.parametrize(
-    ("damage", "message"),
+    ("damage", "message", "build"),
     [
-        (
-            lambda b: (b / "eval_model.onnx").write_bytes((b / "eval_model.onnx").read_bytes() + b"\0"),
-            "eval_model.onnx was altered",
-        ),
+        (_append("parameters.bin"), "parameters.bin was altered", "current"),
+        (_append("training_model.portable.onnx"), "training_model.portable.onnx was altered", "current"),
+        (_append("eval_model.onnx"), "eval_model.onnx was altered", "training"),
         (
             lambda b: (b / "bundle.json").write_text(
                 (b / "bundle.json").read_text().replace('"base": 0.001', '"base": 0.5')
             ),
             "signature does not match",
+            "current",
         ),
-        (lambda b: (b / "bundle.sig").unlink(), "is not signed"),
+        (lambda b: (b / "bundle.sig").unlink(), "is not signed", "current"),
     ],
 )
-def test_browser_refuses_tampered_bundles(digits_artifacts, site, tmp_path, damage, message):
+def test_browser_refuses_tampered_bundles(digits_artifacts, site, tmp_path, damage, message, build):
+    """Each build checks the files it reads against the signed hash table."""
     root, url = site
     private, public = keygen(tmp_path / "key")
     make_bundle(digits_artifacts, root / "bundle", sign_key=private)
     damage(root / "bundle")
     for worker in (False, True):
-        result = _browser(url, {"publicKeyPem": public.read_text(), "steps": [], "worker": worker}, tmp_path)
+        task = {"publicKeyPem": public.read_text(), "steps": [], "worker": worker, "build": build}
+        result = _browser(url, task, tmp_path)
         assert not result["ok"] and result["error"].startswith("BundleError: ") and message in result["error"], result
 
 

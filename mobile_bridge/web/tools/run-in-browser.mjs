@@ -39,7 +39,7 @@ try {
                                           losses, log: await page.textContent("#log") }));
     process.exit(0);
   }
-  const result = await page.evaluate(async (task) => {
+  const run = async (task) => {
     // Two SecureRound nodes through share_keys; node 2 then gets `token` as node 1's shares: the error it raises.
     async function forgedShares(s, token) {
       const [one, two] = [new s.SecureRound(), new s.SecureRound()];
@@ -124,7 +124,9 @@ try {
       return { ok: true, seconds };
     }
     const ortBase = task.ortBase ?? "/ort/";
-    const ort = await import(`${ortBase}ort.training.wasm.min.mjs`);
+    // The current build runs the portable graphs; `"build": "training"` takes 1.19.2's training build (classic).
+    const ortModule = `${ortBase}${task.build === "training" ? "ort.training.wasm.min.mjs" : "ort.wasm.min.mjs"}`;
+    const ort = await import(ortModule);
     ort.env.wasm.wasmPaths = ortBase;
     // Threads need a cross-origin isolated page (COOP/COEP headers); ORT falls back to 1 without.
     ort.env.wasm.numThreads = task.threads ?? 1;
@@ -173,11 +175,12 @@ try {
     try {
       const options = { publicKeyPem: task.publicKeyPem ?? null };
       const client = task.worker  // the same client in a Web Worker
-        ? await odt.WorkerClient.load("/bundle/", { ...options, ortUrl: `${ortBase}ort.training.wasm.min.mjs`,
-                                                    wasmPaths: ortBase, numThreads: task.threads ?? 1 })
+        ? await odt.WorkerClient.load("/bundle/", { ...options, ortUrl: ortModule, wasmPaths: ortBase,
+                                                    numThreads: task.threads ?? 1 })
         : await odt.OdtClient.load(ort, "/bundle/", options);
       const loaded = performance.now() - t0;
       if (task.weights) await client.setWeights(Float32Array.from(task.weights));
+      if (task.restore) await client.restoreState(task.restore);
       const initial = Array.from(await client.getWeights());
       const losses = [];
       const stepTimes = [];
@@ -191,6 +194,7 @@ try {
           const Array_ = spec.dtype === "int64" ? BigInt64Array : Float32Array;
           batch[spec.name] = spec.dtype === "int64" ? Array_.from(step[spec.name].map(BigInt)) : Array_.from(step[spec.name]);
         }
+        if (step.lr !== undefined) await client.setLearningRate(step.lr); // a rate change before this step
         const s0 = performance.now();
         const { loss, applied } = await client.trainStep(batch, step.size);
         appliedSteps.push(applied);
@@ -202,6 +206,7 @@ try {
       clearInterval(timer);
       ticks.push(performance.now());
       const longestStallMs = Math.max(...ticks.slice(1).map((t, i) => t - ticks[i]));
+      if (task.save) await client.saveState(task.save);
       let badInput = null;
       if (task.badInput) {
         try {
@@ -211,13 +216,25 @@ try {
         }
       }
       return { ok: true, loadMs: loaded, longestStallMs, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
-               applied: appliedSteps, isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
+               applied: appliedSteps, engine: client.engineName, isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
                initial, weights: Array.from(await client.getWeights()), badInput,
                parts: task.parts ? client.partSize(task.parts) : null };
     } catch (error) {
       return { ok: false, error: `${error.name}: ${error.message}` };
     }
-  }, task);
+  };
+  let result;
+  if (task.reloadAfter) {
+    // Train, save the state, reload the page (a fresh client from the bundle), restore it, train on.
+    const key = "resume";
+    const first = await page.evaluate(run, { ...task, steps: task.steps.slice(0, task.reloadAfter), save: key });
+    await page.reload();
+    const second = await page.evaluate(run, { ...task, steps: task.steps.slice(task.reloadAfter), restore: key });
+    result = { ...second, ok: first.ok && second.ok, error: first.error ?? second.error, initial: first.initial,
+               saved: first.weights, restored: second.initial, losses: [...(first.losses ?? []), ...(second.losses ?? [])] };
+  } else {
+    result = await page.evaluate(run, task);
+  }
   process.stdout.write(JSON.stringify(result));
 } finally {
   await context.close();
