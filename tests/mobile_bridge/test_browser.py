@@ -72,6 +72,13 @@ def _steps(digits_data, count: int, size: int = 16) -> list[dict]:
     ]  # fmt: skip
 
 
+def _feeds(manifest, step: dict) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    """A step's arrays (as the browser gets them: flat, by name) in the training graph's feed order."""
+    specs = {t.name: t for t in (*manifest.inputs, *manifest.targets)}
+    shape = lambda name: [step["size"] if d == "batch" else d for d in specs[name].shape]  # noqa: E731
+    return [np.asarray(step[name], specs[name].dtype).reshape(shape(name)) for name in manifest.feed_names]
+
+
 def _python(
     bundle: Path, steps: list[dict], weights: np.ndarray | None = None, *, engine: str = "portable"
 ) -> tuple[list[float], np.ndarray]:
@@ -93,8 +100,7 @@ def _python(
     for k, step in enumerate(steps):
         fixed = step.get("lr", fixed)
         session.set_learning_rate(fixed if fixed is not None else lr_at(k, **settings))
-        x = np.asarray(step["input"], np.float32).reshape(step["size"], 64)
-        fetched = session.train_step([x, np.asarray(step["labels"], np.int64)])
+        fetched = session.train_step(_feeds(manifest, step))
         losses.append(float(fetched[0]))
         session.optimizer_step()
         session.reset_grad()
@@ -190,6 +196,31 @@ def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_drop
     np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
 
 
+def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_path):
+    """A small BERT with LoRA on query and value and a trainable head: its frozen weights come from
+    parameters.bin as inputs of the portable graph; 20 steps equal Python's portable engine on the bundle."""
+    import torch
+
+    from artifacts import AdamW, generate
+    from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
+
+    root, url = site
+    torch.manual_seed(0)
+    manifest = generate(Classifier(), _example(), tmp_path / "lora", lora=LORA, trainable=HEAD,
+                        optimizer=AdamW(lr=1e-2), verify=False)  # fmt: skip
+    assert manifest.frozen_file is not None
+    description = make_bundle(tmp_path / "lora", root / "bundle")
+    assert {t["name"] for t in description["portable"]["frozen"]} == {p.name for p in manifest.frozen}
+    data = _data(160)
+    steps = [{"size": 8, **{k: v[i * 8 : (i + 1) * 8].ravel().tolist() for k, v in data.items()}} for i in range(20)]
+    result = _browser(url, {"steps": steps}, tmp_path)
+    assert result["ok"], result
+    losses, weights = _python(root / "bundle", steps)
+    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3  # the adapters and head moved
+
+
 def test_browser_skips_a_step_whose_gradient_is_not_finite(digits_data, site, tmp_path):
     import torch
 
@@ -283,7 +314,7 @@ def test_signed_bundle_loads_in_the_browser(digits_artifacts, site, tmp_path):
 
 def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
     """The next-word sample's LSTM (rewritten into gates) in onnxruntime-web: the same losses and
-    weights as Python ORT, token ids as int64."""
+    weights as Python's portable engine, token ids as int64."""
     import torch
 
     from artifacts import AdamW, generate
@@ -300,15 +331,9 @@ def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
              for _ in range(4)]  # fmt: skip
     result = _browser(url, {"steps": steps}, tmp_path)
     assert result["ok"], result
-    session = OrtTraining(root / "bundle")
-    losses = []
-    for step in steps:
-        ids = np.asarray(step["ids"], np.int64).reshape(8, 5)
-        losses.append(float(session.train_step([ids, np.asarray(step["labels"], np.int64)])[0]))
-        session.optimizer_step()
-        session.reset_grad()
+    losses, weights = _python(root / "bundle", steps)
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], session.get_flat(), atol=1e-5)
+    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
 
 
 DESCRIPTION_DAMAGE = [

@@ -97,7 +97,7 @@ def test_demo_page_trains_with_visible_progress(digits_artifacts, data_dir, tmp_
     assert len(page["losses"]) == 2 * 9 and page["losses"][-1] < page["losses"][0]  # 2 epochs of 270 / 32
     assert "verified: 17226 trainable weights" in page["log"]
     # the bridge's COOP/COEP headers make the page cross-origin isolated; ORT runs in a Web Worker
-    assert "training in a Web Worker with 1 WASM thread(s), cross-origin isolated: yes" in page["log"]
+    assert "training in a Web Worker (portable engine) with 1 WASM thread(s), cross-origin isolated: yes" in page["log"]
     assert shot.stat().st_size > 10_000
 
 
