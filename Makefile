@@ -18,13 +18,15 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 
 # The browser client's pinned npm packages (onnxruntime-web, its 1.19.2 training build, playwright-core), from
 # the lock file; the onnxruntime-web files the client loads go to $(WEB)/ort, which the wheel ships: the current
-# WASM build (portable step graphs) and 1.19.2's training build (classic graphs).
+# WASM and WebGPU builds (portable step graphs) and 1.19.2's training build (classic graphs).
 ORT_DIST := $(WEB)/node_modules/onnxruntime-web/dist
 ORT_TRAINING_DIST := $(WEB)/node_modules/onnxruntime-web-training/dist
 $(WEB_STAMP): $(WEB)/package-lock.json
 	cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error
 	rm -rf $(WEB)/ort && mkdir -p $(WEB)/ort
 	cp $(ORT_DIST)/ort.wasm.min.mjs $(ORT_DIST)/ort-wasm-simd-threaded.mjs $(ORT_DIST)/ort-wasm-simd-threaded.wasm $(WEB)/ort/
+	cp $(ORT_DIST)/ort.min.mjs $(ORT_DIST)/ort-wasm-simd-threaded.jsep.mjs $(ORT_DIST)/ort-wasm-simd-threaded.jsep.wasm \
+	   $(WEB)/ort/  # WebGPU (and WASM)
 	cp $(ORT_TRAINING_DIST)/ort.training.wasm.min.mjs $(ORT_TRAINING_DIST)/ort-training-wasm-simd-threaded.mjs \
 	   $(ORT_TRAINING_DIST)/ort-training-wasm-simd-threaded.wasm $(WEB)/ort/
 	cp $(WEB)/node_modules/onnxruntime-web/package.json $(WEB)/ort/onnxruntime-web.package.json  # versions, MIT licence

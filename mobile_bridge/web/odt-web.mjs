@@ -252,7 +252,7 @@ class ClassicEngine {
   }
 
   constructor(session, description) {
-    Object.assign(this, { name: "classic", session, description });
+    Object.assign(this, { name: "classic", session, description, provider: "wasm" });
   }
 
   /** One part's forward and backward, its loss gradient scaled by `scale` (ORT accumulates the parts). */
@@ -285,7 +285,7 @@ class ClassicEngine {
  * one flat vector each of parameters, gradients and AdamW's moments, with the learning rate as an input.
  */
 class PortableEngine {
-  static async open(ort, base, description, headers) {
+  static async open(ort, base, description, headers, provider) {
     const layout = description.portable;
     const bytes = {};
     for (const name of [layout.training, layout.optimizer, layout.parameters]) {
@@ -298,18 +298,18 @@ class PortableEngine {
     const all = new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength));
     let training, optimizer;
     try {
-      const options = { executionProviders: ["wasm"], graphOptimizationLevel: "all" };
+      const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
       training = await ort.InferenceSession.create(bytes[layout.training], options);
       optimizer = await ort.InferenceSession.create(bytes[layout.optimizer], options);
     } catch (error) {
       throw openError(error, "1.30 or later");
     }
-    return new PortableEngine(ort, description, training, optimizer, all);
+    return new PortableEngine(ort, description, training, optimizer, all, provider);
   }
 
-  constructor(ort, description, training, optimizer, all) {
+  constructor(ort, description, training, optimizer, all, provider) {
     const size = description.weights.size;
-    Object.assign(this, { name: "portable", ort, description, training, optimizer });
+    Object.assign(this, { name: "portable", ort, description, training, optimizer, provider });
     this.flat = { value: all.slice(0, size), grad: new Float32Array(size), momentum0: new Float32Array(size),
                   momentum1: new Float32Array(size) };
     this.frozen = {};
@@ -447,9 +447,20 @@ export class OdtClient {
     return this.engine.name;
   }
 
+  /** Where the portable graphs run: "webgpu" or "wasm". */
+  get executionProvider() {
+    return this.engine.provider;
+  }
+
   /** Fetch a bundle, check its signature (when a key is given) and every hash, then open ORT: the portable
-   * graphs on a current onnxruntime-web, the classic ones on 1.19.2's training build. */
-  static async load(ort, baseUrl, { publicKeyPem = null, headers = {} } = {}) {
+   * graphs on a current onnxruntime-web, the classic ones on 1.19.2's training build.
+   * `executionProvider: "webgpu"` (opt-in; needs onnxruntime-web's WebGPU build, ort.min.mjs) runs the
+   * portable graphs on the browser's GPU where it offers an adapter, and on WASM where it offers none;
+   * `client.executionProvider` says which. */
+  static async load(ort, baseUrl, { publicKeyPem = null, headers = {}, executionProvider = "wasm" } = {}) {
+    if (!["wasm", "webgpu"].includes(executionProvider)) {
+      throw new InputError(`executionProvider must be "wasm" or "webgpu", got ${JSON.stringify(executionProvider)}`);
+    }
     const base = baseUrl.endsWith("/") ? baseUrl : `${baseUrl}/`;
     const descriptionBytes = await fetchBytes(`${base}bundle.json`, headers);
     if (publicKeyPem) {
@@ -470,7 +481,10 @@ export class OdtClient {
     checkDescription(description, JSON.parse(new TextDecoder().decode(schemaBytes)));
     let engine;
     if (typeof ort.TrainingSession === "function") engine = await ClassicEngine.open(ort, base, description, headers);
-    else if (description.portable) engine = await PortableEngine.open(ort, base, description, headers);
+    else if (description.portable) {
+      const gpu = executionProvider === "webgpu" && (await globalThis.navigator?.gpu?.requestAdapter?.()) != null;
+      engine = await PortableEngine.open(ort, base, description, headers, gpu ? "webgpu" : "wasm");
+    }
     else {
       throw new BundleError("this bundle has no portable graphs, which this onnxruntime-web (no training build) needs; "
                             + "regenerate the artifacts with odt generate and bundle them again");
@@ -662,13 +676,13 @@ export class WorkerClient {
    * folder of its .wasm files.
    */
   static async load(baseUrl, { ortUrl, wasmPaths, numThreads = 1, publicKeyPem = null, headers = {},
-                               workerUrl = new URL("./odt-worker.mjs", import.meta.url) } = {}) {
+                               executionProvider = "wasm", workerUrl = new URL("./odt-worker.mjs", import.meta.url) } = {}) {
     if (!ortUrl || !wasmPaths) throw new InputError("WorkerClient.load needs ortUrl and wasmPaths (onnxruntime-web's files)");
     const absolute = (url) => new URL(url, location.href).href; // the worker resolves URLs against its own
     const client = new WorkerClient(new Worker(workerUrl, { type: "module" }));
     try {
       const loaded = await client.call("load", [absolute(ortUrl), absolute(wasmPaths), numThreads, absolute(baseUrl),
-                                                { publicKeyPem, headers }]);
+                                                { publicKeyPem, headers, executionProvider }]);
       Object.assign(client, loaded, { specs: [...loaded.description.inputs, ...loaded.description.targets] });
       return client;
     } catch (error) {

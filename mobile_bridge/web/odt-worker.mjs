@@ -11,7 +11,8 @@ const ops = {
     ort.env.wasm.wasmPaths = wasmPaths;
     ort.env.wasm.numThreads = numThreads; // ORT falls back to 1 unless the page is cross-origin isolated
     client = await OdtClient.load(ort, baseUrl, options);
-    return { value: { description: client.description, engineName: client.engineName, threads: ort.env.wasm.numThreads,
+    return { value: { description: client.description, engineName: client.engineName,
+                      executionProvider: client.executionProvider, threads: ort.env.wasm.numThreads,
                       isolated: self.crossOriginIsolated } };
   },
   async trainStep(_id, batch, size) {

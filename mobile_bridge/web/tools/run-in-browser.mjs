@@ -13,8 +13,10 @@ const profile = mkdtempSync(join(tmpdir(), "odt-chromium-"));
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
   headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"],
+  // WebGPU: Chromium offers an adapter only with --enable-unsafe-webgpu here (SwiftShader, software).
+  args: ["--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync",
+         ...(task.webgpu ? ["--enable-unsafe-webgpu"] : ["--disable-gpu"])],
 });
 try {
   const page = await context.newPage();
@@ -124,8 +126,11 @@ try {
       return { ok: true, seconds };
     }
     const ortBase = task.ortBase ?? "/ort/";
-    // The current build runs the portable graphs; `"build": "training"` takes 1.19.2's training build (classic).
-    const ortModule = `${ortBase}${task.build === "training" ? "ort.training.wasm.min.mjs" : "ort.wasm.min.mjs"}`;
+    // The current build runs the portable graphs (its WebGPU build for `"provider": "webgpu"`); `"build":
+    // "training"` takes 1.19.2's training build (classic graphs).
+    const file = task.build === "training" ? "ort.training.wasm.min.mjs" : task.provider === "webgpu" ? "ort.min.mjs"
+      : "ort.wasm.min.mjs";
+    const ortModule = `${ortBase}${file}`;
     const ort = await import(ortModule);
     ort.env.wasm.wasmPaths = ortBase;
     // Threads need a cross-origin isolated page (COOP/COEP headers); ORT falls back to 1 without.
@@ -173,7 +178,7 @@ try {
     }
     const t0 = performance.now();
     try {
-      const options = { publicKeyPem: task.publicKeyPem ?? null };
+      const options = { publicKeyPem: task.publicKeyPem ?? null, executionProvider: task.provider ?? "wasm" };
       const client = task.worker  // the same client in a Web Worker
         ? await odt.WorkerClient.load("/bundle/", { ...options, ortUrl: ortModule, wasmPaths: ortBase,
                                                     numThreads: task.threads ?? 1 })
@@ -216,7 +221,8 @@ try {
         }
       }
       return { ok: true, loadMs: loaded, longestStallMs, firstStepMs: stepTimes[0] ?? null, sinceOpenMs: task.sinceOpenMs ?? null, stepTimes, losses,
-               applied: appliedSteps, engine: client.engineName, isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
+               applied: appliedSteps, engine: client.engineName,
+               provider: client.executionProvider, adapter: !!(await navigator.gpu?.requestAdapter?.()), isolated: self.crossOriginIsolated, threads: client.threads ?? ort.env.wasm.numThreads,
                initial, weights: Array.from(await client.getWeights()), badInput,
                parts: task.parts ? client.partSize(task.parts) : null };
     } catch (error) {
