@@ -39,6 +39,7 @@ BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
 PARAMETERS = "parameters.bin"
+STEP = "step_model.portable.onnx"
 
 
 def make_bundle(
@@ -103,6 +104,7 @@ def make_bundle(
         from .frozen import internalize_frozen
         from .learning_rate import bake_learning_rate
         from .loss_scale import expose_loss_scale
+        from .step_graph import fuse_step
 
         # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
         portable = manifest.portable_files
@@ -115,6 +117,8 @@ def make_bundle(
             internalize_frozen(source, work, manifest, graphs, trainer)
         if portable:
             shutil.copy2(source / portable[1], work / portable[1])
+            step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]), manifest)
+            onnx.save(step, work / STEP)
             layout = _write_parameters(trainer, manifest, work / PARAMETERS)
         del trainer
 
@@ -140,6 +144,7 @@ def make_bundle(
             description["portable"] = {
                 "training": portable[0],
                 "optimizer": portable[1],
+                "step": STEP,
                 "eval": "eval_model.onnx",
                 "parameters": PARAMETERS,
                 "frozen": layout,

@@ -43,7 +43,8 @@ const SCHEMA_FILE = "manifest.schema.json";
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
 
 async function fetchBytes(url, headers = {}) {
-  const response = await fetch(url, { headers });
+  // Revalidated, never taken from the HTTP cache as is: a bundle rebuilt at the same URL would fail its hashes.
+  const response = await fetch(url, { headers, cache: "no-cache" });
   if (!response.ok) throw new BundleError(`cannot fetch ${url}: HTTP ${response.status}`);
   return new Uint8Array(await response.arrayBuffer());
 }
@@ -279,6 +280,8 @@ class ClassicEngine {
   }
 }
 
+const STATE = ["value", "momentum0", "momentum1"]; // the flat vectors a saved state holds
+
 /**
  * The current onnxruntime-web over the portable step graphs (as ondevice.engines.portable in Python): the
  * training graph takes the parameters as inputs and returns each one's gradient; the optimizer graph updates
@@ -288,7 +291,7 @@ class PortableEngine {
   static async open(ort, base, description, headers, provider) {
     const layout = description.portable;
     const bytes = {};
-    for (const name of [layout.training, layout.optimizer, layout.parameters]) {
+    for (const name of [layout.training, layout.optimizer, layout.step, layout.parameters]) {
       bytes[name] = await fetchChecked(base, name, description, headers);
     }
     const values = bytes[layout.parameters];
@@ -296,20 +299,20 @@ class PortableEngine {
     const total = layout.frozen.reduce((sum, t) => Math.max(sum, t.offset + t.shape.reduce((a, b) => a * b, 1)), size);
     if (values.byteLength !== total * 4) throw new BundleError(`${layout.parameters} holds ${values.byteLength} bytes, not ${total * 4}; rebuild the bundle`);
     const all = new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength));
-    let training, optimizer;
+    const sessions = {};
     try {
       const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
-      training = await ort.InferenceSession.create(bytes[layout.training], options);
-      optimizer = await ort.InferenceSession.create(bytes[layout.optimizer], options);
+      for (const kind of ["training", "optimizer", "step"]) sessions[kind] = await ort.InferenceSession.create(bytes[layout[kind]], options);
     } catch (error) {
       throw openError(error, "1.30 or later");
     }
-    return new PortableEngine(ort, description, training, optimizer, all, provider);
+    return new PortableEngine(ort, description, sessions, all, provider);
   }
 
-  constructor(ort, description, training, optimizer, all, provider) {
+  /** `sessions`: the training graph, the optimizer update and the two fused (a whole step in one run). */
+  constructor(ort, description, { training, optimizer, step }, all, provider) {
     const size = description.weights.size;
-    Object.assign(this, { name: "portable", ort, description, training, optimizer, provider });
+    Object.assign(this, { name: "portable", ort, description, training, optimizer, fused: step, provider });
     this.flat = { value: all.slice(0, size), grad: new Float32Array(size), momentum0: new Float32Array(size),
                   momentum1: new Float32Array(size) };
     this.frozen = {};
@@ -319,6 +322,7 @@ class PortableEngine {
     }
     this.step = 0;
     this.pending = 0; // parts whose gradients the accumulator holds
+    this.staged = null; // a fused step's updated vectors, applied by optimizerStep
     this.learningRate = null; // null: the bundle's schedule
   }
 
@@ -328,14 +332,20 @@ class PortableEngine {
   }
 
   /** One part's forward and backward; its gradients add into the accumulator (a mean loss's are averaged
-   * over the parts before the update, as the Python trainer does). */
-  async trainStep(ort, feeds) {
+   * over the parts before the update, as the Python trainer does). A `whole` step runs the fused graph
+   * instead, which computes the update too: `optimizerStep` then applies it. */
+  async trainStep(ort, feeds, _scale, whole) {
     const tensors = this.description.weights.tensors;
     for (const t of tensors) {
       const count = t.shape.reduce((a, b) => a * b, 1);
       feeds[t.name] = new ort.Tensor("float32", this.flat.value.subarray(t.offset, t.offset + count), t.shape);
     }
     Object.assign(feeds, this.frozen);
+    if (whole && this.pending === 0) {
+      Object.assign(feeds, this.updateFeeds(false));
+      this.staged = await this.fused.run(feeds);
+      return this.staged;
+    }
     const results = await this.training.run(feeds);
     const grad = this.flat.grad;
     for (const t of tensors) {
@@ -347,27 +357,36 @@ class PortableEngine {
     return results;
   }
 
-  async optimizerStep() {
+  /** The update's inputs for the next optimizer step: the rates, the moments (and the parameters and gradients
+   * unless the fused graph gathers them itself). */
+  updateFeeds(vectors) {
     const { ort, flat } = this;
-    const mean = (this.description.loss?.options?.reduction ?? "mean") === "mean";
-    if (this.pending > 1 && mean) {
-      const scale = Math.fround(1 / this.pending);
-      for (let i = 0; i < flat.grad.length; i++) flat.grad[i] *= scale;
-    }
     const lr = this.learningRate ?? rateAt(this.step, this.description.learning_rate);
-    this.step++;
-    const adamw = this.description.optimizer === "adamw";
-    const rates = adamw ? adamwRates(lr, this.step, this.hyper.betas ?? [0.9, 0.999], this.hyper.weight_decay ?? 0)
-      : [Math.fround(lr), Math.fround(lr), 0];
+    const rates = this.description.optimizer === "adamw"
+      ? adamwRates(lr, this.step + 1, this.hyper.betas, this.hyper.weight_decay) : [Math.fround(lr), Math.fround(lr), 0];
     const scalar = (v) => new ort.Tensor("float32", new Float32Array([v]), []);
     const vector = (v) => new ort.Tensor("float32", v, [v.length]);
     const candidates = { "odt.lr": scalar(rates[0]), "odt.lr_corrected": scalar(rates[1]), "odt.lr_decay": scalar(rates[2]),
-      "odt.parameters": vector(flat.value), "odt.gradients": vector(flat.grad), "odt.momentum0": vector(flat.momentum0),
-      "odt.momentum1": vector(flat.momentum1) };
-    const feeds = Object.fromEntries(this.optimizer.inputNames.map((n) => [n, candidates[n]]));
-    const results = await this.optimizer.run(feeds);
+      "odt.momentum0": vector(flat.momentum0), "odt.momentum1": vector(flat.momentum1),
+      ...(vectors ? { "odt.parameters": vector(flat.value), "odt.gradients": vector(flat.grad) } : {}) };
+    const wanted = (vectors ? this.optimizer : this.fused).inputNames;
+    return Object.fromEntries(Object.entries(candidates).filter(([name]) => wanted.includes(name)));
+  }
+
+  async optimizerStep() {
+    const { flat } = this;
+    let results = this.staged;
+    if (!results) {
+      const mean = (this.description.loss?.options?.reduction ?? "mean") === "mean";
+      if (this.pending > 1 && mean) {
+        const scale = Math.fround(1 / this.pending);
+        for (let i = 0; i < flat.grad.length; i++) flat.grad[i] *= scale;
+      }
+      results = await this.optimizer.run(this.updateFeeds(true));
+    }
+    this.step++;
     flat.value.set(results["odt.parameters.updated"].data);
-    if (adamw) {
+    if (this.description.optimizer === "adamw") {
       flat.momentum0.set(results["odt.momentum0.updated"].data);
       flat.momentum1.set(results["odt.momentum1.updated"].data);
     }
@@ -375,6 +394,7 @@ class PortableEngine {
 
   async resetGrad() {
     this.pending = 0;
+    this.staged = null;
   }
 
   async getWeights() {
@@ -385,14 +405,15 @@ class PortableEngine {
     this.flat.value.set(weights);
   }
 
-  /** Everything a resumed run needs, as one byte buffer: a JSON header line, then the four flat vectors. */
+  /** Everything a resumed run needs, as one byte buffer: a JSON header line, then the parameters and moments
+   * (saved between steps: no gradient is pending). */
   state() {
     const header = new TextEncoder().encode(`${JSON.stringify({ step: this.step, learningRate: this.learningRate,
                                                                  size: this.flat.value.length })}\n`);
-    const out = new Uint8Array(header.length + 16 * this.flat.value.length);
+    const out = new Uint8Array(header.length + 12 * this.flat.value.length);
     out.set(header);
     let at = header.length;
-    for (const kind of ["value", "momentum0", "momentum1", "grad"]) {
+    for (const kind of STATE) {
       const v = this.flat[kind];
       out.set(new Uint8Array(v.buffer, v.byteOffset, v.byteLength), at);
       at += v.byteLength;
@@ -404,12 +425,12 @@ class PortableEngine {
     const end = bytes.indexOf(10);
     const header = JSON.parse(new TextDecoder().decode(bytes.subarray(0, end)));
     const size = this.flat.value.length;
-    if (header.size !== size || bytes.length !== end + 1 + 16 * size) {
+    if (header.size !== size || bytes.length !== end + 1 + 12 * size) {
       throw new InputError(`the saved state holds ${header.size} weights, this bundle trains ${size}: it was saved from another bundle`);
     }
     const values = new Float32Array(bytes.buffer.slice(bytes.byteOffset + end + 1, bytes.byteOffset + bytes.length));
-    ["value", "momentum0", "momentum1", "grad"].forEach((kind, i) => this.flat[kind].set(values.subarray(i * size, (i + 1) * size)));
-    Object.assign(this, { step: header.step, learningRate: header.learningRate, pending: 0 });
+    STATE.forEach((kind, i) => this.flat[kind].set(values.subarray(i * size, (i + 1) * size)));
+    Object.assign(this, { step: header.step, learningRate: header.learningRate, pending: 0, staged: null });
   }
 }
 
@@ -525,7 +546,7 @@ export class OdtClient {
     for (let start = 0; start < size; start += part) {
       const piece = part === size ? batch : this.slice(batch, size, start, part);
       const feeds = part === size ? whole : this.feeds(piece, part);
-      const results = await this.engine.trainStep(this.ort, feeds, mean ? part / size : 1);
+      const results = await this.engine.trainStep(this.ort, feeds, mean ? part / size : 1, part === size);
       const [lossOut, scores] = Object.values(results); // the graph's outputs in order: loss, scores, ...
       const partLoss = Number(lossOut.data[0]);
       loss += mean ? (partLoss * part) / size : partLoss;

@@ -190,3 +190,130 @@ def test_bundle_force_replaces_only_a_bundle(digits_artifacts, tmp_path, monkeyp
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+PHONE_RECIPE = r"""
+import json, math, sys
+import numpy as np
+import onnxruntime as ort
+from ondevice.engines.portable import adamw_rates
+
+bundle, data = sys.argv[1], json.load(open(sys.argv[2]))
+d = json.load(open(f"{bundle}/bundle.json"))
+options = ort.SessionOptions()
+options.log_severity_level = 3
+training = ort.InferenceSession(f"{bundle}/training_model.portable.ort", options)
+optimizer = ort.InferenceSession(f"{bundle}/optimizer_model.portable.ort", options)
+values = np.fromfile(f"{bundle}/parameters.bin", "<f4")
+n, tensors, hyper = d["weights"]["size"], d["weights"]["tensors"], d["portable"]["optimizer_options"]
+params, grads, m0, m1 = values[:n].copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+view = lambda a, t: a[t["offset"] : t["offset"] + math.prod(t["shape"])].reshape(t["shape"])
+frozen = {t["name"]: view(values, t) for t in d["portable"]["frozen"]}
+names = [o.name for o in training.get_outputs()]
+losses = []
+for step, batch in enumerate(data, 1):
+    feeds = {"input": np.asarray(batch["input"], np.float32), "labels": np.asarray(batch["labels"], np.int64), **frozen}
+    feeds.update({t["name"]: view(params, t) for t in tensors})
+    out = dict(zip(names, training.run(None, feeds)))
+    losses.append(float(out[names[0]]))
+    for t in tensors:
+        view(grads, t)[...] = out[t["name"] + "_grad"]
+    lr, corrected, decay = adamw_rates(0.01, step, hyper["betas"], hyper["weight_decay"])
+    scalar = lambda v: np.asarray(v, np.float32)
+    updated = optimizer.run(["odt.parameters.updated", "odt.momentum0.updated", "odt.momentum1.updated"], {
+        "odt.lr": scalar(lr), "odt.lr_corrected": scalar(corrected), "odt.lr_decay": scalar(decay),
+        "odt.parameters": params, "odt.gradients": grads, "odt.momentum0": m0, "odt.momentum1": m1})
+    params, m0, m1 = updated
+shapes = lambda args: {a.name: a.shape for a in args}
+print(json.dumps({"version": ort.__version__, "losses": losses, "params": params.tolist(),
+                  "training": {"inputs": shapes(training.get_inputs()), "outputs": shapes(training.get_outputs())},
+                  "optimizer": {"inputs": shapes(optimizer.get_inputs()), "outputs": shapes(optimizer.get_outputs())}}))
+"""
+
+
+def test_the_documented_phone_recipe_trains_the_ort_format_graphs_on_current_onnxruntime(
+    digits_no_dropout, digits_data, tmp_path, stock_python
+):
+    """The README's Kotlin and Swift sketches for current ONNX Runtime Mobile, done in Python on the newest
+    stock onnxruntime over the bundle's .ort portable graphs: the same losses and weights as the portable
+    engine on the .onnx graphs; and every file, input and output name the sketches use exists in the bundle,
+    with the shapes they give (scalar rates, flat vectors of the weight buffer's size)."""
+    import re
+    import subprocess
+
+    from ondevice.engines.portable import PortableEngine
+    from ondevice.manifest import Manifest
+    from tests.conftest import ROOT
+
+    bundle = tmp_path / "bundle"
+    description = make_bundle(digits_no_dropout[0], bundle, lr=0.01)
+    steps = [{"input": b[0].tolist(), "labels": b[1].tolist()} for b in (_feeds(digits_data, i) for i in range(5))]
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    run = subprocess.run([*stock_python, "-c", PHONE_RECIPE, str(bundle), str(tmp_path / "steps.json")],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    phone = json.loads(run.stdout)
+    assert phone["version"] != "1.19.2"  # the stock runtime, not the training build
+    engine = PortableEngine(bundle, Manifest.load(bundle), bundle / "checkpoint", threads=1, with_eval=False)
+    engine.set_learning_rate(0.01)  # the recipe's rate
+    losses = []
+    for i in range(5):
+        losses.append(float(engine.train_step(_feeds(digits_data, i))[0]))
+        engine.optimizer_step()
+        engine.reset_grad()
+    np.testing.assert_allclose(phone["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(phone["params"], engine.get_flat(), atol=1e-5)
+
+    readme = (ROOT / "mobile_bridge" / "README.md").read_text()
+    sketches = readme[readme.index("## Android (Kotlin, current") : readme.index("## Android (Kotlin, `com.microsoft")]
+    code = "\n".join(re.findall(r"```(?:kotlin|swift)\n(.*?)```", sketches, re.S))
+    quoted = {q.lstrip("/") for q in re.findall(r'"([^"\s]+)"', code)}  # Swift's paths: dir + "/NAME"
+    training, optimizer = phone["training"], phone["optimizer"]
+    assert {q for q in quoted if q.endswith(".ort")} == {"training_model.portable.ort", "optimizer_model.portable.ort"}
+    assert {q for q in quoted if q.endswith(".ort") or q.endswith(".bin")} <= set(description["files"])
+    assert {"input", "labels"} <= quoted and {"input", "labels"} <= set(training["inputs"])
+    odt = {q for q in quoted if q.startswith("odt.")}
+    assert odt == set(optimizer["inputs"]) | set(optimizer["outputs"])
+    assert "_grad" in quoted
+    assert {t["name"] + "_grad" for t in description["weights"]["tensors"]} <= set(training["outputs"])
+    assert {t["name"] for t in description["weights"]["tensors"]} <= set(training["inputs"])
+    assert all(optimizer["inputs"][name] == [] for name in ("odt.lr", "odt.lr_corrected", "odt.lr_decay"))
+    size = description["weights"]["size"]
+    assert all(optimizer["inputs"][f"odt.{v}"] == [size] for v in ("parameters", "gradients", "momentum0", "momentum1"))
+
+
+def test_the_fused_step_graph_does_what_the_training_and_optimizer_graphs_do(digits_no_dropout, digits_data, tmp_path):
+    """step_model.portable.onnx (one run per step, for runtimes that pay per run) gives the two graphs' losses
+    and updated parameters and moments, bit for bit, over steps on the bundle's schedule."""
+    import onnxruntime as ort
+
+    from ondevice.engines.portable import PortableEngine, adamw_rates
+    from ondevice.manifest import Manifest
+
+    bundle = tmp_path / "bundle"
+    description = make_bundle(digits_no_dropout[0], bundle, lr=0.01, schedule="linear", total_steps=4)
+    manifest, layout = Manifest.load(bundle), description["portable"]
+    engine = PortableEngine(bundle, manifest, bundle / "checkpoint", threads=1, with_eval=False)
+    step = ort.InferenceSession(str(bundle / layout["step"]), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in step.get_outputs()]
+    n = description["weights"]["size"]
+    params, m0, m1 = engine.get_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    rate = {k: description["learning_rate"][k] for k in ("kind", "base", "total", "warmup", "min_lr")}
+    hyper = layout["optimizer_options"]
+    for k in range(4):
+        x, y = _feeds(digits_data, k)
+        lr, corrected, decay = adamw_rates(lr_at(k, **rate), k + 1, hyper["betas"], hyper["weight_decay"])
+        rates = {"odt.lr": lr, "odt.lr_corrected": corrected, "odt.lr_decay": decay}
+        feeds = {"input": x, "labels": y, "odt.momentum0": m0, "odt.momentum1": m1,
+                 **{name: np.asarray(value, np.float32) for name, value in rates.items()}}  # fmt: skip
+        feeds.update({t["name"]: params[t["offset"] : t["offset"] + int(np.prod(t["shape"]))].reshape(t["shape"])
+                      for t in description["weights"]["tensors"]})  # fmt: skip
+        fused = dict(zip(outputs, step.run(None, feeds)))
+        engine.set_learning_rate(lr_at(k, **rate))
+        loss = engine.train_step([x, y])[0]
+        engine.optimizer_step()
+        engine.reset_grad()
+        assert fused[outputs[0]] == loss
+        params, m0, m1 = (fused[f"odt.{v}.updated"] for v in ("parameters", "momentum0", "momentum1"))
+        np.testing.assert_array_equal(params, engine.get_flat())
+    assert not any(o.endswith("_grad") for o in outputs)  # the gradients stay inside
