@@ -213,6 +213,9 @@ def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_drop
     losses, weights = _python(root / "bundle", steps)
     np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
     np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    if not worker:
+        missing = _browser(url, {"steps": [], "restore": "never-saved"}, tmp_path)
+        assert missing["error"] == 'InputError: no saved state named "never-saved" in this browser'
 
 
 def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_path):
