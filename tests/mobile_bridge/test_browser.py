@@ -147,6 +147,39 @@ def test_browser_trains_on_webgpu_like_python(digits_no_dropout, digits_data, si
     np.testing.assert_allclose(fallback["losses"], losses[:2], atol=1e-5)
 
 
+def test_webgpu_reads_a_text_models_token_ids_as_zeros_pinned(site, tmp_path):
+    """Why WebGPU stays opt-in for text models: onnxruntime-web 1.30's WebGPU build on Chromium's SwiftShader
+    adapter reads a BERT's token ids as zeros in the word-embedding Gather (every row comes out as the padding
+    row) once the token-type Gather is in the same graph; WASM is right. The smallest graph found is BERT's
+    embeddings up to those two Gathers (39 nodes); it stays wrong with graph optimizations off, while either
+    Gather alone, or the last five nodes fed the shapes the others compute, is right. Pinned: when this fails,
+    re-test MiniLM on WebGPU and lift the opt-in for it."""
+    import onnx
+    from onnx.utils import extract_model
+
+    from artifacts import generate
+    from ondevice import Trainer
+    from tests.artifacts.test_lora import Classifier, _data, _example
+
+    root, url = site
+    generate(Classifier(), _example(), tmp_path / "bert", verify=False)
+    Trainer.load(tmp_path / "bert").export(tmp_path / "bert.onnx")
+    outputs = {n.name.split("/")[-2]: n.output[0] for n in onnx.load(tmp_path / "bert.onnx").graph.node
+               if n.op_type == "Gather" and n.name.endswith("_embeddings/Gather")}  # fmt: skip
+    words, types = outputs["word_embeddings"], outputs["token_type_embeddings"]
+    extract_model(str(tmp_path / "bert.onnx"), str(root / "embeddings.onnx"), ["ids", "mask"], [words, types])
+    data = _data(8)
+    feeds = {k: {"dtype": "int64", "shape": list(v.shape), "data": v.ravel().tolist()}
+             for k, v in data.items() if k in ("ids", "mask")}  # fmt: skip
+    result = _browser(url, {"providers": {"url": "/embeddings.onnx", "feeds": feeds}, "webgpu": True}, tmp_path)
+    assert result["ok"] and result["adapter"], result
+    table = Trainer.load(tmp_path / "bert").parameter("model.bert.embeddings.word_embeddings.weight")
+    expected = table[data["ids"]]
+    np.testing.assert_allclose(result["outputs"]["wasm"][words], expected.ravel(), atol=1e-6)
+    padding = np.broadcast_to(table[0], expected.shape).ravel()  # row 0 for every token
+    np.testing.assert_allclose(result["outputs"]["webgpu"][words], padding, atol=1e-6)
+
+
 @pytest.mark.parametrize("build", ["current", "training"])
 def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_data, site, tmp_path, build):
     """A plan's micro-batch splits each browser step into parts: the portable engine averages the parts'

@@ -125,6 +125,22 @@ try {
       }
       return { ok: true, seconds };
     }
+    if (task.providers) {
+      // One model on WASM and on WebGPU (onnxruntime-web's WebGPU build), the same feeds: every output of both.
+      const ort = await import("/ort/ort.min.mjs");
+      ort.env.wasm.wasmPaths = "/ort/";
+      ort.env.wasm.numThreads = 1;
+      const arrays = { int64: (d) => BigInt64Array.from(d.map(BigInt)), float32: (d) => Float32Array.from(d) };
+      const outputs = {};
+      for (const ep of ["wasm", "webgpu"]) {
+        const session = await ort.InferenceSession.create(task.providers.url, { executionProviders: [ep] });
+        const feeds = Object.fromEntries(Object.entries(task.providers.feeds).map(
+          ([name, f]) => [name, new ort.Tensor(f.dtype, arrays[f.dtype](f.data), f.shape)]));
+        const results = await session.run(feeds);
+        outputs[ep] = Object.fromEntries(Object.entries(results).map(([name, t]) => [name, Array.from(t.data, Number)]));
+      }
+      return { ok: true, outputs, adapter: !!(await navigator.gpu?.requestAdapter?.()) };
+    }
     const ortBase = task.ortBase ?? "/ort/";
     // The current build runs the portable graphs (its WebGPU build for `"provider": "webgpu"`); `"build":
     // "training"` takes 1.19.2's training build (classic graphs).
