@@ -249,6 +249,8 @@ def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_drop
     if not worker:
         missing = _browser(url, {"steps": [], "restore": "never-saved"}, tmp_path)
         assert missing["error"] == 'InputError: no saved state named "never-saved" in this browser'
+        damaged = _browser(url, {"steps": steps[:2], "reloadAfter": 1, "corruptOnReload": True}, tmp_path)
+        assert damaged["error"] == 'InputError: the state "resume" is damaged (sha256 differs); start afresh'
 
 
 def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_path):

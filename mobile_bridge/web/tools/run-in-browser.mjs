@@ -201,6 +201,22 @@ try {
         : await odt.OdtClient.load(ort, "/bundle/", options);
       const loaded = performance.now() - t0;
       if (task.weights) await client.setWeights(Float32Array.from(task.weights));
+      if (task.corrupt) {
+        // Flip one byte of a saved state in IndexedDB (as a failing disk or a meddling script would).
+        await new Promise((resolve, reject) => {
+          const open = indexedDB.open("odt-state", 1);
+          open.onsuccess = () => {
+            const store = open.result.transaction("states", "readwrite").objectStore("states");
+            const get = store.get(task.corrupt);
+            get.onsuccess = () => {
+              const record = get.result;
+              record.bytes[record.bytes.length - 1] ^= 1;
+              store.put(record, task.corrupt).onsuccess = resolve;
+            };
+          };
+          open.onerror = reject;
+        });
+      }
       if (task.restore) await client.restoreState(task.restore);
       const initial = Array.from(await client.getWeights());
       const losses = [];
@@ -251,7 +267,8 @@ try {
     const key = "resume";
     const first = await page.evaluate(run, { ...task, steps: task.steps.slice(0, task.reloadAfter), save: key });
     await page.reload();
-    const second = await page.evaluate(run, { ...task, steps: task.steps.slice(task.reloadAfter), restore: key });
+    const second = await page.evaluate(run, { ...task, steps: task.steps.slice(task.reloadAfter), restore: key,
+                                              corrupt: task.corruptOnReload ? key : undefined });
     result = { ...second, ok: first.ok && second.ok, error: first.error ?? second.error, initial: first.initial,
                saved: first.weights, restored: second.initial, losses: [...(first.losses ?? []), ...(second.losses ?? [])] };
   } else {
