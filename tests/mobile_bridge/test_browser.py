@@ -107,6 +107,18 @@ def _python(
     return losses, session.get_flat()
 
 
+def _like_python(url: str, bundle: Path, task: dict, tmp_path: Path, *, engine: str = "portable",
+                 atol: float = 1e-5) -> tuple[dict, np.ndarray]:
+    """Run ``task`` in the browser; its losses and final weights must be Python's on ``engine`` (within
+    ``atol``). Returns the browser's result and Python's final weights."""
+    result = _browser(url, task, tmp_path)
+    assert result["ok"], result
+    losses, weights = _python(bundle, task["steps"], engine=engine)
+    np.testing.assert_allclose(result["losses"], losses, atol=atol)
+    np.testing.assert_allclose(result["weights"], weights, atol=atol)
+    return result, weights
+
+
 @pytest.mark.parametrize("worker", [False, True], ids=["page", "web-worker"])
 def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tmp_path, worker):
     """On the page's thread and in a Web Worker (WorkerClient), on the current onnxruntime-web: 20 steps of
@@ -116,12 +128,8 @@ def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tm
     make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01, schedule="cosine", total_steps=12, warmup=2)
     steps = _steps(digits_data, 20)
     steps[14]["lr"] = 0.003
-    result = _browser(url, {"steps": steps, "badInput": True, "worker": worker}, tmp_path)
-    assert result["ok"], result
+    result, weights = _like_python(url, root / "bundle", {"steps": steps, "badInput": True, "worker": worker}, tmp_path)
     assert result["engine"] == "portable"
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
     assert result["losses"][-1] < result["losses"][0]
     assert result["badInput"].startswith("InputError: input must be a Float32Array")
     # the rate change mattered: Python on the schedule alone ends elsewhere
@@ -135,12 +143,10 @@ def test_browser_trains_on_webgpu_like_python(digits_no_dropout, digits_data, si
     root, url = site
     make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01)
     steps = _steps(digits_data, 20)
-    result = _browser(url, {"steps": steps, "provider": "webgpu", "webgpu": True}, tmp_path)
-    assert result["ok"], result
+    task = {"steps": steps, "provider": "webgpu", "webgpu": True}
+    result, _ = _like_python(url, root / "bundle", task, tmp_path, atol=1e-4)
     assert result["adapter"] and result["provider"] == "webgpu"
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-4)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-4)
+    losses = _python(root / "bundle", steps)[0]
     fallback = _browser(url, {"steps": steps[:2], "provider": "webgpu", "worker": True}, tmp_path)  # no adapter
     assert fallback["ok"], fallback
     assert not fallback["adapter"] and fallback["provider"] == "wasm"
@@ -201,14 +207,11 @@ def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_d
     (planned / "manifest.json").write_text(json.dumps(manifest))
     assert make_bundle(planned, root / "bundle")["micro_batch_size"] == 5
     steps = _steps(digits_data, 6)
-    result = _browser(url, {"steps": steps, "parts": 16, "build": build}, tmp_path)
-    assert result["ok"], result
-    assert result["parts"] == 4  # the largest size up to the plan's 5 that tiles 16, like Trainer.micro_batches
     engine = "portable" if build == "current" else "classic"
+    task = {"steps": steps, "parts": 16, "build": build}
+    result, weights = _like_python(url, root / "bundle", task, tmp_path, engine=engine)
+    assert result["parts"] == 4  # the largest size up to the plan's 5 that tiles 16, like Trainer.micro_batches
     assert result["engine"] == engine
-    losses, weights = _python(root / "bundle", steps, engine=engine)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
     assert np.abs(weights - result["initial"]).max() > 1e-2  # it trained
 
 
@@ -218,11 +221,7 @@ def test_browser_trains_an_sgd_bundle_and_the_training_build_refuses_it(digits_s
     root, url = site
     make_bundle(digits_sgd, root / "bundle")
     steps = _steps(digits_data, 10)
-    result = _browser(url, {"steps": steps}, tmp_path)
-    assert result["ok"], result
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    result, _ = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
     assert result["losses"][-1] < result["losses"][0]
     refused = _browser(url, {"steps": [], "build": "training"}, tmp_path)
     assert not refused["ok"]
@@ -239,13 +238,9 @@ def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_drop
     root, url = site
     make_bundle(digits_no_dropout[0], root / "bundle", lr=0.01)
     steps = _steps(digits_data, 20)
-    result = _browser(url, {"steps": steps, "reloadAfter": 10, "worker": worker}, tmp_path)
-    assert result["ok"], result
+    result, _ = _like_python(url, root / "bundle", {"steps": steps, "reloadAfter": 10, "worker": worker}, tmp_path)
     np.testing.assert_array_equal(np.asarray(result["restored"], np.float32), np.asarray(result["saved"], np.float32))
     assert np.abs(np.asarray(result["restored"]) - np.asarray(result["initial"])).max() > 1e-3
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
     if not worker:
         missing = _browser(url, {"steps": [], "restore": "never-saved"}, tmp_path)
         assert missing["error"] == 'InputError: no saved state named "never-saved" in this browser'
@@ -270,11 +265,7 @@ def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_
     assert {t["name"] for t in description["portable"]["frozen"]} == {p.name for p in manifest.frozen}
     data = _data(160)
     steps = [{"size": 8, **{k: v[i * 8 : (i + 1) * 8].ravel().tolist() for k, v in data.items()}} for i in range(20)]
-    result = _browser(url, {"steps": steps}, tmp_path)
-    assert result["ok"], result
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    result, weights = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3  # the adapters and head moved
 
 
@@ -310,11 +301,7 @@ def test_browser_trains_a_cnn_with_the_rewritten_relu_gradient_like_python_ort(d
     assert manifest.verification.passed
     make_bundle(tmp_path / "cnn", root / "bundle")
     steps = _steps(digits_data, 4)
-    result = _browser(url, {"steps": steps}, tmp_path)
-    assert result["ok"], result
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
 
 
 def test_weight_buffers_round_trip_exactly(digits_artifacts, site, tmp_path):
@@ -386,11 +373,7 @@ def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
     rng = np.random.default_rng(0)
     steps = [{"size": 8, "ids": rng.integers(0, 30, 40).tolist(), "labels": rng.integers(0, 30, 8).tolist()}
              for _ in range(4)]  # fmt: skip
-    result = _browser(url, {"steps": steps}, tmp_path)
-    assert result["ok"], result
-    losses, weights = _python(root / "bundle", steps)
-    np.testing.assert_allclose(result["losses"], losses, atol=1e-5)
-    np.testing.assert_allclose(result["weights"], weights, atol=1e-5)
+    _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
 
 
 DESCRIPTION_DAMAGE = [
