@@ -109,7 +109,8 @@ def make_bundle(
         # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
         portable = manifest.portable_files
         graphs = ("training_model.onnx", "eval_model.onnx", *(portable[:1] if portable else ()))
-        trainer = Trainer.load(source, evaluation=False)  # reads the checkpoint's tensors and frozen.bin's alike
+        # reads the checkpoint's tensors and frozen.bin's alike; needed only to write them out again
+        trainer = Trainer.load(source, evaluation=False) if portable or manifest.frozen_file else None
         if manifest.frozen_file is None:
             for name in (*graphs, "checkpoint"):
                 shutil.copy2(source / name, work / name)

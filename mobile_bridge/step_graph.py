@@ -2,8 +2,8 @@
 
 A runtime that calls ONNX Runtime through a JavaScript or mobile binding pays a fixed cost per run
 (tensors copied into and out of the runtime's memory): measured in onnxruntime-web 1.30 on the
-digits bundle, the optimizer's run took 0.46-0.62 ms of a 1.0-1.4 ms step, for an update of a few
-microseconds. The fused graph does a step in one run: parameters, moments, the rates and a batch in;
+digits bundle, the optimizer's run took 0.46-0.67 ms of a 1.0-1.55 ms step (one-off runs), for an
+update of a few microseconds. The fused graph does a step in one run: parameters, moments, the rates and a batch in;
 the loss, the outputs and the updated vectors out. The gradients stay inside. (Micro-batches still
 need the two graphs: their gradients add up before one update.)
 """

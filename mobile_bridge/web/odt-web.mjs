@@ -185,13 +185,19 @@ export function toTensor(ort, spec, values, batch) {
   }
   const dims = spec.shape.map((d) => (d === "batch" ? batch : d));
   if (dims.some((d) => typeof d !== "number")) throw new InputError(`${spec.name}: only the batch dimension may be dynamic`);
-  const size = dims.reduce((a, b) => a * b, 1);
+  const size = count(dims);
   if (values.length !== size) {
     throw new InputError(`${spec.name} needs ${size} values for shape [${dims}], got ${values.length}`);
   }
   if (Expected === Float32Array && !values.every(Number.isFinite)) throw new InputError(`${spec.name} holds NaN/Inf`);
   return new ort.Tensor(spec.dtype, values, dims);
 }
+
+/** The number of values of a tensor of this shape. */
+const count = (shape) => shape.reduce((a, b) => a * b, 1);
+
+/** A float32 tensor over `array`'s values of the placed tensor `t` (`{shape, offset}`), without a copy. */
+const tensorAt = (ort, array, t) => new ort.Tensor("float32", array.subarray(t.offset, t.offset + count(t.shape)), t.shape);
 
 /** A bundle file's bytes, fetched and checked against the bundle's hash table. */
 async function fetchChecked(base, name, description, headers) {
@@ -241,7 +247,7 @@ class ClassicEngine {
     const files = {};
     for (const name of CLASSIC_FILES) files[name] = await fetchChecked(base, name, description, headers);
     try {
-      return new ClassicEngine(await ort.TrainingSession.create({
+      return new ClassicEngine(ort, await ort.TrainingSession.create({
         checkpointState: files["checkpoint"],
         trainModel: files["training_model.onnx"],
         evalModel: files["eval_model.onnx"],
@@ -252,14 +258,14 @@ class ClassicEngine {
     }
   }
 
-  constructor(session, description) {
-    Object.assign(this, { name: "classic", session, description, provider: "wasm" });
+  constructor(ort, session, description) {
+    Object.assign(this, { name: "classic", ort, session, description, provider: "wasm" });
   }
 
   /** One part's forward and backward, its loss gradient scaled by `scale` (ORT accumulates the parts). */
-  async trainStep(ort, feeds, scale) {
+  async trainStep(feeds, scale) {
     const name = this.description.loss_scale;
-    if (name) feeds[name] = new ort.Tensor("float32", new Float32Array([scale]), []);
+    if (name) feeds[name] = new this.ort.Tensor("float32", new Float32Array([scale]), []);
     return this.session.runTrainStep(feeds);
   }
 
@@ -296,7 +302,7 @@ class PortableEngine {
     }
     const values = bytes[layout.parameters];
     const size = description.weights.size;
-    const total = layout.frozen.reduce((sum, t) => Math.max(sum, t.offset + t.shape.reduce((a, b) => a * b, 1)), size);
+    const total = size + layout.frozen.reduce((sum, t) => sum + count(t.shape), 0); // trainable, then frozen
     if (values.byteLength !== total * 4) throw new BundleError(`${layout.parameters} holds ${values.byteLength} bytes, not ${total * 4}; rebuild the bundle`);
     const all = new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength));
     const sessions = {};
@@ -315,11 +321,7 @@ class PortableEngine {
     Object.assign(this, { name: "portable", ort, description, training, optimizer, fused: step, provider });
     this.flat = { value: all.slice(0, size), grad: new Float32Array(size), momentum0: new Float32Array(size),
                   momentum1: new Float32Array(size) };
-    this.frozen = {};
-    for (const t of description.portable.frozen) {
-      const count = t.shape.reduce((a, b) => a * b, 1);
-      this.frozen[t.name] = new ort.Tensor("float32", all.subarray(t.offset, t.offset + count), t.shape);
-    }
+    this.frozen = Object.fromEntries(description.portable.frozen.map((t) => [t.name, tensorAt(ort, all, t)]));
     this.step = 0;
     this.pending = 0; // parts whose gradients the accumulator holds
     this.staged = null; // a fused step's updated vectors, applied by optimizerStep
@@ -334,12 +336,9 @@ class PortableEngine {
   /** One part's forward and backward; its gradients add into the accumulator (a mean loss's are averaged
    * over the parts before the update, as the Python trainer does). A `whole` step runs the fused graph
    * instead, which computes the update too: `optimizerStep` then applies it. */
-  async trainStep(ort, feeds, _scale, whole) {
+  async trainStep(feeds, _scale, whole) {
     const tensors = this.description.weights.tensors;
-    for (const t of tensors) {
-      const count = t.shape.reduce((a, b) => a * b, 1);
-      feeds[t.name] = new ort.Tensor("float32", this.flat.value.subarray(t.offset, t.offset + count), t.shape);
-    }
+    for (const t of tensors) feeds[t.name] = tensorAt(this.ort, this.flat.value, t);
     Object.assign(feeds, this.frozen);
     if (whole && this.pending === 0) {
       Object.assign(feeds, this.updateFeeds(false));
@@ -546,7 +545,7 @@ export class OdtClient {
     for (let start = 0; start < size; start += part) {
       const piece = part === size ? batch : this.slice(batch, size, start, part);
       const feeds = part === size ? whole : this.feeds(piece, part);
-      const results = await this.engine.trainStep(this.ort, feeds, mean ? part / size : 1, part === size);
+      const results = await this.engine.trainStep(feeds, mean ? part / size : 1, part === size);
       const [lossOut, scores] = Object.values(results); // the graph's outputs in order: loss, scores, ...
       const partLoss = Number(lossOut.data[0]);
       loss += mean ? (partLoss * part) / size : partLoss;
