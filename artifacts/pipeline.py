@@ -243,7 +243,8 @@ def _build(
         trainable_specs.append(ParamSpec(param, shapes[param], offset))
         offset += trainable_specs[-1].size
     portable = write_portable(work, optimizer, [(p.name, p.shape) for p in trainable_specs], opset,
-                              lambda node: "{!r} ({})".format(*source.describe(node)))  # fmt: skip
+                              lambda node: "{!r} ({})".format(*source.describe(node)),
+                              variants=not spec.ort_format)  # fmt: skip
     target = loss.target_spec(output_specs[loss_output])
     decoder = o.decoder and _write_decoder(o.decoder, {*trainable, *frozen}, work)
     manifest = Manifest(

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ondevice.engines.contract import PORTABLE_OPTIMIZER, PORTABLE_TRAINING
+from ondevice.engines.contract import PORTABLE_NCHWC, PORTABLE_OPTIMIZER, PORTABLE_TRAINING
 
 from . import passes
 from .optimizers import SGD, AdamW
@@ -39,10 +39,12 @@ def write_portable(
     trainable: list[tuple[str, tuple[int, ...]]],
     opset: int,
     describe: Callable[[str], str] = lambda node: node,
+    variants: bool = True,
 ) -> dict[str, str]:
     """Lower ``work/training_model.onnx`` (the registry's ``portable`` stage) and build the optimizer
     graph; returns the manifest's ``portable`` entry. A model that does not lower keeps the classic
-    engine only, and the entry says why (an operator and its layer)."""
+    engine only, and the entry says why (an operator and its layer). With ``variants``, the registry's
+    ``variant`` stage also runs on the lowered graph: convolutions on NCHWc kernels, for x86 runtimes."""
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     context = passes.Context(opset=opset)
     passes.run_stage("portable", model, context)
@@ -57,4 +59,10 @@ def write_portable(
     size = sum(int(np.prod(shape)) for _, shape in trainable)
     update = build_optimizer_graph(optimizer, size, max(opset, 13), model.ir_version)
     onnx.save(update, work / PORTABLE_OPTIMIZER)
-    return {"training": PORTABLE_TRAINING, "optimizer": PORTABLE_OPTIMIZER}
+    entry = {"training": PORTABLE_TRAINING, "optimizer": PORTABLE_OPTIMIZER}
+    if variants:
+        passes.run_stage("variant", model, context)
+        if context.results.get("nchwc-conv"):
+            onnx.save(model, work / PORTABLE_NCHWC)
+            entry["nchwc"] = PORTABLE_NCHWC
+    return entry

@@ -3,9 +3,14 @@
 Every trainable parameter, gradient and moment is one flat float32 vector (the engine keeps them
 contiguous, in the manifest's order), so one update is a few long element-wise passes, whatever the
 number of tensors. The outputs are bound onto the inputs' buffers: an update in place (each output is
-written by the last node that reads its input). The learning rate and AdamW's bias-corrected rate are
-inputs, computed by :func:`ondevice.engines.portable.adamw_rates` as ORT's kernel does (float32), so no
-rate is baked in and no float64 ``Pow`` is needed.
+written by the last node that reads its input). Without clipping the update is element-wise, so the
+vectors' length is symbolic (``odt.n``) and a runtime may run the graph over consecutive slices of them:
+the Python engine does, so that the fourteen passes stay in the CPU's cache. Clipping reads the norm of
+all the gradients, so a clipping graph keeps the static length and runs over the whole vectors.
+
+The learning rate and AdamW's bias-corrected rate are inputs, computed by
+:func:`ondevice.engines.portable.adamw_rates` as ORT's kernel does (float32), so no rate is baked in
+and no float64 ``Pow`` is needed.
 
 - AdamW (``AdamWOptimizer``, adam_mode 1, the Hugging Face form)::
 
@@ -24,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ondevice.engines.contract import OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED
+from ondevice.engines.contract import OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE
 
 from .optimizers import SGD, AdamW
 
@@ -50,9 +55,10 @@ def build_optimizer_graph(optimizer: AdamW | SGD, size: int, opset: int, ir_vers
     adamw = isinstance(optimizer, AdamW)
     state = OPTIMIZER_STATE if adamw else OPTIMIZER_STATE[:2]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in OPTIMIZER_INPUTS]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [size]) for n in state]
+    length: int | str = size if optimizer.max_grad_norm is not None else SLICEABLE
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [length]) for n in state]
     updated = OPTIMIZER_UPDATED if adamw else OPTIMIZER_UPDATED[:1]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [size]) for n in updated]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [length]) for n in updated]
     if optimizer.max_grad_norm is not None:
         norm = op("Sqrt", [op("ReduceSumSquare", [g], "odt.grad_norm.square", keepdims=0)], "odt.grad_norm")
         ratio = op("Div", [const(optimizer.max_grad_norm), op("Add", [norm, const(1e-6)], "odt.grad_norm.eps")],

@@ -136,7 +136,10 @@ def make_bundle(
                 shutil.copy2(source / extra.file, work / extra.file)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={})
+        kept = None if manifest.portable is None else {  # phones and browsers have no NCHWc kernels
+            k: v for k, v in manifest.portable.items() if k not in manifest.portable_variants}
+        bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={},
+                          portable=kept)  # fmt: skip
         bundled.save(work)
         artifacts_sha = sha256_file(source / MANIFEST_NAME)
         description = _describe(bundled, sha256_file(work / MANIFEST_NAME), artifacts_sha, work, rate)

@@ -248,6 +248,12 @@ class Manifest:
         return (files["training"], files["optimizer"]) if "training" in files else None
 
     @property
+    def portable_variants(self) -> dict[str, str]:
+        """The portable training graph's variants by kind (``{"nchwc": file}`` where the model has
+        convolutions ORT's NCHWc kernels run), like :attr:`variants` for the classic engine."""
+        return {kind: name for kind, name in (self.portable or {}).items() if kind not in ("training", "optimizer")}
+
+    @property
     def train_batch_size(self) -> int:
         """Examples per optimizer step by default (``odt train``): the batch the memory plan was
         measured at, else 32."""

@@ -193,7 +193,7 @@ def validate_manifest(data: dict[str, Any]) -> None:
     for kind, name in data.get("variants", {}).items():
         if name not in files:
             _fail(f"variants[{kind!r}]", "a file listed in files", name)
-    for kind in ("training", "optimizer"):
+    for kind in ("training", "optimizer", "nchwc"):
         name = (data.get("portable") or {}).get(kind)
         if name is not None and name not in files:
             _fail(f"portable.{kind}", "a file listed in files", name)

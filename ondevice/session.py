@@ -134,10 +134,11 @@ def nchwc_block_size() -> int:
         return 0
 
 
-def training_graph(variants: Mapping[str, str]) -> str:
+def training_graph(variants: Mapping[str, str], default: str = TRAINING_GRAPH) -> str:
     """The training graph file this runtime should load: the NCHWc variant where ORT has the kernels
-    (the variant's channel counts are multiples of 16, so any block of 4, 8 or 16 divides them)."""
-    return variants[NCHWC] if NCHWC in variants and nchwc_block_size() in (4, 8, 16) else TRAINING_GRAPH
+    (the variant's channel counts are multiples of 16, so any block of 4, 8 or 16 divides them), else
+    ``default``."""
+    return variants[NCHWC] if NCHWC in variants and nchwc_block_size() in (4, 8, 16) else default
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

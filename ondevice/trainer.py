@@ -129,8 +129,8 @@ class Trainer:
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
-        options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation,
-                   "graph": training_graph(manifest.variants)}  # fmt: skip
+        graph = training_graph(manifest.variants) if engine == "classic" else None  # the portable engine picks its own
+        options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation, "graph": graph}
         frozen = FrozenWeights(directory, manifest)  # one mapping of frozen.bin for every session
         options["frozen"] = frozen.values
         try:

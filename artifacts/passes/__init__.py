@@ -190,7 +190,8 @@ REGISTRY: tuple[Pass, ...] = (
          "at batch 64 x 14x14), a depthwise one as a tiny matrix product per channel and image (1.43 ms for 64 "
          "channels of 16x16 at batch 32); ORT uses its NCHWc kernels (1.91 and 0.17 ms) only for constant weights",
          "the filter reordered to blocks in the graph, the input and output reordered around ORT's NCHWc Conv: "
-         "the same products in another order (x86 runtimes load this variant; others the portable graph)",
+         "the same products in another order (x86 runtimes load this variant; others the plain graph). It runs on the "
+         "classic and on the portable training graph alike",
          "tests/artifacts/test_nchwc.py::test_nchwc_variant_trains_like_the_portable_graph_and_pytorch"),
 
     Pass("portable-accumulators", "portable", lambda m, c: lower_accumulators(m),

@@ -89,17 +89,18 @@ def open_engine(
     threads: int | None,
     lean_memory: bool,
     with_eval: bool,
-    graph: str = TRAINING_GRAPH,
+    graph: str | None = None,
     frozen: Mapping[str, OrtValue] | None = None,
 ) -> Engine:
     """Create the engine ``engine`` (already resolved) over ``directory``, its state from ``checkpoint``;
+    ``graph``: the training graph file (None: the engine's own choice of the manifest's graphs);
     ``frozen``: shared initializers for its sessions (:class:`ondevice.frozen.FrozenWeights`)."""
     if engine == "classic":
         from .classic import OrtTraining
 
         return OrtTraining(directory, checkpoint=checkpoint, threads=threads, with_eval=with_eval,
-                           lean_memory=lean_memory, graph=graph, frozen=frozen)  # fmt: skip
+                           lean_memory=lean_memory, graph=graph or TRAINING_GRAPH, frozen=frozen)  # fmt: skip
     from .portable import PortableEngine
 
     return PortableEngine(directory, manifest, checkpoint, threads=threads, with_eval=with_eval,
-                          lean_memory=lean_memory, frozen=frozen)  # fmt: skip
+                          lean_memory=lean_memory, graph=graph, frozen=frozen)  # fmt: skip

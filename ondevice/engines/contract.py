@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["PORTABLE_TRAINING", "PORTABLE_OPTIMIZER", "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED",
-           "gradient_output"]
+__all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "OPTIMIZER_INPUTS", "OPTIMIZER_STATE",
+           "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
 """The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
+PORTABLE_NCHWC = "training_model.portable.nchwc.onnx"
+"""Its variant for x86 runtimes, convolutions on ORT's NCHWc kernels (``artifacts/passes/nchwc.py``); the
+manifest's ``portable["nchwc"]`` names it when the model has such convolutions."""
 PORTABLE_OPTIMIZER = "optimizer_model.portable.onnx"
 """The optimizer update as a standard graph (``artifacts/portable_optimizer.py``)."""
 OPTIMIZER_INPUTS = ("odt.lr", "odt.lr_corrected", "odt.lr_decay")
@@ -16,6 +19,9 @@ OPTIMIZER_STATE = ("odt.parameters", "odt.gradients", "odt.momentum0", "odt.mome
 vector each, in the manifest's order (the flat buffer's): one update of a few long element-wise passes."""
 OPTIMIZER_UPDATED = ("odt.parameters.updated", "odt.momentum0.updated", "odt.momentum1.updated")
 """Its outputs (SGD: the parameters only), which the engine binds onto the inputs' buffers."""
+SLICEABLE = "odt.n"
+"""The symbolic length of an optimizer graph that is element-wise (no clipping): it may run over any
+consecutive slice of the flat vectors. A clipping graph has the static length of the whole vectors."""
 
 
 def gradient_output(parameter: str) -> str:

@@ -67,10 +67,36 @@ def test_nchwc_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
     np.testing.assert_allclose(blocked_run.get_flat(), plain.get_flat(), rtol=1e-4, atol=1e-6)
 
 
+def test_the_portable_engine_loads_its_own_nchwc_variant_and_trains_like_the_plain_graph(tmp_path):
+    """The portable graph gets the same rewrite (stock ORT has the NCHWc kernels on x86): the portable engine
+    loads it here and trains like the portable graph without it, and like the classic engine."""
+    from ondevice.engines.contract import PORTABLE_NCHWC, PORTABLE_TRAINING
+    from ondevice.engines.portable import PortableEngine
+
+    directory = tmp_path / "a"
+    manifest = generate(_separable(), EXAMPLE, directory, verify=False)
+    assert manifest.portable_variants == {"nchwc": PORTABLE_NCHWC}
+    variant = onnx.load(directory / PORTABLE_NCHWC, load_external_data=False).graph
+    assert len([n for n in variant.node if n.op_type == "Conv" and n.domain == NCHWC_DOMAIN]) == 6
+    assert Trainer.load(directory, engine="portable")._session.graph == PORTABLE_NCHWC
+
+    checkpoint = directory / "checkpoint"
+    runs = [PortableEngine(directory, manifest, checkpoint, graph=g) for g in (PORTABLE_TRAINING, PORTABLE_NCHWC)]
+    runs.append(OrtTraining(directory, graph=manifest.variants["nchwc"]))
+    for step in range(3):
+        losses = [s.train_step(_batch(step))[0] for s in runs]
+        np.testing.assert_allclose(losses[1:], [losses[0]] * 2, rtol=1e-5)
+        for s in runs:
+            s.optimizer_step()
+            s.reset_grad()
+    for other in runs[1:]:
+        np.testing.assert_allclose(other.get_flat(), runs[0].get_flat(), rtol=1e-4, atol=1e-6)
+
+
 def test_channel_counts_no_block_divides_stay_portable(tmp_path):
     manifest = generate(_separable(channels=12), EXAMPLE, tmp_path / "a", verify=False)
-    assert manifest.variants == {}
-    assert not (tmp_path / "a" / "training_model.nchwc.onnx").exists()
+    assert manifest.variants == manifest.portable_variants == {}
+    assert not list((tmp_path / "a").glob("*nchwc*"))
 
 
 def test_a_bundle_carries_the_portable_graph_only(tmp_path):
@@ -79,7 +105,9 @@ def test_a_bundle_carries_the_portable_graph_only(tmp_path):
     generate(_separable(), EXAMPLE, tmp_path / "a", verify=False)
     make_bundle(tmp_path / "a", tmp_path / "bundle")
     assert not list((tmp_path / "bundle").glob("*nchwc*"))
-    assert json.loads((tmp_path / "bundle" / "manifest.json").read_text()).get("variants", {}) == {}
+    bundled = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert bundled.get("variants", {}) == {}
+    assert set(bundled["portable"]) == {"training", "optimizer"}
 
 
 def test_a_variant_the_file_table_does_not_list_is_refused(tmp_path):

@@ -83,6 +83,13 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
         ("ConvGrad", {"dy": _r(2, 4, 4, 4), "x": _r(2, 3, 9, 9), "w": _r(4, 3, 3, 3)},
          {"strides": [2, 2], "pads": [1, 0, 0, 1], "kernel_shape": [3, 3], "group": 1}, 3,
          {"x": [2, 3, 9, 9], "w": [4, 3, 3, 3]}),
+        # 16 input channels and more: dW by channels-last windows, one product per kernel offset
+        ("ConvGrad", {"dy": _r(2, 4, 9, 9), "x": _r(2, 16, 9, 9), "w": _r(4, 16, 3, 3)},
+         {"strides": [1, 1], "pads": [1, 1, 1, 1], "kernel_shape": [3, 3], "group": 1}, 3,
+         {"x": [2, 16, 9, 9], "w": [4, 16, 3, 3]}),
+        ("ConvGrad", {"dy": _r(2, 4, 3, 4), "x": _r(2, 16, 9, 10), "w": _r(4, 16, 3, 2)},
+         {"strides": [2, 3], "pads": [1, 0, 0, 1], "dilations": [2, 1], "kernel_shape": [3, 2], "group": 1}, 3,
+         {"x": [2, 16, 9, 10], "w": [4, 16, 3, 2]}),
         ("ConvGrad", {"dy": _r(2, 6, 5, 5), "x": _r(2, 6, 9, 9), "w": _r(6, 1, 3, 3)},
          {"strides": [2, 2], "pads": [1, 1, 1, 1], "kernel_shape": [3, 3], "group": 6}, 3,
          {"x": [2, 6, 9, 9], "w": [6, 1, 3, 3]}),

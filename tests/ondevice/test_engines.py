@@ -77,6 +77,33 @@ def test_accumulated_micro_batches_equal_one_large_batch_on_the_portable_engine(
     np.testing.assert_allclose(parts.get_flat_weights(), whole.get_flat_weights(), atol=1e-6)
 
 
+@pytest.mark.parametrize("fixture, sliced", [("digits_no_dropout", True), ("clipped_artifacts", False)])
+def test_the_update_runs_in_slices_that_equal_one_run_over_the_whole_vectors(fixture, sliced, request, digits_data,
+                                                                             monkeypatch):
+    """An element-wise optimizer graph runs over consecutive slices of the flat vectors (to stay in the cache)
+    with the parameters and moments of one run over the whole vectors, bit for bit; a clipping graph reads
+    every gradient's norm, so it keeps one run."""
+    from ondevice.engines import portable
+
+    directory = request.getfixturevalue(fixture)
+    directory = directory[0] if isinstance(directory, tuple) else directory
+    batch = _part(digits_data["train"], 0, 32)
+    runs, default = {}, portable.SLICE
+    for size in (default, 1000):
+        monkeypatch.setattr(portable, "SLICE", size)
+        trainer = Trainer.load(directory, engine="portable")
+        for _ in range(3):
+            trainer.train_step(batch)
+        engine = trainer._session
+        runs[size] = (len(engine._update_bindings), trainer.get_flat_weights(),
+                      engine._flat["momentum0"].copy(), engine._flat["momentum1"].copy())  # fmt: skip
+    size = runs[1000][1].size
+    assert size > 4000  # digits: several slices of 1000
+    assert [runs[default][0], runs[1000][0]] == ([1, -(-size // 1000)] if sliced else [1, 1])
+    for whole, parts in zip(runs[default][1:], runs[1000][1:]):
+        np.testing.assert_array_equal(parts, whole)
+
+
 def test_adamw_rates_follow_orts_float32_formula():
     lr, corrected, decay = adamw_rates(1e-3, 3, (0.9, 0.999), 0.01)
     one = np.float32(1)
