@@ -441,9 +441,12 @@ def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     pads = list(a.get("pads") or [0] * 2 * spatial)
     if _out(node, 0):
         _conv_input_grad(b, w_shape, strides, dilations, pads, group)
-    by_windows = w_shape[1] >= WINDOWS_FROM_CHANNELS and int(np.prod(w_shape[2:])) > 1
-    by_products = _weight_grad_by_windows if by_windows else _weight_grad_by_columns
-    if _out(node, 1) and (depthwise or not by_products(b, w_shape, strides, dilations, pads)):
+    if depthwise:  # strided windows copy slowly: a stride-2 layer keeps the convolution (0.42-0.68x else)
+        by_products = _depthwise_weight_grad_by_windows if set(strides) == {1} else None
+    else:
+        by_windows = w_shape[1] >= WINDOWS_FROM_CHANNELS and int(np.prod(w_shape[2:])) > 1
+        by_products = _weight_grad_by_windows if by_windows else _weight_grad_by_columns
+    if _out(node, 1) and not (by_products and by_products(b, w_shape, strides, dilations, pads)):
         _weight_grad_by_convolution(b, w_shape, strides, dilations, pads, group, depthwise)
     if _out(node, 2):
         b.reduce("ReduceSum", dy, [0, *range(2, spatial + 2)], 0, node.output[2])
@@ -487,6 +490,38 @@ def _weight_grad_by_windows(b: _Builder, w_shape: list[int], strides: list[int],
         product = b.op("MatMul", [grads, b.op("Reshape", [window, rows])])  # [O, C]
         offsets.append(b.op("Unsqueeze", [product, b.const(np.array([2], np.int64))]))
     stacked = b.op("Concat", offsets, axis=2)  # [O, C, K]
+    b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])
+    return True
+
+
+def _depthwise_weight_grad_by_windows(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int],
+                                      pads: list[int]) -> bool:  # fmt: skip
+    """dW of a depthwise convolution as, for each kernel offset, the input's shifted window times dY, summed
+    over batch and positions per channel: the same products summed in another order. Measured against the
+    grouped convolution with the batch as channels at stride 1 (onnxruntime 1.32, 2 threads, interleaved,
+    one-off): 16 channels of 32x32 1.73x, 64 of 16x16 1.84x, 128 of 8x8 1.22x faster. False (nothing emitted)
+    without static spatial sizes."""
+    dy, x = b.node.input[:2]
+    out_size = (b.dims.get(dy) or [None])[2:]
+    kernel = w_shape[2:]
+    spatial = len(kernel)
+    if len(out_size) != spatial or any(s is None for s in out_size):
+        return False
+    padded = x
+    if any(pads):
+        amounts = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
+        padded = b.op("Pad", [x, b.const(np.array(amounts, np.int64))])
+    axes = b.const(np.arange(2, spatial + 2, dtype=np.int64))
+    steps = b.const(np.array(strides, np.int64))
+    offsets = []
+    for offset in np.ndindex(*kernel):
+        start = [offset[i] * dilations[i] for i in range(spatial)]
+        end = [start[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
+        window = b.op("Slice", [padded, b.const(np.array(start, np.int64)), b.const(np.array(end, np.int64)), axes,
+                                steps])  # fmt: skip
+        summed = b.reduce("ReduceSum", b.op("Mul", [window, dy]), [0, *range(2, spatial + 2)], 0)  # [C]
+        offsets.append(b.op("Unsqueeze", [summed, b.const(np.array([1], np.int64))]))
+    stacked = b.op("Concat", offsets, axis=1)  # [C, K]
     b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])
     return True
 
