@@ -273,10 +273,13 @@ REGISTRY: tuple[Pass, ...] = (
          "tests/artifacts/test_portable.py::test_every_benchmark_model_trains_alike_on_both_engines"),
     Pass("portable-conv-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("ConvGrad",)),
          "ConvGrad (what the conv-grad pass leaves of it: the weight gradient) is not in stock ORT",
-         "dW is a convolution of the input with dY, the batch axis as channels and stride and dilation swapped, "
-         "cropped to the kernel (depthwise: a grouped convolution, one group per channel); dB sums dY: the same "
-         "products summed in another order",
-         "tests/artifacts/test_portable.py::test_every_benchmark_model_trains_alike_on_both_engines"),
+         "dW, with static sizes: from 16 input channels, dY times the input's window taken channels last, one "
+         "product per kernel offset (summing batch and positions at once); with fewer, im2col (the windows "
+         "stacked) times dY per image, summed over the batch; depthwise at stride 1, each window times dY summed "
+         "per channel; else a convolution of the input with dY, the batch axis as channels (grouped for a "
+         "depthwise one), stride and dilation swapped, cropped to the kernel. dX is a ConvTranspose, dB sums dY: "
+         "the same products summed in another order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
 )  # fmt: skip
 
 
