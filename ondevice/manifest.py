@@ -251,7 +251,8 @@ class Manifest:
     def portable_variants(self) -> dict[str, str]:
         """The portable training graph's variants by kind (``{"nchwc": file}`` where the model has
         convolutions ORT's NCHWc kernels run), like :attr:`variants` for the classic engine."""
-        return {kind: name for kind, name in (self.portable or {}).items() if kind not in ("training", "optimizer")}
+        return {kind: name for kind, name in (self.portable or {}).items()
+                if kind not in ("training", "optimizer", "unsupported")}  # fmt: skip
 
     @property
     def train_batch_size(self) -> int:

@@ -110,6 +110,18 @@ def test_a_bundle_carries_the_portable_graph_only(tmp_path):
     assert set(bundled["portable"]) == {"training", "optimizer"}
 
 
+def test_portable_variants_are_graphs_only(digits_artifacts):
+    """A manifest whose portable entry says why there are no portable graphs has no portable variants (a
+    bundle keeps that reason; it drops only the variants)."""
+    from dataclasses import replace
+
+    manifest = Manifest.load(digits_artifacts)
+    assert manifest.portable_variants == {}  # digits has no convolution
+    assert replace(manifest, portable={"unsupported": "Foo (first in layer '0')"}).portable_variants == {}
+    blocked = {"training": "t.onnx", "optimizer": "o.onnx", "nchwc": "v.onnx"}
+    assert replace(manifest, portable=blocked).portable_variants == {"nchwc": "v.onnx"}
+
+
 def test_a_variant_the_file_table_does_not_list_is_refused(tmp_path):
     generate(_separable(), EXAMPLE, tmp_path / "a", verify=False)
     copy = tmp_path / "copy"
