@@ -411,14 +411,21 @@ def _batchnorm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     inv = b.op("Reshape", [inv_std, channel])
     x_hat = b.op("Mul", [b.op("Sub", [x, b.op("Reshape", [mean, channel])]), inv])
     product = b.op("Mul", [dy, x_hat])
+    # one pass each over dY and dY x_hat: the means dX needs are the sums that dbias and dscale are, divided
+    # by the values per channel (MobileNet's eleven BatchNorms: two passes fewer each)
+    sum_dy = b.reduce("ReduceSum", dy, axes, 1) if _out(node, 0) or _out(node, 2) else ""
+    sum_product = b.reduce("ReduceSum", product, axes, 1) if _out(node, 0) or _out(node, 1) else ""
     if _out(node, 0):
-        inner = b.op("Sub", [b.op("Sub", [dy, b.reduce("ReduceMean", dy, axes, 1)]),
-                             b.op("Mul", [x_hat, b.reduce("ReduceMean", product, axes, 1)])])  # fmt: skip
+        count = b.op("Div", [b.op("Cast", [b.op("Size", [dy])], to=onnx.TensorProto.FLOAT),
+                             b.op("Cast", [b.op("Size", [scale])], to=onnx.TensorProto.FLOAT)])  # fmt: skip
+        inner = b.op("Sub", [b.op("Sub", [dy, b.op("Div", [sum_dy, count])]),
+                             b.op("Mul", [x_hat, b.op("Div", [sum_product, count])])])  # fmt: skip
         b.op("Mul", [inner, b.op("Mul", [b.op("Reshape", [scale, channel]), inv])], node.output[0])
+    flat = b.const(np.array([-1], np.int64))
     if _out(node, 1):
-        b.reduce("ReduceSum", product, axes, 0, node.output[1])
+        b.op("Reshape", [sum_product, flat], node.output[1])
     if _out(node, 2):
-        b.reduce("ReduceSum", dy, axes, 0, node.output[2])
+        b.op("Reshape", [sum_dy, flat], node.output[2])
 
 
 def _conv_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
@@ -460,37 +467,49 @@ interleaved, one-off): 3x3 layers 32 -> 64 at 14x14 1.28x, 32 -> 16 at 28x28 2.2
 1.93x faster; with 1 or 3 input channels 0.59-0.71x (im2col kept there)."""
 
 
-def _weight_grad_by_windows(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int],
-                            pads: list[int]) -> bool:  # fmt: skip
-    """dW of a one-group convolution as, for each kernel offset, dY ([O, N P]) times the input's shifted,
-    strided window taken channels last ([N P, C]): the same products summed in another order. False
-    (nothing emitted) without static spatial sizes."""
+def _windows(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int], pads: list[int],
+             channels_last: bool = False) -> list[str] | None:
+    """The convolution input's shifted, strided window at each kernel offset (row-major), shaped like dY's
+    spatial extent: [N, C, *out], or [N, *out, C] with ``channels_last``. None (nothing emitted) without
+    dY's static spatial sizes."""
     dy, x = b.node.input[:2]
     out_size = (b.dims.get(dy) or [None])[2:]
     kernel = w_shape[2:]
     spatial = len(kernel)
     if len(out_size) != spatial or any(s is None for s in out_size):
-        return False
-    out_channels, channels = int(w_shape[0]), int(w_shape[1])
-    last = b.op("Transpose", [x], perm=[0, *range(2, spatial + 2), 1])  # [N, *size, C]
+        return None
+    first = 1 if channels_last else 2  # the first spatial axis
+    padded = b.op("Transpose", [x], perm=[0, *range(2, spatial + 2), 1]) if channels_last else x
     if any(pads):
-        amounts = [0, *pads[:spatial], 0, 0, *pads[spatial:], 0]
-        last = b.op("Pad", [last, b.const(np.array(amounts, np.int64))])
-    grads = b.op("Transpose", [dy], perm=[1, 0, *range(2, spatial + 2)])  # [O, N, *out]
-    grads = b.op("Reshape", [grads, b.const(np.array([out_channels, -1], np.int64))])
-    axes = b.const(np.arange(1, spatial + 1, dtype=np.int64))
+        around = [0] * (first - 1) + pads[:spatial] + [0] * (2 - first)
+        ahead = [0] * (first - 1) + pads[spatial:] + [0] * (2 - first)
+        padded = b.op("Pad", [padded, b.const(np.array([0, *around, 0, *ahead], np.int64))])
+    axes = b.const(np.arange(first, first + spatial, dtype=np.int64))
     steps = b.const(np.array(strides, np.int64))
-    rows = b.const(np.array([-1, channels], np.int64))
-    offsets = []
+    windows = []
     for offset in np.ndindex(*kernel):
-        start = [offset[i] * dilations[i] for i in range(spatial)]
-        end = [start[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
-        window = b.op("Slice", [last, b.const(np.array(start, np.int64)), b.const(np.array(end, np.int64)), axes,
-                                steps])  # fmt: skip
-        product = b.op("MatMul", [grads, b.op("Reshape", [window, rows])])  # [O, C]
-        offsets.append(b.op("Unsqueeze", [product, b.const(np.array([2], np.int64))]))
-    stacked = b.op("Concat", offsets, axis=2)  # [O, C, K]
-    b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])
+        begin = [offset[i] * dilations[i] for i in range(spatial)]
+        stop = [begin[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
+        windows.append(b.op("Slice", [padded, b.const(np.array(begin, np.int64)), b.const(np.array(stop, np.int64)),
+                                      axes, steps]))  # fmt: skip
+    return windows
+
+
+def _weight_grad_by_windows(b: _Builder, w_shape: list[int], strides: list[int], dilations: list[int],
+                            pads: list[int]) -> bool:  # fmt: skip
+    """dW of a one-group convolution as, for each kernel offset, dY ([O, N P]) times the input's shifted,
+    strided window taken channels last ([N P, C]): the same products summed in another order. False
+    (nothing emitted) without static spatial sizes."""
+    windows = _windows(b, w_shape, strides, dilations, pads, channels_last=True)
+    if windows is None:
+        return False
+    dy, spatial = b.node.input[0], len(w_shape) - 2
+    grads = b.op("Transpose", [dy], perm=[1, 0, *range(2, spatial + 2)])  # [O, N, *out]
+    grads = b.op("Reshape", [grads, b.const(np.array([int(w_shape[0]), -1], np.int64))])
+    rows = b.const(np.array([-1, int(w_shape[1])], np.int64))
+    products = [b.op("MatMul", [grads, b.op("Reshape", [window, rows])]) for window in windows]  # [O, C] each
+    stacked = b.op("Concat", [b.op("Unsqueeze", [p, b.const(np.array([2], np.int64))]) for p in products], axis=2)
+    b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])  # [O, C, K] -> OIHW
     return True
 
 
@@ -501,28 +520,13 @@ def _depthwise_weight_grad_by_windows(b: _Builder, w_shape: list[int], strides: 
     grouped convolution with the batch as channels at stride 1 (onnxruntime 1.32, 2 threads, interleaved,
     one-off): 16 channels of 32x32 1.73x, 64 of 16x16 1.84x, 128 of 8x8 1.22x faster. False (nothing emitted)
     without static spatial sizes."""
-    dy, x = b.node.input[:2]
-    out_size = (b.dims.get(dy) or [None])[2:]
-    kernel = w_shape[2:]
-    spatial = len(kernel)
-    if len(out_size) != spatial or any(s is None for s in out_size):
+    windows = _windows(b, w_shape, strides, dilations, pads)
+    if windows is None:
         return False
-    padded = x
-    if any(pads):
-        amounts = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
-        padded = b.op("Pad", [x, b.const(np.array(amounts, np.int64))])
-    axes = b.const(np.arange(2, spatial + 2, dtype=np.int64))
-    steps = b.const(np.array(strides, np.int64))
-    offsets = []
-    for offset in np.ndindex(*kernel):
-        start = [offset[i] * dilations[i] for i in range(spatial)]
-        end = [start[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
-        window = b.op("Slice", [padded, b.const(np.array(start, np.int64)), b.const(np.array(end, np.int64)), axes,
-                                steps])  # fmt: skip
-        summed = b.reduce("ReduceSum", b.op("Mul", [window, dy]), [0, *range(2, spatial + 2)], 0)  # [C]
-        offsets.append(b.op("Unsqueeze", [summed, b.const(np.array([1], np.int64))]))
-    stacked = b.op("Concat", offsets, axis=1)  # [C, K]
-    b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])
+    dy, spatial = b.node.input[0], len(w_shape) - 2
+    sums = [b.reduce("ReduceSum", b.op("Mul", [window, dy]), [0, *range(2, spatial + 2)], 0) for window in windows]
+    stacked = b.op("Concat", [b.op("Unsqueeze", [v, b.const(np.array([1], np.int64))]) for v in sums], axis=1)
+    b.op("Reshape", [stacked, b.const(np.array(w_shape, np.int64))], b.node.output[1])  # [C, K] -> [C, 1, *k]
     return True
 
 
@@ -531,25 +535,11 @@ def _weight_grad_by_columns(b: _Builder, w_shape: list[int], strides: list[int],
     """dW of a one-group convolution as im2col and a batched matrix product: the input's K = kh kw shifted,
     strided windows stacked ([N, C K, P]), times dY ([N, O, P]) transposed, summed over the batch. False
     (nothing emitted) without static spatial sizes."""
-    dy, x = b.node.input[:2]
-    out_size = (b.dims.get(dy) or [None])[2:]
-    kernel = w_shape[2:]
-    spatial = len(kernel)
-    if len(out_size) != spatial or any(s is None for s in out_size):
+    windows = _windows(b, w_shape, strides, dilations, pads)
+    if windows is None:
         return False
-    padded = x
-    if any(pads):
-        amounts = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
-        padded = b.op("Pad", [x, b.const(np.array(amounts, np.int64))])
-    axes = b.const(np.arange(2, spatial + 2, dtype=np.int64))
-    steps = b.const(np.array(strides, np.int64))
-    windows = []
-    for offset in np.ndindex(*kernel):
-        start = [offset[i] * dilations[i] for i in range(spatial)]
-        end = [start[i] + (out_size[i] - 1) * strides[i] + 1 for i in range(spatial)]
-        window = b.op("Slice", [padded, b.const(np.array(start, np.int64)), b.const(np.array(end, np.int64)), axes,
-                                steps])  # fmt: skip
-        windows.append(b.op("Unsqueeze", [window, b.const(np.array([2], np.int64))]))
+    dy, kernel = b.node.input[0], w_shape[2:]
+    windows = [b.op("Unsqueeze", [window, b.const(np.array([2], np.int64))]) for window in windows]
     columns = b.op("Concat", windows, axis=2)  # [N, C, K, *out]
     rows = int(w_shape[1]) * int(np.prod(kernel))
     columns = b.op("Reshape", [columns, b.const(np.array([0, rows, -1], np.int64))])
