@@ -18,6 +18,9 @@ from .errors import ArtifactIntegrityError, ManifestError, SchemaVersionError
 from .files import atomic_write_bytes, sha256_file
 from .schema import validate_manifest
 
+PORTABLE_VARIANTS = ("nchwc",)
+"""The kinds of variant training graph the manifest's ``portable`` entry may name beside its two graphs."""
+
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
@@ -251,8 +254,7 @@ class Manifest:
     def portable_variants(self) -> dict[str, str]:
         """The portable training graph's variants by kind (``{"nchwc": file}`` where the model has
         convolutions ORT's NCHWc kernels run), like :attr:`variants` for the classic engine."""
-        return {kind: name for kind, name in (self.portable or {}).items()
-                if kind not in ("training", "optimizer", "unsupported")}  # fmt: skip
+        return {kind: name for kind, name in (self.portable or {}).items() if kind in PORTABLE_VARIANTS}
 
     @property
     def train_batch_size(self) -> int:

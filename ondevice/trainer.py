@@ -29,7 +29,7 @@ from .frozen import FrozenWeights
 from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
-from .session import ORT_VERSION, ort_error_message, set_seed, training_graph
+from .session import ORT_VERSION, ort_error_message, set_seed
 
 if TYPE_CHECKING:
     from .decode import TextGenerator
@@ -129,8 +129,7 @@ class Trainer:
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
-        graph = training_graph(manifest.variants) if engine == "classic" else None  # the portable engine picks its own
-        options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation, "graph": graph}
+        options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation}
         frozen = FrozenWeights(directory, manifest)  # one mapping of frozen.bin for every session
         options["frozen"] = frozen.values
         try:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest
-from ..session import TRAINING_GRAPH, OrtValue
+from ..session import OrtValue, training_graph
 
 __all__ = ["Engine", "ENGINES", "open_engine", "installed_engines"]
 
@@ -93,13 +93,14 @@ def open_engine(
     frozen: Mapping[str, OrtValue] | None = None,
 ) -> Engine:
     """Create the engine ``engine`` (already resolved) over ``directory``, its state from ``checkpoint``;
-    ``graph``: the training graph file (None: the engine's own choice of the manifest's graphs);
+    ``graph``: the training graph file (None: the variant this ORT runs fastest, else the plain graph);
     ``frozen``: shared initializers for its sessions (:class:`ondevice.frozen.FrozenWeights`)."""
     if engine == "classic":
         from .classic import OrtTraining
 
         return OrtTraining(directory, checkpoint=checkpoint, threads=threads, with_eval=with_eval,
-                           lean_memory=lean_memory, graph=graph or TRAINING_GRAPH, frozen=frozen)  # fmt: skip
+                           lean_memory=lean_memory, graph=graph or training_graph(manifest.variants),
+                           frozen=frozen)  # fmt: skip
     from .portable import PortableEngine
 
     return PortableEngine(directory, manifest, checkpoint, threads=threads, with_eval=with_eval,

@@ -133,6 +133,15 @@ def test_a_variant_the_file_table_does_not_list_is_refused(tmp_path):
         Manifest.load(copy)
 
 
+def test_a_portable_variant_the_file_table_does_not_list_is_refused(tmp_path):
+    generate(_separable(), EXAMPLE, tmp_path / "a", verify=False)
+    data = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    data["portable"]["nchwc"] = "elsewhere.onnx"
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"portable\.nchwc.*a file listed in files"):
+        Manifest.load(tmp_path / "a")
+
+
 def test_the_probe_is_the_model_onnx_builds():
     from onnx import TensorProto, helper
 
