@@ -22,6 +22,7 @@ from .export import (
     export_onnx,
     torch_module,
 )
+from .int8_base import dequantized_base
 from .lora import add_adapters, with_targets
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
@@ -135,8 +136,9 @@ def generate(
 
     def prove(work: Path, manifest: Manifest, original: onnx.ModelProto, loss_index: int):  # type: ignore[no-untyped-def]
         examples = edge_batches(names, example, axes, embedding_inputs(original, manifest.padding))
-        return verify_batches(work, manifest, model, examples, spec.loss, loss_index, spec.optimizer,
-                              spec.tolerances, spec.seed)  # fmt: skip
+        with dequantized_base(model, work, manifest):  # an int8 base: PyTorch computes with the same values
+            return verify_batches(work, manifest, model, examples, spec.loss, loss_index, spec.optimizer,
+                                  spec.tolerances, spec.seed)  # fmt: skip
 
     return build_artifacts(source, example, names, options, out_dir, name, prove if spec.verify else None)
 

@@ -105,6 +105,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "last-N modules, biases, everything",
     )
     t.add_argument("--batch-size", type=int, default=16, help="batch size the memory plan is measured at (default 16)")
+    t.add_argument("--base", choices=["float32", "int8"], default="float32",
+                   help="how the frozen weights are stored: int8 keeps every frozen matrix read by products and "
+                   "lookups as int8 rows with a scale per row (a quarter of the memory), widened just before "
+                   "each product; verification compares PyTorch with the same dequantized weights")  # fmt: skip
 
     x = p.add_argument_group("classes and text")
     x.add_argument("--labels", metavar="A,B,...", help="class names in output order (recorded in the manifest)")
@@ -211,6 +215,7 @@ def _spec(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size,
         labels=_labels(args.labels),
         ort_format=args.ort_format,
+        base=args.base,
         verify=not args.no_verify,
         tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
         fd_tolerances=Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,

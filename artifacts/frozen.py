@@ -20,7 +20,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ondevice.frozen import SCALE_SUFFIX
 from ondevice.session import C
+
+from .int8_base import quantizable, quantize_rows, widen_in_graph
 
 __all__ = ["FROZEN_FILE", "externalize_frozen", "lookup_tables"]
 
@@ -34,43 +37,68 @@ def externalize_frozen(
     frozen: Sequence[str],
     buffers: Sequence[str],
     initializers: Mapping[str, onnx.TensorProto],
-) -> dict[str, int]:
+    int8: bool = False,
+) -> tuple[dict[str, int], dict[str, int]]:
     """Move the float32 tensors of ``frozen`` (but not ``buffers``, which the train step updates)
-    from ORT's checkpoint into ``frozen.bin`` and rewrite the checkpoint without them.
+    from ORT's checkpoint into ``frozen.bin`` and rewrite the checkpoint without them. With ``int8``,
+    every frozen matrix the graphs read only in products and row lookups is stored as int8 rows with
+    a scale per row and widened in the graphs (:mod:`artifacts.int8_base`).
 
-    Returns name -> offset in float32 elements (the tensors tile the file in ``frozen`` order);
-    an empty dict when nothing moved.
+    Returns (name -> offset, int8 name -> offset of its scales), offsets in 4-byte words (the
+    tensors tile the file in ``frozen`` order, an int8 matrix padded to whole words and followed by
+    its scales); empty dicts when nothing moved.
     """
     moving = [n for n in frozen if n not in buffers and initializers[n].data_type == onnx.TensorProto.FLOAT]
     if not moving:
-        return {}
+        return {}, {}
+    models = {graph: onnx.load(work / graph, load_external_data=False) for graph in _GRAPHS}
+    quantized = set(quantizable(models.values(), {n: initializers[n].dims for n in moving})) if int8 else set()
     offsets: dict[str, int] = {}
+    scales: dict[str, int] = {}
+    added: list[onnx.TensorProto] = []
     position = 0
     with open(work / FROZEN_FILE, "wb") as out:
         for name in moving:
             array = np.ascontiguousarray(numpy_helper.to_array(initializers[name]), dtype="<f4")
             offsets[name] = position
-            out.write(array.tobytes())
-            position += array.size
-    for graph in _GRAPHS:
-        model = onnx.load(work / graph, load_external_data=False)
+            if name in quantized:
+                q, scale = quantize_rows(array)
+                padded = -q.size % 4
+                out.write(q.tobytes() + bytes(padded))
+                scales[name] = position + (q.size + padded) // 4
+                out.write(scale.astype("<f4").tobytes())
+                added += [_external(name, onnx.TensorProto.INT8, array.shape, position, q.size),
+                          _external(name + SCALE_SUFFIX, onnx.TensorProto.FLOAT, scale.shape, scales[name],
+                                    4 * scale.size)]  # fmt: skip
+                position = scales[name] + scale.size
+            else:
+                out.write(array.tobytes())
+                added.append(_external(name, onnx.TensorProto.FLOAT, array.shape, position, 4 * array.size))
+                position += array.size
+    rows = {n: tuple(int(d) for d in initializers[n].dims) for n in quantized}
+    for graph, model in models.items():
         inputs = [i for i in model.graph.input if i.name not in offsets]
         del model.graph.input[:]
         model.graph.input.extend(inputs)
-        for name in moving:
-            tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=initializers[name].dims)
-            size = 4 * int(np.prod(initializers[name].dims, dtype=np.int64))
-            tensor.data_location = onnx.TensorProto.EXTERNAL  # by hand: onnx's set_external_data wants raw_data first
-            for key, value in (("location", FROZEN_FILE), ("offset", str(4 * offsets[name])), ("length", str(size))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-            model.graph.initializer.append(tensor)
+        model.graph.initializer.extend(added)
+        if rows:
+            widen_in_graph(model, rows)
         onnx.save(model, work / graph)
     trained = [initializers[n].SerializeToString() for n in trainable]
     rest = [initializers[n].SerializeToString() for n in frozen if n not in offsets]
     (work / "checkpoint").unlink()
     C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
-    return offsets
+    return offsets, scales
+
+
+def _external(name: str, dtype: int, shape: Sequence[int], words: int, length: int) -> onnx.TensorProto:
+    """An initializer whose data is ``length`` bytes of ``frozen.bin`` from word ``words``."""
+    tensor = onnx.TensorProto(name=name, data_type=dtype, dims=shape)
+    tensor.data_location = onnx.TensorProto.EXTERNAL  # by hand: onnx's set_external_data wants raw_data first
+    for key, value in (("location", FROZEN_FILE), ("offset", str(4 * words)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
 
 
 def lookup_tables(work: Path, names: Sequence[str]) -> list[str]:

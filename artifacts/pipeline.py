@@ -230,10 +230,11 @@ def _build(
     order = _parameter_order(work / "training_model.onnx")
     if spec.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
-        offsets = {}
+        offsets, scales = {}, {}
     else:
         in_order = [n for n in order if n in set(frozen)]
-        offsets = externalize_frozen(work, trainable, in_order, list(updates), initializers)
+        offsets, scales = externalize_frozen(work, trainable, in_order, list(updates), initializers,
+                                             int8=spec.base == "int8")  # fmt: skip
     variants = {} if spec.ort_format else _write_variants(work, context)
     tokenizer = _attach_tokenizer(spec.tokenizer, input_names, work)
 
@@ -273,7 +274,8 @@ def _build(
         plan=o.plan,
         index_limits=_index_limits(original, input_names),
         hf_config=o.hf_config,
-        frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets))}
+        frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets)),
+                     **({"int8": scales} if scales else {})}
         if offsets
         else None,
         variants=variants,

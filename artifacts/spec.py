@@ -70,6 +70,11 @@ class Spec:
     labels: tuple[str, ...] = ()
     tokenizer: TokenizerSpec | None = None
     ort_format: bool = False
+    base: str = "float32"
+    """How the frozen weights are stored: ``"float32"``, or ``"int8"``: every frozen matrix read only by
+    matrix products and row lookups as int8 rows with a float32 scale per row (a quarter of the memory),
+    widened just before each product (:mod:`artifacts.int8_base`). Verification compares PyTorch with
+    the same dequantized weights."""
     decoder: bool = True
     """A causal language model also gets its cached inference graph (``odt export``, ``odt predict --prompt``)."""
 
@@ -94,6 +99,14 @@ class Spec:
                 if repeated else "one is empty"  # fmt: skip
             raise InputSpecError(f"labels must be distinct, non-empty class names (the device refuses others): "
                                  f"{problem} in {list(self.labels)}.")  # fmt: skip
+        if self.base not in BASES:
+            raise InputSpecError(f"base must be one of {', '.join(BASES)}, got {self.base!r}.")
+        if self.base == "int8" and self.ort_format:
+            raise InputSpecError("an int8 base needs the frozen weights in frozen.bin, which ORT-format artifacts "
+                                 "do not have: drop ort_format (--ort-format) or keep base='float32'.")  # fmt: skip
+        if self.base == "int8" and self.opset < 13:
+            raise InputSpecError(f"an int8 base widens its rows with DequantizeLinear per axis (opset 13); "
+                                 f"opset is {self.opset}: raise it.")  # fmt: skip
         if self.adapter_lr is not None and not (
             isinstance(self.adapter_lr, (int, float)) and math.isfinite(self.adapter_lr) and self.adapter_lr > 0
         ):
@@ -116,6 +129,7 @@ class Spec:
 
 
 FIELDS = frozenset(f.name for f in fields(Spec))
+BASES = ("float32", "int8")
 TORCH_ONLY = ("input_names", "dynamic_axes", "output_names", "opset", "lora", "lora_from", "tokenizer",
-              "memory_budget")  # fmt: skip
+              "memory_budget", "base")  # fmt: skip
 """Fields that shape a PyTorch model's export and mean nothing to an existing .onnx file."""

@@ -68,6 +68,11 @@ def make_bundle(
         raise BundleError(refusal + ".")
     source, target = Path(artifacts), Path(out).absolute()
     manifest = Manifest.load(source)
+    if (manifest.frozen_file or {}).get("int8"):
+        raise BundleError(
+            f"{source} keeps its frozen base in int8 (`odt generate --base int8`); bundles carry float32 weights "
+            "for ORT Mobile and the browser so far. Generate the artifacts again without --base int8 to bundle them."
+        )
     if schedule != "constant" and total_steps is None:
         raise BundleError(
             f"a {schedule} schedule needs --total-steps N (total_steps=N): the optimizer steps it spans on the "

@@ -34,9 +34,37 @@ from .session import OrtValue
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-__all__ = ["FrozenWeights"]
+__all__ = ["FrozenWeights", "SCALE_SUFFIX", "dequantize_rows", "stored_arrays"]
 
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
+
+SCALE_SUFFIX = "::scale"
+"""An int8 matrix ``W`` of an int8 base (``odt generate --base int8``) has its per-row scales in ``W::scale``."""
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``float(q) * scale`` per row: what ONNX's DequantizeLinear (axis 0) computes in the step graph."""
+    return q.astype(np.float32) * scale.astype(np.float32)[:, None]
+
+
+def stored_arrays(data: np.ndarray, manifest: Manifest) -> dict[str, np.ndarray]:
+    """Every tensor of ``frozen.bin`` (``data``: its bytes as uint8) by graph name, as views: float32
+    tensors, and for an int8 base each matrix as int8 plus its scales (``name + SCALE_SUFFIX``).
+    Offsets count 4-byte words; an int8 matrix is padded to whole words and its scales follow it."""
+    stored = manifest.frozen_file or {}
+    shapes = {p.name: p.shape for p in manifest.frozen}
+    int8 = stored.get("int8", {})
+    arrays: dict[str, np.ndarray] = {}
+    for name, offset in stored.get("offsets", {}).items():
+        shape, start = shapes[name], 4 * int(offset)
+        count = math.prod(shape)
+        if name in int8:
+            arrays[name] = data[start : start + count].view(np.int8).reshape(shape)
+            scales = 4 * int(int8[name])
+            arrays[name + SCALE_SUFFIX] = data[scales : scales + 4 * shape[0]].view(np.float32)
+        else:
+            arrays[name] = data[start : start + 4 * count].view(np.float32).reshape(shape)
+    return arrays
 
 
 class FrozenWeights:
@@ -56,19 +84,15 @@ class FrozenWeights:
         if not stored or not manifest.frozen:
             return
         path = directory / stored["file"]
-        shapes = {p.name: p.shape for p in manifest.frozen}
-        offsets = {name: int(offset) for name, offset in stored["offsets"].items()}
-        tables = [(4 * offsets[n], 4 * (offsets[n] + math.prod(shapes[n]))) for n in stored.get("lookups", ())]
-        _drop_cached(path, tables)
-        mapped = np.memmap(path, dtype=np.float32, mode="r")
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        arrays = stored_arrays(mapped, manifest)
+        tables = [(int(stored["offsets"][n]) * 4, arrays[n].nbytes) for n in stored.get("lookups", ())]
+        _drop_cached(path, [(start, start + size) for start, size in tables])
         base, page = mapped.ctypes.data, mmap.PAGESIZE  # the mapping starts at file offset 0, on a page
-        self._tables = [(base + start - start % page, end - start + start % page) for start, end in tables]
+        self._tables = [(base + start - start % page, size + start % page) for start, size in tables]
         if _madvise(self._tables, _MADV_RANDOM) < len(self._tables):
             self._tables = []  # not Linux, or the kernel refused: leave the pages to the system
-        self.values = {
-            name: OrtValue.ortvalue_from_numpy(mapped[offset : offset + math.prod(shapes[name])].reshape(shapes[name]))
-            for name, offset in offsets.items()
-        }
+        self.values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
     def release_rows(self) -> None:
         """Unmap the lookup tables' pages from this process (Linux; elsewhere the system decides)."""

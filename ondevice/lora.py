@@ -20,11 +20,14 @@ def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untype
     Each adapter's branch (from its A and B to the Add that joins the base layer's output) is
     removed, and A and B with it; the graph computes the same function with one MatMul per layer.
     """
+    import onnx
     from onnx import numpy_helper
 
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     for adapter in adapters:
+        if adapter.weight in initializers and initializers[adapter.weight].data_type == onnx.TensorProto.INT8:
+            continue  # an int8 base (widened in the graph) keeps its branch: the file computes the same function
         missing = [n for n in (adapter.weight, adapter.a, adapter.b) if n not in initializers]
         if missing:
             raise CheckpointError(f"cannot fold the LoRA adapter into {adapter.weight}: the graph lacks {missing}.")

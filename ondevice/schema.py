@@ -241,14 +241,23 @@ def _frozen_file(value: Any, files: dict[str, Any], frozen: dict[str, tuple[int,
         return
     if value["file"] not in files:
         _fail("frozen_file.file", "a file listed in files", value["file"])
-    offsets = value["offsets"]
-    expected = 0
+    offsets, int8 = value["offsets"], value.get("int8", {})
+    if not set(int8) <= set(offsets):
+        _fail("frozen_file.int8", "tensors in frozen_file.offsets", sorted(set(int8) - set(offsets)))
+    expected = 0  # in 4-byte words: a float32 tensor, or int8 rows padded to whole words and then their scales
     for name, offset in offsets.items():
         if name not in frozen:
             _fail(f"frozen_file.offsets[{name!r}]", "a frozen parameter", name)
         if offset != expected:
             _fail(f"frozen_file.offsets[{name!r}]", f"{expected} (the tensors tile the file in order)", offset)
         expected += math.prod(frozen[name])
+        if name in int8:
+            if len(frozen[name]) != 2:
+                _fail(f"frozen_file.int8[{name!r}]", "a matrix (int8 rows)", frozen[name])
+            expected = offset + -(-math.prod(frozen[name]) // 4)
+            if int8[name] != expected:
+                _fail(f"frozen_file.int8[{name!r}]", f"{expected} (the scales follow the rows)", int8[name])
+            expected += frozen[name][0]
     lookups = value.get("lookups", [])
     if not isinstance(lookups, list) or not all(name in offsets for name in lookups):
         _fail("frozen_file.lookups", "a list of tensors in frozen_file.offsets", lookups)

@@ -25,7 +25,7 @@ from .errors import (
     WeightsError,
 )
 from .files import sha256_file
-from .frozen import FrozenWeights
+from .frozen import SCALE_SUFFIX, FrozenWeights, dequantize_rows, stored_arrays
 from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
@@ -492,9 +492,11 @@ class Trainer:
             raise WeightsError(f"{name!r} is not a parameter of these artifacts; `odt inspect` lists them.")
         stored = self.manifest.frozen_file
         if stored is not None and name in stored["offsets"]:
-            shape = next(p.shape for p in self.manifest.frozen if p.name == name)
-            offset = 4 * int(stored["offsets"][name])
-            return np.fromfile(self.directory / stored["file"], "<f4", math.prod(shape), offset=offset).reshape(shape)
+            data = np.memmap(self.directory / stored["file"], np.uint8, "r")
+            arrays = stored_arrays(data, self.manifest)
+            if name in stored.get("int8", {}):  # an int8 base: the values the step graph computes from it
+                return dequantize_rows(arrays[name], arrays[name + SCALE_SUFFIX])
+            return np.array(arrays[name])
         return self._session.get_parameter(name)
 
     def get_buffers(self) -> dict[str, np.ndarray]:
@@ -591,7 +593,9 @@ class Trainer:
                                 "(`odt generate --task causal-lm`) complete prompts.")  # fmt: skip
         self.manifest.check_files(self.directory, names=(decoder.file, tokenizer.file))
         # The frozen weights no adapter changes are the trainer's own mapping of frozen.bin: shared, not copied.
-        folded = {a.weight for a in self.manifest.adapters}
+        # The decoder computes in float32: an int8 base's matrices are widened into it (LazyWeights).
+        int8 = set((self.manifest.frozen_file or {}).get("int8", {}))
+        folded = {a.weight for a in self.manifest.adapters} | int8 | {n + SCALE_SUFFIX for n in int8}
         shared = {n: v for n, v in (self._frozen.values if self._frozen else {}).items() if n not in folded}
         model = decoder_model(self.directory, decoder, LazyWeights(self), shared).SerializeToString()
         options = session_options(threads)

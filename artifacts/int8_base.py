@@ -1,0 +1,215 @@
+"""A frozen base in int8: each frozen matrix stored as int8 rows with one float32 scale per row,
+widened inside the step graph just before each product that reads it.
+
+A frozen float32 base is most of a language model's memory on the device (SmolLM2-135M: 513 MiB of
+the pages every step reads). In int8 it is a quarter. The widening is the hard part: ONNX Runtime
+constant-folds ``DequantizeLinear`` of an initializer back into a float32 copy when a session loads,
+and orders a node with no activation input early, so every widened matrix would live from the
+start of the step to its backward use: the float32 base again. So each product gets its own
+``DequantizeLinear`` whose scale waits for the product's activation input (``scale + 0 * x[0]``,
+exact): it runs just in time, its float32 output dies with the product, and nothing folds. The
+backward's products widen again (the base is read twice a step, as a quarter of the bytes). A
+matrix too large to widen at once (a tied 49,152-row embedding: 113 MB in float32) is widened
+and multiplied in blocks of rows. Lookups (Gather of rows) widen only the rows they read.
+
+The values are ``float(q) * scale``, the arithmetic ONNX's ``DequantizeLinear`` does, so the graph
+computes exactly what PyTorch computes with the dequantized weights (:func:`dequantize_rows`), which
+is what verification compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from ondevice.frozen import SCALE_SUFFIX, dequantize_rows, stored_arrays
+from ondevice.manifest import Manifest
+
+__all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "BLOCK_VALUES",
+           "SCALE_SUFFIX"]
+
+BLOCK_VALUES = 1 << 21
+"""Largest matrix widened whole (8 MiB in float32); larger ones are widened in blocks of rows this size."""
+
+_PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
+"""(operator, input position) where a frozen matrix may be read as the second factor of a product."""
+
+
+def quantize_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row: ``scale = max|row| / 127`` (1 for a row of zeros), ``q = round(row / scale)``."""
+    matrix = np.asarray(matrix, np.float32)
+    largest = np.abs(matrix).max(axis=1)
+    scale = np.where(largest > 0, largest / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(matrix / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+@contextlib.contextmanager
+def dequantized_base(model: torch.nn.Module, work: Path, manifest: Manifest) -> Iterator[None]:
+    """Within the block, ``model``'s parameters that ``work`` stores as an int8 base hold their
+    dequantized values (what the step graphs compute with); afterwards their own values again."""
+    int8 = (manifest.frozen_file or {}).get("int8", {})
+    if not int8:
+        yield
+        return
+    arrays = stored_arrays(np.memmap(work / manifest.frozen_file["file"], np.uint8, "r"), manifest)
+    state = model.state_dict(keep_vars=True)
+    kept = {name: state[name].detach().clone() for name in int8}
+    try:
+        with torch.no_grad():
+            for name in int8:
+                state[name].copy_(torch.from_numpy(dequantize_rows(arrays[name], arrays[name + SCALE_SUFFIX])))
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in kept.items():
+                state[name].copy_(value)
+
+
+def quantizable(graphs: Iterable[onnx.ModelProto], candidates: Mapping[str, Sequence[int]]) -> list[str]:
+    """The matrices among ``candidates`` (name -> shape) that every graph reads only as the second
+    factor of a Gemm/MatMul or as a row lookup (Gather on axis 0): the ones :func:`widen_in_graph`
+    can widen. Others stay float32."""
+    uses: dict[str, list[bool]] = {}
+    for model in graphs:
+        for node in model.graph.node:
+            for position, name in enumerate(node.input):
+                uses.setdefault(name, []).append(_reads(node, position))
+    return [n for n, shape in candidates.items() if len(shape) == 2 and uses.get(n) and all(uses[n])]
+
+
+def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], block: int = BLOCK_VALUES) -> int:
+    """Rewrite every read of the int8 matrices ``rows`` (name -> (rows, columns)) in ``model`` as
+    described in the module docstring; ``name + SCALE_SUFFIX`` is each one's scale input. Returns the
+    number of reads rewritten."""
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    zeros: dict[str, str] = {}  # activation -> its "0 * x[0]" (one per activation, shared by its products)
+    count = 0
+
+    def zero_of(x: str) -> str:
+        if x not in zeros:
+            base = f"odt.int8/{len(zeros)}"
+            nodes.extend([
+                _ints(f"{base}/flat", [-1]), _ints(f"{base}/start", [0]), _ints(f"{base}/stop", [1]),
+                helper.make_node("Reshape", [x, f"{base}/flat"], [f"{base}/x"], name=f"{base}/x"),
+                helper.make_node("Slice", [f"{base}/x", f"{base}/start", f"{base}/stop"], [f"{base}/first"],
+                                 name=f"{base}/first"),
+                _floats(f"{base}/nothing", 0.0),
+                helper.make_node("Mul", [f"{base}/first", f"{base}/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
+            ])  # fmt: skip
+            zeros[x] = f"{base}/zero"
+        return zeros[x]
+
+    for node in graph.node:
+        weight = next((n for i, n in enumerate(node.input) if n in rows and _reads(node, i)), None)
+        if weight is None:
+            nodes.append(node)
+            continue
+        count += 1
+        base = f"{weight}::int8/{count}"
+        if node.op_type == "Gather":
+            nodes.extend(_lookup(node, weight, base))
+            continue
+        # the scale waits for the product's activation input: the widening runs just before the product
+        scale = f"{base}/scale"
+        nodes.append(helper.make_node("Add", [weight + SCALE_SUFFIX, zero_of(node.input[0])], [scale], name=scale))
+        height, width = rows[weight]
+        blocks = _blocks(height, width, block) if _blockable(node) else [(0, height)]
+        if len(blocks) == 1:
+            nodes.append(_dequantize(weight, scale, f"{base}/w"))
+            node.input[1] = f"{base}/w"
+            nodes.append(node)
+        else:
+            nodes.extend(_blocked_product(node, weight, scale, base, blocks))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return count
+
+
+def _reads(node: onnx.NodeProto, position: int) -> bool:
+    return (node.op_type, position) in _PRODUCTS or _is_lookup(node, position)
+
+
+def _is_lookup(node: onnx.NodeProto, position: int) -> bool:
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    return node.op_type == "Gather" and position == 0 and axis == 0
+
+
+def _blockable(node: onnx.NodeProto) -> bool:
+    """A Gemm without a bias term and without a transposed A: its product splits by the weight's rows."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return node.op_type == "Gemm" and len(node.input) == 2 and not attributes.get("transA", 0)
+
+
+def _blocks(height: int, width: int, block: int) -> list[tuple[int, int]]:
+    step = max(1, block // max(width, 1))
+    return [(start, min(start + step, height)) for start in range(0, height, step)]
+
+
+def _dequantize(weight: str, scale: str, out: str) -> onnx.NodeProto:
+    return helper.make_node("DequantizeLinear", [weight, scale], [out], name=out, axis=0)
+
+
+def _lookup(node: onnx.NodeProto, weight: str, base: str) -> list[onnx.NodeProto]:
+    """Gather(W, ids) as Gather(q, ids) * Gather(scale, ids)[..., None]: only the rows read are widened."""
+    ids, out = node.input[1], node.output[0]
+    return [
+        helper.make_node("Gather", [weight, ids], [f"{base}/q"], name=f"{base}/q", axis=0),
+        helper.make_node("Cast", [f"{base}/q"], [f"{base}/rows"], name=f"{base}/rows", to=onnx.TensorProto.FLOAT),
+        helper.make_node("Gather", [weight + SCALE_SUFFIX, ids], [f"{base}/s"], name=f"{base}/s", axis=0),
+        _ints(f"{base}/last", [-1]),
+        helper.make_node("Unsqueeze", [f"{base}/s", f"{base}/last"], [f"{base}/scale"], name=f"{base}/scale"),
+        helper.make_node("Mul", [f"{base}/rows", f"{base}/scale"], [out], name=node.name or f"{base}/lookup"),
+    ]
+
+
+def _blocked_product(
+    node: onnx.NodeProto, weight: str, scale: str, base: str, blocks: list[tuple[int, int]]
+) -> list[onnx.NodeProto]:
+    """A Gemm over a large int8 matrix, a block of its rows at a time: with ``transB`` the blocks give
+    column blocks of the result (concatenated), without it they give partial products over slices of
+    the activation's columns (summed)."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    transposed = bool(attributes.get("transB", 0))
+    alpha = float(attributes.get("alpha", 1.0))
+    x, out = node.input[0], node.output[0]
+    made: list[onnx.NodeProto] = [_ints(f"{base}/axis0", [0]), _ints(f"{base}/axis1", [1])]
+    parts = []
+    for index, (start, stop) in enumerate(blocks):
+        at = f"{base}/{index}"
+        made += [
+            _ints(f"{at}/start", [start]), _ints(f"{at}/stop", [stop]),
+            helper.make_node("Slice", [weight, f"{at}/start", f"{at}/stop", f"{base}/axis0"], [f"{at}/q"],
+                             name=f"{at}/q"),
+            helper.make_node("Slice", [scale, f"{at}/start", f"{at}/stop"], [f"{at}/scale"], name=f"{at}/scale"),
+            _dequantize(f"{at}/q", f"{at}/scale", f"{at}/w"),
+        ]  # fmt: skip
+        factor = x
+        if not transposed:
+            factor = f"{at}/x"
+            made.append(helper.make_node("Slice", [x, f"{at}/start", f"{at}/stop", f"{base}/axis1"], [factor],
+                                         name=factor))  # fmt: skip
+        made.append(helper.make_node("Gemm", [factor, f"{at}/w"], [f"{at}/y"], name=f"{at}/y", alpha=alpha,
+                                     transB=int(transposed)))  # fmt: skip
+        parts.append(f"{at}/y")
+    if transposed:
+        made.append(helper.make_node("Concat", parts, [out], name=node.name or f"{base}/concat", axis=1))
+    else:
+        made.append(helper.make_node("Sum", parts, [out], name=node.name or f"{base}/sum"))
+    return made
+
+
+def _ints(name: str, values: list[int]) -> onnx.NodeProto:
+    tensor = helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
+    return helper.make_node("Constant", [], [name], name=name, value=tensor)
+
+
+def _floats(name: str, value: float) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(name, 1, [1], [value]))

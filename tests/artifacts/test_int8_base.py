@@ -1,0 +1,141 @@
+"""`--base int8`: frozen matrices stored as int8 rows with a scale per row, widened in the step graphs.
+
+The reference is a float32 twin: the same model with each of those matrices replaced by its
+dequantized values. The int8 artifacts must train, evaluate and export exactly as the twin does, on
+both engines, while ``frozen.bin`` holds a quarter of the bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, numpy_helper
+
+from artifacts import InputSpecError, Lora, generate
+from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
+from mobile_bridge import BundleError, make_bundle
+from ondevice import Manifest, Predictor, Trainer
+from ondevice.frozen import SCALE_SUFFIX
+from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
+
+
+def test_rows_quantize_within_half_a_step_and_a_zero_row_stays_zero():
+    rng = np.random.default_rng(0)
+    matrix = rng.normal(size=(6, 40)).astype(np.float32) * np.array([[1e-3], [1], [30], [0], [5], [1e4]], np.float32)
+    q, scale = quantize_rows(matrix)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and np.abs(q).max() == 127
+    error = np.abs(dequantize_rows(q, scale) - matrix)
+    assert (error <= scale[:, None] * 0.5001).all()
+    assert scale[3] == 1 and not q[3].any()
+
+
+def _product_graph(op: str, w_shape: tuple[int, int], x_shape: tuple[int, ...], int8: bool, **attributes) -> onnx.ModelProto:
+    x_type = onnx.TensorProto.INT64 if op == "Gather" else onnx.TensorProto.FLOAT
+    inputs = ["W", "x"] if op == "Gather" else ["x", "W"]
+    node = helper.make_node(op, inputs, ["y"], name="product", **attributes)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", x_type, list(x_shape))],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [])],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize(
+    "op, x_shape, attributes",
+    [
+        ("Gemm", (5, 24), {"transB": 1}),  # forward: y = x W^T, blocks give column blocks
+        ("Gemm", (5, 40), {"transB": 0, "alpha": 0.5}),  # backward: y = x W, blocks give partial sums
+        ("MatMul", (2, 5, 40), {}),
+        ("Gather", (3, 4), {"axis": 0}),  # a lookup widens only its rows
+    ],
+)
+@pytest.mark.parametrize("block", [1 << 21, 96])
+def test_widened_reads_compute_what_the_dequantized_float_matrix_computes(op, x_shape, attributes, block, tmp_path):
+    rng = np.random.default_rng(1)
+    weight = rng.normal(size=(40, 24)).astype(np.float32)
+    q, scale = quantize_rows(weight)
+    feed = rng.integers(0, 40, x_shape) if op == "Gather" else rng.normal(size=x_shape).astype(np.float32)
+    twin = _product_graph(op, weight.shape, x_shape, False, **attributes)
+    twin.graph.initializer.append(numpy_helper.from_array(dequantize_rows(q, scale), "W"))
+    model = _product_graph(op, weight.shape, x_shape, True, **attributes)
+    model.graph.initializer.extend([numpy_helper.from_array(q, "W"), numpy_helper.from_array(scale, "W" + SCALE_SUFFIX)])
+    assert widen_in_graph(model, {"W": weight.shape}, block=block) == 1
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    expected = ort.InferenceSession(twin.SerializeToString()).run(None, {"x": feed})[0]
+    found = ort.InferenceSession(model.SerializeToString(), options).run(None, {"x": feed})[0]
+    if block < weight.size and op == "Gemm" and not attributes["transB"]:
+        np.testing.assert_allclose(found, expected, rtol=1e-6, atol=1e-6)  # partial sums: another order
+    else:
+        np.testing.assert_array_equal(found, expected)
+    # ORT did not fold the widening into a float32 copy of the matrix when the session loaded
+    optimized = onnx.load(tmp_path / "optimized.onnx")
+    floats = [i.name for i in optimized.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2]
+    assert not floats, floats
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(int8 artifacts, float32 twin artifacts) of a small BERT with LoRA on query/value and a head."""
+    root = tmp_path_factory.mktemp("int8")
+    torch.manual_seed(0)
+    model = Classifier()
+    int8 = generate(model, _example(), root / "int8", lora=LORA, trainable=HEAD, base="int8")
+    twin = copy.deepcopy(model)
+    state = twin.state_dict()
+    with torch.no_grad():
+        for name in int8.frozen_file["int8"]:
+            state[name].copy_(torch.from_numpy(dequantize_rows(*quantize_rows(state[name].numpy()))))
+    generate(twin, _example(), root / "twin", lora=LORA, trainable=HEAD)
+    return root / "int8", root / "twin"
+
+
+def test_an_int8_base_stores_a_quarter_and_verifies_against_the_dequantized_model(pair):
+    int8, twin = (Manifest.load(p) for p in pair)
+    assert int8.verification.passed
+    quantized = set(int8.frozen_file["int8"])
+    matrices = {p.name for p in int8.frozen if len(p.shape) == 2}
+    assert quantized == matrices  # every frozen matrix here is read by products and lookups only
+    assert "model.bert.embeddings.word_embeddings.weight" in int8.frozen_file["lookups"]
+    size = sum(p.size for p in int8.frozen if p.name in quantized)
+    stored, float_stored = ((d / "frozen.bin").stat().st_size for d in pair)
+    assert stored <= float_stored - 3 * size + 4 * 64 * len(quantized)  # 1 byte a value, scales and padding aside
+    trainer, reference = Trainer.load(pair[0]), Trainer.load(pair[1])
+    for name in quantized:
+        np.testing.assert_array_equal(trainer.parameter(name), reference.parameter(name))
+
+
+@pytest.mark.parametrize("engine", ["classic", "portable"])
+def test_it_trains_and_exports_as_its_dequantized_float_twin(pair, engine, tmp_path):
+    data = _data()
+    trainers = [Trainer.load(d, engine=engine) for d in pair]
+    losses = [[t.train_step({k: v[i : i + 8] for k, v in data.items()}).loss for i in range(0, 32, 8)] for t in trainers]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    for a, b in zip(*(t.get_weights().values() for t in trainers)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    paths = [t.export(tmp_path / f"{i}.onnx") for i, t in enumerate(trainers)]
+    stored = [{i.name: i for i in onnx.load(p).graph.initializer} for p in paths]
+    for name in Manifest.load(pair[0]).frozen_file["int8"]:  # the file keeps the int8 base (adapters stay unfolded)
+        assert stored[0][name].data_type == onnx.TensorProto.INT8
+        assert 4 * len(stored[0][name].raw_data) == len(stored[1][name].raw_data)
+    feeds = {"ids": data["ids"][:8], "mask": data["mask"][:8]}
+    outputs = [Predictor(p).predict(feeds) for p in paths]
+    assert outputs[0].keys() == outputs[1].keys()
+    for name, value in outputs[0].items():
+        np.testing.assert_allclose(value, outputs[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_int8_base_is_refused_where_it_cannot_go(pair, tmp_path):
+    with pytest.raises(InputSpecError, match="ort_format"):
+        generate(Classifier(), _example(), tmp_path / "ort", lora=LORA, base="int8", ort_format=True)
+    with pytest.raises(InputSpecError, match="float32, int8"):
+        generate(Classifier(), _example(), tmp_path / "half", lora=LORA, base="float16")
+    with pytest.raises(BundleError, match="--base int8"):
+        make_bundle(pair[0], tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
