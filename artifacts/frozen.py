@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ondevice.frozen import SCALE_SUFFIX
+from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
 from ondevice.session import C
 
 from .int8_base import quantizable, quantize_rows, widen_in_graph
@@ -70,6 +70,10 @@ def externalize_frozen(
                 added += [_external(name, onnx.TensorProto.INT8, array.shape, position, q.size),
                           _external(name + SCALE_SUFFIX, onnx.TensorProto.FLOAT, scale.shape, scales[name],
                                     4 * scale.size)]  # fmt: skip
+                blocks = row_blocks(q.shape)
+                width = q.shape[1]
+                added += [_external(block_name(name, a), onnx.TensorProto.INT8, (b - a, width), position,
+                                    (b - a) * width, skip=a * width) for a, b in blocks if len(blocks) > 1]  # fmt: skip
                 position = scales[name] + scale.size
             else:
                 out.write(array.tobytes())
@@ -91,11 +95,11 @@ def externalize_frozen(
     return offsets, scales
 
 
-def _external(name: str, dtype: int, shape: Sequence[int], words: int, length: int) -> onnx.TensorProto:
-    """An initializer whose data is ``length`` bytes of ``frozen.bin`` from word ``words``."""
+def _external(name: str, dtype: int, shape: Sequence[int], words: int, length: int, skip: int = 0) -> onnx.TensorProto:
+    """An initializer whose data is ``length`` bytes of ``frozen.bin`` from word ``words`` (and ``skip`` bytes)."""
     tensor = onnx.TensorProto(name=name, data_type=dtype, dims=shape)
     tensor.data_location = onnx.TensorProto.EXTERNAL  # by hand: onnx's set_external_data wants raw_data first
-    for key, value in (("location", FROZEN_FILE), ("offset", str(4 * words)), ("length", str(length))):
+    for key, value in (("location", FROZEN_FILE), ("offset", str(4 * words + skip)), ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
     return tensor

@@ -28,14 +28,11 @@ import onnx
 import torch
 from onnx import helper
 
-from ondevice.frozen import SCALE_SUFFIX, dequantize_rows, stored_arrays
+from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX, block_name, dequantize_rows, row_blocks, stored_arrays
 from ondevice.manifest import Manifest
 
 __all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "BLOCK_VALUES",
            "SCALE_SUFFIX"]
-
-BLOCK_VALUES = 1 << 21
-"""Largest matrix widened whole (8 MiB in float32); larger ones are widened in blocks of rows this size."""
 
 _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
 """(operator, input position) where a frozen matrix may be read as the second factor of a product."""
@@ -84,10 +81,12 @@ def quantizable(graphs: Iterable[onnx.ModelProto], candidates: Mapping[str, Sequ
     return [n for n, shape in candidates.items() if len(shape) == 2 and uses.get(n) and all(uses[n])]
 
 
-def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], block: int = BLOCK_VALUES) -> int:
+def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]]) -> int:
     """Rewrite every read of the int8 matrices ``rows`` (name -> (rows, columns)) in ``model`` as
-    described in the module docstring; ``name + SCALE_SUFFIX`` is each one's scale input. Returns the
-    number of reads rewritten."""
+    described in the module docstring; ``name + SCALE_SUFFIX`` is each one's scale input and a large
+    one's row blocks (``ondevice.frozen.row_blocks``) are tensors of their own, so no Slice copies
+    them (ORT folds a Slice of an initializer into a new one: SmolLM2's embedding twice more). Returns
+    the number of reads rewritten."""
     graph = model.graph
     nodes: list[onnx.NodeProto] = []
     zeros: dict[str, str] = {}  # activation -> its "0 * x[0]" (one per activation, shared by its products)
@@ -95,16 +94,7 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], 
 
     def zero_of(x: str) -> str:
         if x not in zeros:
-            base = f"odt.int8/{len(zeros)}"
-            nodes.extend([
-                _ints(f"{base}/flat", [-1]), _ints(f"{base}/start", [0]), _ints(f"{base}/stop", [1]),
-                helper.make_node("Reshape", [x, f"{base}/flat"], [f"{base}/x"], name=f"{base}/x"),
-                helper.make_node("Slice", [f"{base}/x", f"{base}/start", f"{base}/stop"], [f"{base}/first"],
-                                 name=f"{base}/first"),
-                _floats(f"{base}/nothing", 0.0),
-                helper.make_node("Mul", [f"{base}/first", f"{base}/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
-            ])  # fmt: skip
-            zeros[x] = f"{base}/zero"
+            zeros[x] = _zero(x, f"odt.int8/{len(zeros)}", nodes)
         return zeros[x]
 
     for node in graph.node:
@@ -120,8 +110,7 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], 
         # the scale waits for the product's activation input: the widening runs just before the product
         scale = f"{base}/scale"
         nodes.append(helper.make_node("Add", [weight + SCALE_SUFFIX, zero_of(node.input[0])], [scale], name=scale))
-        height, width = rows[weight]
-        blocks = _blocks(height, width, block) if _blockable(node) else [(0, height)]
+        blocks = row_blocks(rows[weight]) if _blockable(node) else [(0, rows[weight][0])]
         if len(blocks) == 1:
             nodes.append(_dequantize(weight, scale, f"{base}/w"))
             node.input[1] = f"{base}/w"
@@ -131,6 +120,20 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], 
     del graph.node[:]
     graph.node.extend(nodes)
     return count
+
+
+def _zero(x: str, base: str, nodes: list[onnx.NodeProto]) -> str:
+    """Append nodes computing ``0 * x[0]`` (shape [1]) to ``nodes``; returns its name. Added to a scale,
+    it changes no value but makes the widening wait for ``x``."""
+    nodes.extend([
+        _ints(f"{base}/flat", [-1]), _ints(f"{base}/start", [0]), _ints(f"{base}/stop", [1]),
+        helper.make_node("Reshape", [x, f"{base}/flat"], [f"{base}/x"], name=f"{base}/x"),
+        helper.make_node("Slice", [f"{base}/x", f"{base}/start", f"{base}/stop"], [f"{base}/first"],
+                         name=f"{base}/first"),
+        _floats(f"{base}/nothing", 0.0),
+        helper.make_node("Mul", [f"{base}/first", f"{base}/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
+    ])  # fmt: skip
+    return f"{base}/zero"
 
 
 def _reads(node: onnx.NodeProto, position: int) -> bool:
@@ -146,11 +149,6 @@ def _blockable(node: onnx.NodeProto) -> bool:
     """A Gemm without a bias term and without a transposed A: its product splits by the weight's rows."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     return node.op_type == "Gemm" and len(node.input) == 2 and not attributes.get("transA", 0)
-
-
-def _blocks(height: int, width: int, block: int) -> list[tuple[int, int]]:
-    step = max(1, block // max(width, 1))
-    return [(start, min(start + step, height)) for start in range(0, height, step)]
 
 
 def _dequantize(weight: str, scale: str, out: str) -> onnx.NodeProto:
@@ -175,21 +173,24 @@ def _blocked_product(
 ) -> list[onnx.NodeProto]:
     """A Gemm over a large int8 matrix, a block of its rows at a time: with ``transB`` the blocks give
     column blocks of the result (concatenated), without it they give partial products over slices of
-    the activation's columns (summed)."""
+    the activation's columns (summed). Each block's widening waits for the previous block's product,
+    so one widened block is alive at a time, not all of them."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     transposed = bool(attributes.get("transB", 0))
     alpha = float(attributes.get("alpha", 1.0))
     x, out = node.input[0], node.output[0]
-    made: list[onnx.NodeProto] = [_ints(f"{base}/axis0", [0]), _ints(f"{base}/axis1", [1])]
-    parts = []
+    made: list[onnx.NodeProto] = [_ints(f"{base}/axis1", [1])]
+    parts: list[str] = []
     for index, (start, stop) in enumerate(blocks):
         at = f"{base}/{index}"
+        after = scale
+        if parts:
+            after = f"{at}/after"
+            made.append(helper.make_node("Add", [scale, _zero(parts[-1], f"{at}/wait", made)], [after], name=after))
         made += [
             _ints(f"{at}/start", [start]), _ints(f"{at}/stop", [stop]),
-            helper.make_node("Slice", [weight, f"{at}/start", f"{at}/stop", f"{base}/axis0"], [f"{at}/q"],
-                             name=f"{at}/q"),
-            helper.make_node("Slice", [scale, f"{at}/start", f"{at}/stop"], [f"{at}/scale"], name=f"{at}/scale"),
-            _dequantize(f"{at}/q", f"{at}/scale", f"{at}/w"),
+            helper.make_node("Slice", [after, f"{at}/start", f"{at}/stop"], [f"{at}/scale"], name=f"{at}/scale"),
+            _dequantize(block_name(weight, start), f"{at}/scale", f"{at}/w"),
         ]  # fmt: skip
         factor = x
         if not transposed:

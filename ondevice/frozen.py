@@ -34,12 +34,29 @@ from .session import OrtValue
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-__all__ = ["FrozenWeights", "SCALE_SUFFIX", "dequantize_rows", "stored_arrays"]
+__all__ = ["FrozenWeights", "SCALE_SUFFIX", "BLOCK_VALUES", "block_name", "dequantize_rows", "row_blocks",
+           "stored_arrays"]
 
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 
 SCALE_SUFFIX = "::scale"
 """An int8 matrix ``W`` of an int8 base (``odt generate --base int8``) has its per-row scales in ``W::scale``."""
+
+
+BLOCK_VALUES = 1 << 21
+"""An int8 matrix larger than this (8 MiB in float32) is widened a block of rows at a time, each block its
+own tensor (a view of the matrix's rows in ``frozen.bin``, named by :func:`block_name`)."""
+
+
+def row_blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The (start, stop) row blocks of an int8 matrix of ``shape``: one block unless it is large."""
+    rows, columns = shape
+    step = rows if rows * columns <= BLOCK_VALUES else max(1, BLOCK_VALUES // max(columns, 1))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def block_name(name: str, start: int) -> str:
+    return f"{name}::rows{start}"
 
 
 def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -49,7 +66,8 @@ def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def stored_arrays(data: np.ndarray, manifest: Manifest) -> dict[str, np.ndarray]:
     """Every tensor of ``frozen.bin`` (``data``: its bytes as uint8) by graph name, as views: float32
-    tensors, and for an int8 base each matrix as int8 plus its scales (``name + SCALE_SUFFIX``).
+    tensors, and for an int8 base each matrix as int8 plus its scales (``name + SCALE_SUFFIX``) and,
+    for a large one, its row blocks (:func:`row_blocks`).
     Offsets count 4-byte words; an int8 matrix is padded to whole words and its scales follow it."""
     stored = manifest.frozen_file or {}
     shapes = {p.name: p.shape for p in manifest.frozen}
@@ -60,6 +78,8 @@ def stored_arrays(data: np.ndarray, manifest: Manifest) -> dict[str, np.ndarray]
         count = math.prod(shape)
         if name in int8:
             arrays[name] = data[start : start + count].view(np.int8).reshape(shape)
+            blocks = row_blocks(shape)
+            arrays.update({block_name(name, a): arrays[name][a:b] for a, b in blocks} if len(blocks) > 1 else {})
             scales = 4 * int(int8[name])
             arrays[name + SCALE_SUFFIX] = data[scales : scales + 4 * shape[0]].view(np.float32)
         else:

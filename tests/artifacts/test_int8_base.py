@@ -20,7 +20,8 @@ from artifacts import InputSpecError, Lora, generate
 from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
 from mobile_bridge import BundleError, make_bundle
 from ondevice import Manifest, Predictor, Trainer
-from ondevice.frozen import SCALE_SUFFIX
+from ondevice import frozen
+from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX
 from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
 
 
@@ -54,17 +55,22 @@ def _product_graph(op: str, w_shape: tuple[int, int], x_shape: tuple[int, ...], 
         ("Gather", (3, 4), {"axis": 0}),  # a lookup widens only its rows
     ],
 )
-@pytest.mark.parametrize("block", [1 << 21, 96])
-def test_widened_reads_compute_what_the_dequantized_float_matrix_computes(op, x_shape, attributes, block, tmp_path):
+@pytest.mark.parametrize("block", [BLOCK_VALUES, 96])
+def test_widened_reads_compute_what_the_dequantized_float_matrix_computes(op, x_shape, attributes, block, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(frozen, "BLOCK_VALUES", block)  # 96 values: blocks of 4 rows
     rng = np.random.default_rng(1)
     weight = rng.normal(size=(40, 24)).astype(np.float32)
     q, scale = quantize_rows(weight)
+    blocks = frozen.row_blocks(q.shape)
+    assert len(blocks) == (1 if block == BLOCK_VALUES else 10)
     feed = rng.integers(0, 40, x_shape) if op == "Gather" else rng.normal(size=x_shape).astype(np.float32)
     twin = _product_graph(op, weight.shape, x_shape, False, **attributes)
     twin.graph.initializer.append(numpy_helper.from_array(dequantize_rows(q, scale), "W"))
     model = _product_graph(op, weight.shape, x_shape, True, **attributes)
     model.graph.initializer.extend([numpy_helper.from_array(q, "W"), numpy_helper.from_array(scale, "W" + SCALE_SUFFIX)])
-    assert widen_in_graph(model, {"W": weight.shape}, block=block) == 1
+    model.graph.initializer.extend(numpy_helper.from_array(q[a:b], frozen.block_name("W", a)) for a, b in blocks)
+    assert widen_in_graph(model, {"W": weight.shape}) == 1
     onnx.checker.check_model(model)
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -74,10 +80,11 @@ def test_widened_reads_compute_what_the_dequantized_float_matrix_computes(op, x_
         np.testing.assert_allclose(found, expected, rtol=1e-6, atol=1e-6)  # partial sums: another order
     else:
         np.testing.assert_array_equal(found, expected)
-    # ORT did not fold the widening into a float32 copy of the matrix when the session loaded
+    # ORT folded nothing into a copy of the matrix (float32 or int8) when the session loaded
     optimized = onnx.load(tmp_path / "optimized.onnx")
-    floats = [i.name for i in optimized.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2]
-    assert not floats, floats
+    given = {"W", *(frozen.block_name("W", a) for a, _ in blocks)}
+    copies = [i.name for i in optimized.graph.initializer if len(i.dims) == 2 and i.name not in given]
+    assert not copies, copies
 
 
 @pytest.fixture(scope="module")

