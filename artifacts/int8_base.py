@@ -28,11 +28,10 @@ import onnx
 import torch
 from onnx import helper
 
-from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX, block_name, dequantize_rows, row_blocks, stored_arrays
+from ondevice.frozen import SCALE_SUFFIX, block_name, dequantize_rows, row_blocks, stored_arrays
 from ondevice.manifest import Manifest
 
-__all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "BLOCK_VALUES",
-           "SCALE_SUFFIX"]
+__all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "SCALE_SUFFIX"]
 
 _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
 """(operator, input position) where a frozen matrix may be read as the second factor of a product."""
@@ -97,6 +96,8 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]]) 
             zeros[x] = _zero(x, f"odt.int8/{len(zeros)}", nodes)
         return zeros[x]
 
+    nodes.extend(_CONSTANTS)  # shared by every _zero; an unused Constant is dropped when a session loads
+
     for node in graph.node:
         weight = next((n for i, n in enumerate(node.input) if n in rows and _reads(node, i)), None)
         if weight is None:
@@ -126,12 +127,10 @@ def _zero(x: str, base: str, nodes: list[onnx.NodeProto]) -> str:
     """Append nodes computing ``0 * x[0]`` (shape [1]) to ``nodes``; returns its name. Added to a scale,
     it changes no value but makes the widening wait for ``x``."""
     nodes.extend([
-        _ints(f"{base}/flat", [-1]), _ints(f"{base}/start", [0]), _ints(f"{base}/stop", [1]),
-        helper.make_node("Reshape", [x, f"{base}/flat"], [f"{base}/x"], name=f"{base}/x"),
-        helper.make_node("Slice", [f"{base}/x", f"{base}/start", f"{base}/stop"], [f"{base}/first"],
+        helper.make_node("Reshape", [x, "odt.int8/flat"], [f"{base}/x"], name=f"{base}/x"),
+        helper.make_node("Slice", [f"{base}/x", "odt.int8/start", "odt.int8/stop"], [f"{base}/first"],
                          name=f"{base}/first"),
-        _floats(f"{base}/nothing", 0.0),
-        helper.make_node("Mul", [f"{base}/first", f"{base}/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
+        helper.make_node("Mul", [f"{base}/first", "odt.int8/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
     ])  # fmt: skip
     return f"{base}/zero"
 
@@ -214,3 +213,7 @@ def _ints(name: str, values: list[int]) -> onnx.NodeProto:
 
 def _floats(name: str, value: float) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(name, 1, [1], [value]))
+
+
+_CONSTANTS = (_ints("odt.int8/flat", [-1]), _ints("odt.int8/start", [0]), _ints("odt.int8/stop", [1]),
+              _floats("odt.int8/nothing", 0.0))  # fmt: skip

@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import onnx
 import torch
 
+import ondevice.frozen
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.locks import ARTIFACTS_LOCK, exclusive
 from ondevice.manifest import (
@@ -275,7 +276,7 @@ def _build(
         index_limits=_index_limits(original, input_names),
         hf_config=o.hf_config,
         frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets)),
-                     **({"int8": scales} if scales else {})}
+                     **({"int8": scales, "block_values": ondevice.frozen.BLOCK_VALUES} if scales else {})}
         if offsets
         else None,
         variants=variants,

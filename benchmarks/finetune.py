@@ -7,6 +7,8 @@ B. the intents sample (real commands, test = unseen homes): accuracy of full fin
    LoRA rank 8 + head after the same epochs, on device.
 C. federated rounds over the 8 homes (2 local epochs): LoRA + head against full-model FedAvg, bytes each client
    sends per round and final accuracy.
+D. SmolLM2-135M on a phone's budget: LoRA r8 with the frozen base in int8 on both engines against PyTorch + PEFT
+   (``benchmarks/_smollm2_budget.py``; part ``smollm2``, not in the default parts: it generates SmolLM2).
 
 Run: .venv/bin/python -m benchmarks.finetune [--quick]   (writes benchmarks/results/finetune.*)
 """
@@ -434,6 +436,11 @@ def main() -> int:
                    if part in parts or part not in result})  # fmt: skip
     if "race" in parts:
         result["race"] = race(data, labels, work, epochs)
+    if "smollm2" in parts:
+        from benchmarks._smollm2_budget import smollm2_budget
+
+        result["smollm2"] = smollm2_budget(work, rounds=2 if args.quick else 3)
+        result["dates"]["smollm2"] = time.strftime("%Y-%m-%d")
     for shape in SHAPES if "step" in parts else ():
         for name, config in CONFIGS.items():
             result["step"].append(step_and_memory(name, config, len(labels), labels, work, blocks, steps, shape))
@@ -547,6 +554,10 @@ def table(result: dict[str, Any]) -> str:
             mine = own["client_accuracy"].get(home)
             lines.append(f"| {home} | {shared['client_accuracy'][home]:.4f} | {mine:.4f} |" if mine is not None else
                          f"| {home} | {shared['client_accuracy'][home]:.4f} | - |")  # fmt: skip
+    if result.get("smollm2"):
+        from benchmarks._smollm2_budget import budget_table
+
+        lines += budget_table(result["smollm2"], ran("smollm2"))
     return "\n".join(lines) + "\n"
 
 
