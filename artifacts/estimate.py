@@ -1,7 +1,8 @@
 """The memory planner's estimate of a training step's peak RSS, before anything is built.
 
 peak = BASE_BYTES                           Python, numpy, ONNX Runtime, a session's fixed cost
-     + 4 bytes x frozen weights read whole   (frozen embedding tables are paged in by the row: ~0)
+     + 4 bytes x frozen weights read whole   (frozen embedding tables are paged in by the row: ~0;
+                                             1 byte for the matrices of an int8 base)
      + 16 bytes x trainable weights           weight, gradient, AdamW's two moments
      + 4 bytes x trainable embedding tables   the dense gradient of a lookup
      + the larger of ACTIVATION_FACTOR x what PyTorch saves for the candidate's backward
@@ -55,9 +56,12 @@ class Footprint:
         return self.fixed + int(max(own, forward))
 
 
-def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Mapping[str, Any]) -> Footprint:
+def footprint(
+    model: nn.Module, example: Mapping[str, torch.Tensor], options: Mapping[str, Any], int8: bool = False
+) -> Footprint:
     """The estimate of training ``model`` with ``options`` (generate's trainable-set options:
-    ``lora`` + ``trainable``, ``train_last``, ``bias_only``; none: everything trains)."""
+    ``lora`` + ``trainable``, ``train_last``, ``bias_only``; none: everything trains); ``int8``: the
+    frozen matrices are an int8 base (1 byte a value)."""
     lora: Lora | None = options.get("lora")
     adapted = add_adapters(model, lora, seed=0)[0] if lora is not None else copy.deepcopy(model)
     names = [n for n, _ in adapted.named_parameters()]
@@ -71,10 +75,11 @@ def footprint(model: nn.Module, example: Mapping[str, torch.Tensor], options: Ma
                                          reachable=reachable)) & reachable  # fmt: skip
     tables = {f"{m}.weight".lstrip(".") for m, module in adapted.named_modules() if isinstance(module, nn.Embedding)}
     params = dict(adapted.named_parameters())
-    frozen = sum(p.numel() for n, p in params.items() if n not in trainable and n not in tables)
+    frozen = {n: p for n, p in params.items() if n not in trainable and n not in tables}
+    frozen_bytes = sum((1 if int8 and p.dim() == 2 else 4) * p.numel() for p in frozen.values())
     trained = sum(params[n].numel() for n in trainable)
     looked_up = sum(params[n].numel() for n in tables & trainable)
-    fixed = BASE_BYTES + 4 * frozen + 16 * trained + 4 * looked_up
+    fixed = BASE_BYTES + frozen_bytes + 16 * trained + 4 * looked_up
     one, two = (_saved_bytes(adapted, example, trainable, rows) for rows in (1, 2))
     whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows) for rows in (1, 2))
     return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two)

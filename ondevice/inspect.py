@@ -29,6 +29,7 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "trainable_share": trainable / (trainable + frozen) if trainable + frozen else 0.0,
             "trainable_tensors": len(manifest.trainable),
             "frozen_tensors": len(manifest.frozen),
+            "frozen_int8": sum(p.size for p in manifest.frozen if p.name in (manifest.frozen_file or {}).get("int8", {})),
         },
         "loss": {"kind": manifest.loss.kind, **manifest.loss.options},
         "optimizer": {"kind": manifest.optimizer.kind, "lr": manifest.optimizer.lr, **manifest.optimizer.options},
@@ -115,7 +116,7 @@ def describe(summary: dict[str, Any]) -> str:
         "outputs:  loss; " + "; ".join(_shape(t) for t in summary["outputs"]),
         f"params:   {p['trainable']:,} trainable ({p['trainable_bytes'] / 1024:.1f} KiB, "
         f"{100 * p['trainable_share']:.1f}% of {p['trainable'] + p['frozen']:,}) in {p['trainable_tensors']} tensors; "
-        f"{p['frozen']:,} frozen",
+        f"{p['frozen']:,} frozen" + (f" ({p['frozen_int8']:,} of them in int8)" if p["frozen_int8"] else ""),
         f"loss:     {summary['loss']['kind']} ({options(summary['loss'])})",
         f"optimizer: {summary['optimizer']['kind']} ({options(summary['optimizer'])})",
         "versions: " + ", ".join(f"{k} {val}" for k, val in summary["versions"].items()),

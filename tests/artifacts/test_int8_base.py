@@ -22,6 +22,7 @@ from mobile_bridge import BundleError, make_bundle
 from ondevice import Manifest, Predictor, Trainer
 from ondevice import frozen
 from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX
+from ondevice.inspect import summarize
 from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
 
 
@@ -111,6 +112,7 @@ def test_an_int8_base_stores_a_quarter_and_verifies_against_the_dequantized_mode
     assert quantized == matrices  # every frozen matrix here is read by products and lookups only
     assert "model.bert.embeddings.word_embeddings.weight" in int8.frozen_file["lookups"]
     size = sum(p.size for p in int8.frozen if p.name in quantized)
+    assert summarize(pair[0])["parameters"]["frozen_int8"] == size and not summarize(pair[1])["parameters"]["frozen_int8"]
     stored, float_stored = ((d / "frozen.bin").stat().st_size for d in pair)
     assert stored <= float_stored - 3 * size + 4 * 64 * len(quantized)  # 1 byte a value, scales and padding aside
     trainer, reference = Trainer.load(pair[0]), Trainer.load(pair[1])
@@ -146,3 +148,26 @@ def test_an_int8_base_is_refused_where_it_cannot_go(pair, tmp_path):
     with pytest.raises(BundleError, match="--base int8"):
         make_bundle(pair[0], tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda f, name: f["int8"].__setitem__(name, f["int8"][name] + 1), r"frozen_file.int8\[.*the scales follow"),
+        (lambda f, name: f["int8"].__setitem__("no.such.matrix", 0), r"frozen_file.int8.*tensors in frozen_file"),
+        (lambda f, name: f.__setitem__("block_values", 0), r"frozen_file"),
+    ],
+)
+def test_an_int8_layout_that_does_not_tile_is_refused(pair, change, message, tmp_path):
+    import json
+    import shutil
+
+    from ondevice.errors import ManifestError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(pair[0], copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    change(data["frozen_file"], next(iter(data["frozen_file"]["int8"])))
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=message):
+        Manifest.load(copy)
