@@ -80,6 +80,7 @@ config.__dict__.pop("quantization_config", None)  # dequantized to float32 alrea
 model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
 model.load_state_dict(loaded.state_dict())
 model.save_pretrained(sys.argv[1])
+print("{}")
 """
 
 
