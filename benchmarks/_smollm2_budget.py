@@ -84,9 +84,9 @@ print("{}")
 """
 
 
-def _run(code: str, *args: str) -> dict[str, Any]:
+def _run(code: str, *args: str, python: str = sys.executable) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+    done = subprocess.run([python, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=3600)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"a SmolLM2 budget worker failed:\n{done.stderr[-3000:]}")
@@ -133,6 +133,7 @@ def recipe(artifacts: Path, work: Path) -> dict[str, Any]:
 def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     """The rows of part D (see the module docstring), with the planner's plan at 350MB."""
     from benchmarks.afternoon import odt
+    from benchmarks.engines import stock_python
 
     artifacts, folder = work / "smollm2-int8", work / "smollm2-hf"
     start = time.perf_counter()
@@ -146,14 +147,17 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
     np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
     batch = str(work / "smollm2-batch.npz")
-    sides = {f"SDK {engine}{' lean' if lean else ''}": (SDK, str(artifacts), engine, "lean" if lean else "arena",
-                                                        batch, str(STEPS))
+    stock = str(stock_python())  # the portable engine on the newest stock onnxruntime, as on a device
+    sides = {f"SDK {engine}{' lean' if lean else ''}": (SDK, stock if engine == "portable" else sys.executable,
+                                                        str(artifacts), engine, "lean" if lean else "arena", batch,
+                                                        str(STEPS))
              for engine in ("classic", "portable") for lean in (False, True)}  # fmt: skip
-    sides["PyTorch + PEFT"] = (PEFT, str(folder), batch, str(STEPS), str(rank), str(adapter["scale"] * rank))
+    sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
+                               str(adapter["scale"] * rank))  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for _ in range(rounds):
-        for side, (code, *args) in sides.items():
-            runs[side].append(_run(code, *args))
+        for side, (code, python, *args) in sides.items():
+            runs[side].append(_run(code, *args, python=python))
             print(side, json.dumps(runs[side][-1]), flush=True)
     peft = runs["PyTorch + PEFT"]
     rows = []
@@ -176,10 +180,11 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
              f"frozen.bin), PyTorch + PEFT's in float32{ran}. Fresh processes taking turns; medians over rounds:", "",
-             "| side | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |", "|---|---:|---:|---:|---:|"]
+             "| side | onnxruntime | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |",
+             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["rows"]:
         speed = f"{r['speed_vs_peft']:.2f}x" if "speed_vs_peft" in r else "-"
-        lines.append(f"| {r['side']} | {r['step_s']:.2f} | {speed} | {r['peak_mb']:.0f} MB "
+        lines.append(f"| {r['side']} | {r.get('onnxruntime', '-')} | {r['step_s']:.2f} | {speed} | {r['peak_mb']:.0f} MB "
                      f"({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | {r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
     q = result["recipe"]
     lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak {result['generate_peak_mb']:.0f} "
