@@ -118,6 +118,7 @@ def recipe(artifacts: Path, work: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     before, result["evaluate_peak_mb"] = odt("evaluate", str(artifacts), *val, cwd=ROOT)
     result["before"] = json.loads(before.strip().splitlines()[-1])["perplexity"]
+    _, result["evaluate_one_peak_mb"] = odt("evaluate", str(artifacts), *val, "--batch-size", "1", cwd=ROOT)
     for lean in (False, True):
         checkpoint = work / f"smollm2-ckpt{'-lean' if lean else ''}"
         start = time.perf_counter()
@@ -132,6 +133,7 @@ def recipe(artifacts: Path, work: Path) -> dict[str, Any]:
 
 def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     """The rows of part D (see the module docstring), with the planner's plan at 350MB."""
+    from benchmarks._machine import machine
     from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
@@ -168,7 +170,7 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
             row["speed_vs_peft"] = statistics.median(p["step_s"] / r["step_s"] for p, r in zip(peft, measured))
             row["onnxruntime"] = measured[0]["onnxruntime"]
         rows.append(row)
-    return {"generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality, "frozen_bytes":
+    return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality, "frozen_bytes":
             (artifacts / "frozen.bin").stat().st_size, "trainable": sum(int(np.prod(p["shape"]))
             for p in manifest["trainable"]), "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
 
@@ -176,7 +178,8 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
 def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
     """The markdown lines of part D (``ran``: when, if not with the rest)."""
     peft = next(r for r in result["rows"] if r["side"] == "PyTorch + PEFT")
-    lines = ["", "SmolLM2-135M-Instruct on a phone's budget: LoRA r8 on q_proj/v_proj "
+    lines = ["", f"SmolLM2-135M-Instruct on a phone's budget ({result['machine']['cpu']}, {THREADS} threads): LoRA r8 "
+             "on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
              f"frozen.bin), PyTorch + PEFT's in float32{ran}. Fresh processes taking turns; medians over rounds:", "",
@@ -192,5 +195,6 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
               f"batch 4, here as micro-batches of 1) on the int8 base: validation perplexity {q['before']:.2f} before, "
               f"{q['after']:.4f} after; `odt train` peaked at {q['train']['peak_mb']:.0f} MB "
               f"({q['train_lean']['peak_mb']:.0f} MB with --lean-memory), `odt evaluate` at "
-              f"{q['evaluate_peak_mb']:.0f} MB."]  # fmt: skip
+              f"{q['evaluate_peak_mb']:.0f} MB (the 8 commands in one batch; "
+              f"{q['evaluate_one_peak_mb']:.0f} MB with --batch-size 1)."]  # fmt: skip
     return lines
