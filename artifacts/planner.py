@@ -181,8 +181,9 @@ def plan(
 
         fixed, start = read_peft(spec.lora_from)
         head = (*head, *(m for m in saved_modules(start) if m not in head))
+        adapted = candidates(model, longest, fixed, [fixed.rank], head, int8)
         found = [replace(c, options={**c.options, "lora": fixed}, name=f"{c.name} (from the adapter)")
-                 for c in candidates(model, longest, fixed, [fixed.rank], head, int8) if "lora" in c.options]  # fmt: skip
+                 for c in adapted if "lora" in c.options]  # fmt: skip
     else:
         found = candidates(model, longest, spec.lora or Lora(), ranks, head, int8)
     base = spec.but(input_names=None, memory_budget=None, verify=False, decoder=False, lora=None, lora_from=None,

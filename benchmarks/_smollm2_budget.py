@@ -34,7 +34,8 @@ trainer = Trainer.load(directory, engine=engine, lean_memory=lean, threads=2, ev
 times = []
 for step in range(steps + 1):  # the first is the warm-up
     start = time.perf_counter()
-    trainer.fit(data, epochs=trainer.epoch + 1, batch_size=1, accumulate=len(data["ids"]), shuffle=False, progress=False)
+    trainer.fit(data, epochs=trainer.epoch + 1, batch_size=1, accumulate=len(data["ids"]), shuffle=False,
+                progress=False)
     times.append(time.perf_counter() - start)
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mb": peak * 1024 / 1e6, "engine": trainer.engine,
@@ -50,7 +51,8 @@ folder, batch, steps, rank, alpha = sys.argv[1], sys.argv[2], int(sys.argv[3]), 
 torch.set_num_threads(2)
 data = {k: torch.from_numpy(v) for k, v in np.load(batch).items()}
 model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="sdpa")
-model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+model = get_peft_model(model, config)
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
 rows = len(data["ids"])
@@ -170,9 +172,10 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
             row["speed_vs_peft"] = statistics.median(p["step_s"] / r["step_s"] for p, r in zip(peft, measured))
             row["onnxruntime"] = measured[0]["onnxruntime"]
         rows.append(row)
-    return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality, "frozen_bytes":
-            (artifacts / "frozen.bin").stat().st_size, "trainable": sum(int(np.prod(p["shape"]))
-            for p in manifest["trainable"]), "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
+    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
+    return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
+            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": trainable,
+            "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
 
 
 def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
@@ -187,12 +190,14 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["rows"]:
         speed = f"{r['speed_vs_peft']:.2f}x" if "speed_vs_peft" in r else "-"
-        lines.append(f"| {r['side']} | {r.get('onnxruntime', '-')} | {r['step_s']:.2f} | {speed} | {r['peak_mb']:.0f} MB "
-                     f"({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | {r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
+        lines.append(f"| {r['side']} | {r.get('onnxruntime', '-')} | {r['step_s']:.2f} | {speed} | "
+                     f"{r['peak_mb']:.0f} MB ({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | "
+                     f"{r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
     q = result["recipe"]
-    lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak {result['generate_peak_mb']:.0f} "
-              "MB (the workstation). The same recipe as `benchmarks/results/smollm2.md` (40 chat commands, 2 epochs, "
-              f"batch 4, here as micro-batches of 1) on the int8 base: validation perplexity {q['before']:.2f} before, "
+    lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak "
+              f"{result['generate_peak_mb']:.0f} MB (the workstation). The same recipe as "
+              "`benchmarks/results/smollm2.md` (40 chat commands, 2 epochs, batch 4, here as micro-batches of 1) on "
+              f"the int8 base: validation perplexity {q['before']:.2f} before, "
               f"{q['after']:.4f} after; `odt train` peaked at {q['train']['peak_mb']:.0f} MB "
               f"({q['train_lean']['peak_mb']:.0f} MB with --lean-memory), `odt evaluate` at "
               f"{q['evaluate_peak_mb']:.0f} MB (the 8 commands in one batch; "

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .manifest import Manifest
 
 __all__ = ["summarize", "describe"]
+
+
+def _int8(manifest: Manifest) -> Mapping[str, int]:
+    """The frozen matrices stored in int8 (``odt generate --base int8``)."""
+    return (manifest.frozen_file or {}).get("int8", {})
 
 
 def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -29,7 +34,7 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "trainable_share": trainable / (trainable + frozen) if trainable + frozen else 0.0,
             "trainable_tensors": len(manifest.trainable),
             "frozen_tensors": len(manifest.frozen),
-            "frozen_int8": sum(p.size for p in manifest.frozen if p.name in (manifest.frozen_file or {}).get("int8", {})),
+            "frozen_int8": sum(p.size for p in manifest.frozen if p.name in _int8(manifest)),
         },
         "loss": {"kind": manifest.loss.kind, **manifest.loss.options},
         "optimizer": {"kind": manifest.optimizer.kind, "lr": manifest.optimizer.lr, **manifest.optimizer.options},

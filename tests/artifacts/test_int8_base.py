@@ -16,11 +16,10 @@ import pytest
 import torch
 from onnx import helper, numpy_helper
 
-from artifacts import InputSpecError, Lora, generate
+from artifacts import InputSpecError, generate
 from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
 from mobile_bridge import BundleError, make_bundle
-from ondevice import Manifest, Predictor, Trainer
-from ondevice import frozen
+from ondevice import Manifest, Predictor, Trainer, frozen
 from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX
 from ondevice.inspect import summarize
 from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
@@ -36,7 +35,7 @@ def test_rows_quantize_within_half_a_step_and_a_zero_row_stays_zero():
     assert scale[3] == 1 and not q[3].any()
 
 
-def _product_graph(op: str, w_shape: tuple[int, int], x_shape: tuple[int, ...], int8: bool, **attributes) -> onnx.ModelProto:
+def _product_graph(op: str, x_shape: tuple[int, ...], **attributes) -> onnx.ModelProto:
     x_type = onnx.TensorProto.INT64 if op == "Gather" else onnx.TensorProto.FLOAT
     inputs = ["W", "x"] if op == "Gather" else ["x", "W"]
     node = helper.make_node(op, inputs, ["y"], name="product", **attributes)
@@ -66,11 +65,11 @@ def test_widened_reads_compute_what_the_dequantized_float_matrix_computes(op, x_
     blocks = frozen.row_blocks(q.shape)
     assert len(blocks) == (1 if block == BLOCK_VALUES else 40)
     feed = rng.integers(0, 40, x_shape) if op == "Gather" else rng.normal(size=x_shape).astype(np.float32)
-    twin = _product_graph(op, weight.shape, x_shape, False, **attributes)
+    twin = _product_graph(op, x_shape, **attributes)
     twin.graph.initializer.append(numpy_helper.from_array(dequantize_rows(q, scale), "W"))
-    model = _product_graph(op, weight.shape, x_shape, True, **attributes)
-    model.graph.initializer.extend([numpy_helper.from_array(q, "W"), numpy_helper.from_array(scale, "W" + SCALE_SUFFIX)])
-    model.graph.initializer.extend(numpy_helper.from_array(q[a:b], frozen.block_name("W", a)) for a, b in blocks)
+    model = _product_graph(op, x_shape, **attributes)
+    stored = {"W": q, f"W{SCALE_SUFFIX}": scale, **{frozen.block_name("W", a): q[a:b] for a, b in blocks}}
+    model.graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in stored.items())
     assert widen_in_graph(model, {"W": weight.shape}) == 1
     onnx.checker.check_model(model)
     options = ort.SessionOptions()
@@ -112,7 +111,8 @@ def test_an_int8_base_stores_a_quarter_and_verifies_against_the_dequantized_mode
     assert quantized == matrices  # every frozen matrix here is read by products and lookups only
     assert "model.bert.embeddings.word_embeddings.weight" in int8.frozen_file["lookups"]
     size = sum(p.size for p in int8.frozen if p.name in quantized)
-    assert summarize(pair[0])["parameters"]["frozen_int8"] == size and not summarize(pair[1])["parameters"]["frozen_int8"]
+    counted = [summarize(p)["parameters"]["frozen_int8"] for p in pair]
+    assert counted == [size, 0]
     stored, float_stored = ((d / "frozen.bin").stat().st_size for d in pair)
     assert stored <= float_stored - 3 * size + 4 * 64 * len(quantized)  # 1 byte a value, scales and padding aside
     trainer, reference = Trainer.load(pair[0]), Trainer.load(pair[1])
@@ -124,7 +124,8 @@ def test_an_int8_base_stores_a_quarter_and_verifies_against_the_dequantized_mode
 def test_it_trains_and_exports_as_its_dequantized_float_twin(pair, engine, tmp_path):
     data = _data()
     trainers = [Trainer.load(d, engine=engine) for d in pair]
-    losses = [[t.train_step({k: v[i : i + 8] for k, v in data.items()}).loss for i in range(0, 32, 8)] for t in trainers]
+    batches = [{k: v[i : i + 8] for k, v in data.items()} for i in range(0, 32, 8)]
+    losses = [[t.train_step(batch).loss for batch in batches] for t in trainers]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
     for a, b in zip(*(t.get_weights().values() for t in trainers)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
