@@ -14,14 +14,20 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import transformers
 from onnx import helper, numpy_helper
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 
 from artifacts import InputSpecError, generate
 from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
 from mobile_bridge import BundleError, make_bundle
 from ondevice import Manifest, Predictor, Trainer, frozen
+from ondevice.cli import main
 from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX
 from ondevice.inspect import summarize
+from tests.artifacts.test_causal_lm import PAIRS, WORDS
 from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
 
 
@@ -172,3 +178,37 @@ def test_an_int8_layout_that_does_not_tile_is_refused(pair, change, message, tmp
     (copy / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=message):
         Manifest.load(copy)
+
+
+def test_a_causal_lm_on_an_int8_base_completes_prompts_as_its_dequantized_twin(tmp_path):
+    """A tiny Llama with tied embeddings: the embedding is read as rows (lookup) and as the output
+    layer (product); the cached decoder reads the dequantized weights. Same tokens as the twin."""
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(["</s>"])
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=2,
+                                      tie_word_embeddings=True)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    folders = {"int8": tmp_path / "hf-int8", "twin": tmp_path / "hf-twin"}
+    model.save_pretrained(folders["int8"])
+    tokenizer.save(str(folders["int8"] / "tokenizer.json"))
+    out = {}
+    for kind in ("int8", "twin"):
+        out[kind] = tmp_path / kind
+        if kind == "twin":  # the matrices the int8 artifacts quantized, replaced by their dequantized values
+            state = model.state_dict()
+            with torch.no_grad():
+                for name in Manifest.load(out["int8"]).frozen_file["int8"]:
+                    key = name.removeprefix("model.")
+                    state[key].copy_(torch.from_numpy(dequantize_rows(*quantize_rows(state[key].numpy()))))
+            model.save_pretrained(folders["twin"])
+            tokenizer.save(str(folders["twin"] / "tokenizer.json"))
+        how = ["--base", "int8"] if kind == "int8" else ["--no-verify"]  # the twin needs no proof of its own
+        assert main(["generate", "--model", f"hf:{folders[kind]}", "--task", "causal-lm", "--max-length", "24",
+                     "--out", str(out[kind]), *how]) == 0  # fmt: skip
+    prompts = [p for p, _ in PAIRS]
+    made = [Trainer.load(out[kind]).text_generator()(prompts, max_new_tokens=6) for kind in ("int8", "twin")]
+    assert [c.tokens for c in made[0]] == [c.tokens for c in made[1]]
