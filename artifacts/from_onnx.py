@@ -71,6 +71,11 @@ def generate_from_onnx(
     >>> generate_from_onnx("model.onnx", "out/from-onnx", trainable=["classifier.*"])  # doctest: +SKIP
     """
     spec = spec.but(**changes)
+    if spec.base != "float32":
+        raise InputSpecError(
+            f"base={spec.base!r} is built for PyTorch models so far (verification compares PyTorch holding the "
+            "dequantized weights); generate from the PyTorch model, or drop --base for this .onnx file."
+        )
     torch_only = spec.changed(TORCH_ONLY)
     if torch_only:
         raise InputSpecError(

@@ -131,5 +131,5 @@ class Spec:
 FIELDS = frozenset(f.name for f in fields(Spec))
 BASES = ("float32", "int8")
 TORCH_ONLY = ("input_names", "dynamic_axes", "output_names", "opset", "lora", "lora_from", "tokenizer",
-              "memory_budget", "base")  # fmt: skip
+              "memory_budget")  # fmt: skip
 """Fields that shape a PyTorch model's export and mean nothing to an existing .onnx file."""

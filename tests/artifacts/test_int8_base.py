@@ -21,6 +21,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from artifacts import InputSpecError, generate
+from artifacts.from_onnx import generate_from_onnx
 from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
 from mobile_bridge import BundleError, make_bundle
 from ondevice import Manifest, Predictor, Trainer, frozen
@@ -152,6 +153,8 @@ def test_an_int8_base_is_refused_where_it_cannot_go(pair, tmp_path):
         generate(Classifier(), _example(), tmp_path / "ort", lora=LORA, base="int8", ort_format=True)
     with pytest.raises(InputSpecError, match="float32, int8"):
         generate(Classifier(), _example(), tmp_path / "half", lora=LORA, base="float16")
+    with pytest.raises(InputSpecError, match="built for PyTorch models"):
+        generate_from_onnx(tmp_path / "model.onnx", tmp_path / "from-onnx", base="int8")
     with pytest.raises(BundleError, match="--base int8"):
         make_bundle(pair[0], tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
