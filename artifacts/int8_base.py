@@ -31,6 +31,8 @@ from onnx import helper
 from ondevice.frozen import SCALE_SUFFIX, block_name, dequantize_rows, row_blocks, stored_arrays
 from ondevice.manifest import Manifest
 
+from .passes._nodes import attributes, int_constant
+
 __all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "SCALE_SUFFIX"]
 
 _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
@@ -140,14 +142,12 @@ def _reads(node: onnx.NodeProto, position: int) -> bool:
 
 
 def _is_lookup(node: onnx.NodeProto, position: int) -> bool:
-    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-    return node.op_type == "Gather" and position == 0 and axis == 0
+    return node.op_type == "Gather" and position == 0 and attributes(node).get("axis", 0) == 0
 
 
 def _blockable(node: onnx.NodeProto) -> bool:
     """A Gemm without a bias term and without a transposed A: its product splits by the weight's rows."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return node.op_type == "Gemm" and len(node.input) == 2 and not attributes.get("transA", 0)
+    return node.op_type == "Gemm" and len(node.input) == 2 and not attributes(node).get("transA", 0)
 
 
 def _dequantize(weight: str, scale: str, out: str) -> onnx.NodeProto:
@@ -161,7 +161,7 @@ def _lookup(node: onnx.NodeProto, weight: str, base: str) -> list[onnx.NodeProto
         helper.make_node("Gather", [weight, ids], [f"{base}/q"], name=f"{base}/q", axis=0),
         helper.make_node("Cast", [f"{base}/q"], [f"{base}/rows"], name=f"{base}/rows", to=onnx.TensorProto.FLOAT),
         helper.make_node("Gather", [weight + SCALE_SUFFIX, ids], [f"{base}/s"], name=f"{base}/s", axis=0),
-        _ints(f"{base}/last", [-1]),
+        int_constant(f"{base}/last", [-1]),
         helper.make_node("Unsqueeze", [f"{base}/s", f"{base}/last"], [f"{base}/scale"], name=f"{base}/scale"),
         helper.make_node("Mul", [f"{base}/rows", f"{base}/scale"], [out], name=node.name or f"{base}/lookup"),
     ]
@@ -173,12 +173,11 @@ def _blocked_product(
     """A Gemm over a large int8 matrix, a block of its rows at a time: with ``transB`` the blocks give
     column blocks of the result (concatenated), without it they give partial products over slices of
     the activation's columns (summed). Each block's widening waits for the previous block's product,
-    so one widened block is alive at a time, not all of them."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    transposed = bool(attributes.get("transB", 0))
-    alpha = float(attributes.get("alpha", 1.0))
+    so the blocks are widened one after another, not all at once (about two alive at a time, measured)."""
+    given = attributes(node)
+    transposed, alpha = bool(given.get("transB", 0)), float(given.get("alpha", 1.0))
     x, out = node.input[0], node.output[0]
-    made: list[onnx.NodeProto] = [_ints(f"{base}/axis1", [1])]
+    made: list[onnx.NodeProto] = [int_constant(f"{base}/axis1", [1])]
     parts: list[str] = []
     for index, (start, stop) in enumerate(blocks):
         at = f"{base}/{index}"
@@ -187,7 +186,7 @@ def _blocked_product(
             after = f"{at}/after"
             made.append(helper.make_node("Add", [scale, _zero(parts[-1], f"{at}/wait", made)], [after], name=after))
         made += [
-            _ints(f"{at}/start", [start]), _ints(f"{at}/stop", [stop]),
+            int_constant(f"{at}/start", [start]), int_constant(f"{at}/stop", [stop]),
             helper.make_node("Slice", [after, f"{at}/start", f"{at}/stop"], [f"{at}/scale"], name=f"{at}/scale"),
             _dequantize(block_name(weight, start), f"{at}/scale", f"{at}/w"),
         ]  # fmt: skip
@@ -206,14 +205,9 @@ def _blocked_product(
     return made
 
 
-def _ints(name: str, values: list[int]) -> onnx.NodeProto:
-    tensor = helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
-    return helper.make_node("Constant", [], [name], name=name, value=tensor)
-
-
 def _floats(name: str, value: float) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(name, 1, [1], [value]))
 
 
-_CONSTANTS = (_ints("odt.int8/flat", [-1]), _ints("odt.int8/start", [0]), _ints("odt.int8/stop", [1]),
-              _floats("odt.int8/nothing", 0.0))  # fmt: skip
+_CONSTANTS = (int_constant("odt.int8/flat", [-1]), int_constant("odt.int8/start", [0]),
+              int_constant("odt.int8/stop", [1]), _floats("odt.int8/nothing", 0.0))  # fmt: skip

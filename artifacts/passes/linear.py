@@ -5,6 +5,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from ._nodes import int_constant
+
 __all__ = ["linear_to_gemm"]
 
 
@@ -40,9 +42,9 @@ def linear_to_gemm(model: onnx.ModelProto) -> int:
         x, weight, base = node.input[0], transpose.input[0], f"{node.output[0]}/odt_gemm"
         inner = int(next(i for i in model.graph.initializer if i.name == weight).dims[1])
         rewritten += [  # x as (rows, in_features), then the rows back into x's leading dimensions
-            _ints(f"{base}/rows", [-1, inner]),
-            _ints(f"{base}/zero", [0]),
-            _ints(f"{base}/minus_one", [-1]),
+            int_constant(f"{base}/rows", [-1, inner]),
+            int_constant(f"{base}/zero", [0]),
+            int_constant(f"{base}/minus_one", [-1]),
             helper.make_node("Shape", [x], [f"{base}/x_shape"], name=f"{base}/x_shape"),
             helper.make_node("Slice", [f"{base}/x_shape", f"{base}/zero", f"{base}/minus_one"], [f"{base}/lead"],
                              name=f"{base}/lead"),
@@ -57,12 +59,6 @@ def linear_to_gemm(model: onnx.ModelProto) -> int:
     del model.graph.node[:]
     model.graph.node.extend(n for n in rewritten if not (n.op_type == "Transpose" and n.output[0] in dead))
     return count
-
-
-def _ints(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node(
-        "Constant", [], [name], value=helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
-    )
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:
