@@ -109,6 +109,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="how the frozen weights are stored: int8 keeps every frozen matrix read by products and "
                    "lookups as int8 rows with a scale per row (a quarter of the memory), widened just before "
                    "each product; verification compares PyTorch with the same dequantized weights")  # fmt: skip
+    t.add_argument("--recompute", action="store_true",
+                   help="recompute each repeated layer in the backward instead of keeping its activations "
+                   "(gradient checkpointing): about one layer's activations alive, for a second forward per "
+                   "layer; the same values")  # fmt: skip
 
     x = p.add_argument_group("classes and text")
     x.add_argument("--labels", metavar="A,B,...", help="class names in output order (recorded in the manifest)")
@@ -216,6 +220,7 @@ def _spec(args: argparse.Namespace) -> Any:
         labels=_labels(args.labels),
         ort_format=args.ort_format,
         base=args.base,
+        recompute=args.recompute,
         verify=not args.no_verify,
         tolerances=Tolerances(atol=args.atol, rtol=args.rtol),
         fd_tolerances=Tolerances(FD_TOLERANCES.atol if args.fd_atol is None else args.fd_atol,

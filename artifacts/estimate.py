@@ -8,6 +8,9 @@ peak = BASE_BYTES                           Python, numpy, ONNX Runtime, a sessi
      + the larger of ACTIVATION_FACTOR x what PyTorch saves for the candidate's backward
                  and FORWARD_FACTOR x what it saves when every weight trains (the whole forward)
 
+With layers recomputed (``Spec.recompute``) what a repeated layer saves counts once, for the layer
+that saves the most, and every layer's input is kept instead.
+
 The saved tensors are counted, not guessed: one forward of the model in PyTorch (the candidate's
 trainable set and LoRA adapters, then every weight trainable) under ``saved_tensors_hooks``, at 1
 and 2 rows, gives a line in the micro-batch. ORT's step holds more than PyTorch saves (the
@@ -23,6 +26,7 @@ changes; before it, the last 8 modules at 8 rows were estimated 21-26 % low.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -57,11 +61,15 @@ class Footprint:
 
 
 def footprint(
-    model: nn.Module, example: Mapping[str, torch.Tensor], options: Mapping[str, Any], int8: bool = False
+    model: nn.Module,
+    example: Mapping[str, torch.Tensor],
+    options: Mapping[str, Any],
+    int8: bool = False,
+    recompute: bool = False,
 ) -> Footprint:
     """The estimate of training ``model`` with ``options`` (generate's trainable-set options:
     ``lora`` + ``trainable``, ``train_last``, ``bias_only``; none: everything trains); ``int8``: the
-    frozen matrices are an int8 base (1 byte a value)."""
+    frozen matrices are an int8 base (1 byte a value); ``recompute``: repeated layers are recomputed."""
     lora: Lora | None = options.get("lora")
     adapted = add_adapters(model, lora, seed=0)[0] if lora is not None else copy.deepcopy(model)
     names = [n for n, _ in adapted.named_parameters()]
@@ -80,8 +88,8 @@ def footprint(
     trained = sum(params[n].numel() for n in trainable)
     looked_up = sum(params[n].numel() for n in tables & trainable)
     fixed = BASE_BYTES + frozen_bytes + 16 * trained + 4 * looked_up
-    one, two = (_saved_bytes(adapted, example, trainable, rows) for rows in (1, 2))
-    whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows) for rows in (1, 2))
+    one, two = (_saved_bytes(adapted, example, trainable, rows, recompute) for rows in (1, 2))
+    whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows, recompute) for rows in (1, 2))
     return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two)
 
 
@@ -106,21 +114,60 @@ def reachable_parameters(model: nn.Module, example: Mapping[str, torch.Tensor]) 
             p.requires_grad_(saved[n])
 
 
-def _saved_bytes(model: nn.Module, example: Mapping[str, torch.Tensor], trainable: set[str], rows: int) -> int:
-    """Bytes PyTorch keeps for the backward of one forward over ``rows`` example rows (weights excluded)."""
+def _saved_bytes(
+    model: nn.Module, example: Mapping[str, torch.Tensor], trainable: set[str], rows: int, recompute: bool = False
+) -> int:
+    """Bytes PyTorch keeps for the backward of one forward over ``rows`` example rows (weights excluded);
+    with ``recompute``, one repeated layer's share (the largest) and every such layer's input."""
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name in trainable)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
+    storages: dict[int, tuple[int, str]] = {}  # storage -> (bytes, the repeated layer that saved it, or "")
+    inputs: dict[str, int] = {}  # repeated layer -> the bytes of its input
+    inside: list[str] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+            known = storages.get(storage.data_ptr(), (0, ""))
+            storages[storage.data_ptr()] = (max(known[0], storage.nbytes()), known[1] or "".join(inside[:1]))
         return tensor
 
+    hooks = []
+    if recompute:
+        for path, module in _repeated_layers(model):
+            def enter(module: nn.Module, args: Any, path: str = path) -> None:
+                inside.append(path)
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                inputs[path] = 0 if first is None else first.untyped_storage().nbytes()
+
+            def leave(*_: Any) -> None:  # returns nothing: a forward hook's result would replace the output
+                inside.pop()
+
+            hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     feeds = [t[torch.arange(rows) % t.shape[0]] if t.dim() else t for t in example.values()]
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(*feeds)  # only the count is wanted: nothing runs backward
-    return sum(storages.values())
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(*feeds)  # only the count is wanted: nothing runs backward
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer: dict[str, int] = {}
+    for size, layer in storages.values():
+        per_layer[layer] = per_layer.get(layer, 0) + size
+    outside = per_layer.pop("", 0)
+    return outside + max(per_layer.values(), default=0) + sum(inputs.values())
+
+
+_LAYER = re.compile(r"[A-Za-z_]\w*\.\d+")
+
+
+def _repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules whose path ends in ``name.N`` (``model.layers.3``): what the recompute
+    pass (:mod:`artifacts.passes.recompute`) finds in the exported node names."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if _LAYER.fullmatch(".".join(path.split(".")[-2:])) and not any(path.startswith(f + ".") for f, _ in found):
+            found.append((path, module))
+    return found

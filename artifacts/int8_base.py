@@ -31,12 +31,14 @@ from onnx import helper
 from ondevice.frozen import SCALE_SUFFIX, block_name, dequantize_rows, row_blocks, stored_arrays
 from ondevice.manifest import Manifest
 
-from .passes._nodes import attributes, int_constant
+from .passes._nodes import attributes, int_constant, wait_constants, zero_after
 
 __all__ = ["quantize_rows", "dequantize_rows", "quantizable", "widen_in_graph", "dequantized_base", "SCALE_SUFFIX"]
 
 _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
 """(operator, input position) where a frozen matrix may be read as the second factor of a product."""
+_PREFIX = "odt.int8"
+"""Names of the nodes this module adds start with it."""
 
 
 def quantize_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,10 +97,10 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]]) 
 
     def zero_of(x: str) -> str:
         if x not in zeros:
-            zeros[x] = _zero(x, f"odt.int8/{len(zeros)}", nodes)
+            zeros[x] = zero_after(x, f"{_PREFIX}/{len(zeros)}", _PREFIX, nodes)
         return zeros[x]
 
-    nodes.extend(_CONSTANTS)  # shared by every _zero; an unused Constant is dropped when a session loads
+    nodes.extend(wait_constants(_PREFIX))  # shared by every zero_after; an unused one is dropped at session load
 
     for node in graph.node:
         weight = next((n for i, n in enumerate(node.input) if n in rows and _reads(node, i)), None)
@@ -123,18 +125,6 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]]) 
     del graph.node[:]
     graph.node.extend(nodes)
     return count
-
-
-def _zero(x: str, base: str, nodes: list[onnx.NodeProto]) -> str:
-    """Append nodes computing ``0 * x[0]`` (shape [1]) to ``nodes``; returns its name. Added to a scale,
-    it changes no value but makes the widening wait for ``x``."""
-    nodes.extend([
-        helper.make_node("Reshape", [x, "odt.int8/flat"], [f"{base}/x"], name=f"{base}/x"),
-        helper.make_node("Slice", [f"{base}/x", "odt.int8/start", "odt.int8/stop"], [f"{base}/first"],
-                         name=f"{base}/first"),
-        helper.make_node("Mul", [f"{base}/first", "odt.int8/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
-    ])  # fmt: skip
-    return f"{base}/zero"
 
 
 def _reads(node: onnx.NodeProto, position: int) -> bool:
@@ -184,7 +174,8 @@ def _blocked_product(
         after = scale
         if parts:
             after = f"{at}/after"
-            made.append(helper.make_node("Add", [scale, _zero(parts[-1], f"{at}/wait", made)], [after], name=after))
+            waited = zero_after(parts[-1], f"{at}/wait", _PREFIX, made)
+            made.append(helper.make_node("Add", [scale, waited], [after], name=after))
         made += [
             int_constant(f"{at}/start", [start]), int_constant(f"{at}/stop", [stop]),
             helper.make_node("Slice", [after, f"{at}/start", f"{at}/stop"], [f"{at}/scale"], name=f"{at}/scale"),
@@ -203,11 +194,3 @@ def _blocked_product(
     else:
         made.append(helper.make_node("Sum", parts, [out], name=node.name or f"{base}/sum"))
     return made
-
-
-def _floats(name: str, value: float) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(name, 1, [1], [value]))
-
-
-_CONSTANTS = (int_constant("odt.int8/flat", [-1]), int_constant("odt.int8/start", [0]),
-              int_constant("odt.int8/stop", [1]), _floats("odt.int8/nothing", 0.0))  # fmt: skip

@@ -185,7 +185,7 @@ def _build(
     loss, optimizer, opset = spec.loss, spec.optimizer, spec.opset
     onnx_model, outputs = source.graph, source.outputs
     original = copy.deepcopy(onnx_model)
-    context = passes.Context(opset=opset)
+    context = passes.Context(opset=opset, recompute=spec.recompute)
     passes.run_stage("export", onnx_model, context)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
     loss_output = spec.loss_output or outputs[0]
@@ -339,6 +339,12 @@ def _finish_training_graph(training_model: Path, rows: dict[str, int], context: 
     done = context.results["padding-rows"]
     if done:
         log.info("padding rows get no gradient: %s", ", ".join(f"{n}[{context.padding[n]}]" for n in done))
+    layers = context.results["recompute"]
+    if layers:
+        log.info("recomputed in the backward: %d layers (%s ... %s)", len(layers), layers[0], layers[-1])
+    elif context.recompute:
+        log.warning("recompute: no repeated layer found (nodes named by module paths ending in name.N, as "
+                    "PyTorch's exporter writes them); every activation is kept")
     onnx.save(model, training_model)
     return {name: context.padding[name] for name in done}
 

@@ -107,6 +107,7 @@ def candidates(
     ranks: Sequence[int],
     head: Sequence[str],
     int8: bool = False,
+    recompute: bool = False,
 ) -> list[Candidate]:
     """Trainable sets of ``model`` with their sizes and estimates, in the order the planner tries them.
     LoRA sets go on ``lora``'s targets (none named: the architecture's attention projections, if any)."""
@@ -116,7 +117,7 @@ def candidates(
     owners = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
 
     def candidate(name: str, options: Mapping[str, Any], trainable: int, layers: str = "") -> Candidate:
-        return Candidate(name, options, trainable, footprint(model, example, options, int8), layers)
+        return Candidate(name, options, trainable, footprint(model, example, options, int8, recompute), layers)
 
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in reachable)
     everything = [candidate("everything", {}, total, f"{unused:,} parameters do not reach the loss" if unused else "")]
@@ -181,11 +182,11 @@ def plan(
 
         fixed, start = read_peft(spec.lora_from)
         head = (*head, *(m for m in saved_modules(start) if m not in head))
-        adapted = candidates(model, longest, fixed, [fixed.rank], head, int8)
+        adapted = candidates(model, longest, fixed, [fixed.rank], head, int8, spec.recompute)
         found = [replace(c, options={**c.options, "lora": fixed}, name=f"{c.name} (from the adapter)")
                  for c in adapted if "lora" in c.options]  # fmt: skip
     else:
-        found = candidates(model, longest, spec.lora or Lora(), ranks, head, int8)
+        found = candidates(model, longest, spec.lora or Lora(), ranks, head, int8, spec.recompute)
     base = spec.but(input_names=None, memory_budget=None, verify=False, decoder=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))

