@@ -170,13 +170,37 @@ def _recompute(
         node.input[:] = [renamed.get(t, t) for t in node.input]
         node.output[:] = [renamed.get(t, t) if t else t for t in node.output]
         copies.append(node)
+    upstream = _upstream(gradient, nodes, producer)
     readers_of_saved = sorted({r for t in saved for r in readers[t] if r in backward})
-    if readers_of_saved and _reaches(readers_of_saved, gradient, nodes, producer):
+    if not readers_of_saved or upstream.intersection(readers_of_saved):
         return None  # the gradient waited for needs a saved value itself: this layer keeps its activations
     for r in readers_of_saved:
         node = nodes[r]
         node.input[:] = [renamed[t] if t in saved else t for t in node.input]
+    for i in _read_late(members - needed, nodes, readers, backward, upstream):
+        nodes[i].input[:] = [t + _SUFFIX if t in copied else t for t in nodes[i].input]
     return readers_of_saved[0], copies
+
+
+def _read_late(
+    candidates: set[int],
+    nodes: list[onnx.NodeProto],
+    readers: dict[str, list[int]],
+    backward: set[int],
+    upstream: set[int],
+) -> list[int]:
+    """The layer's forward nodes (not copied) that only the backward reads, directly or through each
+    other, after the layer's gradient (none of their readers is ``upstream`` of it): the gradient
+    builder's ``Shape`` of an activation and the shape arithmetic on it. They may read the copies
+    instead of the forward's tensors. Otherwise a runtime that runs a node just before its reader
+    (onnxruntime 1.32 does) keeps the forward's tensor alive until the backward."""
+    late: set[int] = set()
+    for i in sorted(candidates, reverse=True):  # readers before what they read
+        outputs = [out for out in nodes[i].output if out]
+        read_by = [r for out in outputs for r in readers[out]]
+        if read_by and all((r in backward and r not in upstream) or r in late for r in read_by):
+            late.add(i)
+    return sorted(late)
 
 
 _INTEGERS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
@@ -207,17 +231,16 @@ def _types(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> dict[str, int
     return known
 
 
-def _reaches(sources: list[int], tensor: str, nodes: list[onnx.NodeProto], producer: dict[str, int]) -> bool:
-    """Whether ``tensor`` is computed from any of the nodes ``sources``."""
-    targets, seen, stack = set(sources), set(), [producer[tensor]]
+def _upstream(tensor: str, nodes: list[onnx.NodeProto], producer: dict[str, int]) -> set[int]:
+    """The nodes ``tensor`` is computed from."""
+    seen: set[int] = set()
+    stack = [producer[tensor]]
     while stack:
         i = stack.pop()
-        if i in targets:
-            return True
         if i not in seen:
             seen.add(i)
             stack.extend(producer[t] for t in nodes[i].input if t in producer)
-    return False
+    return seen
 
 
 def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

@@ -85,6 +85,13 @@ def test_recomputed_layers_train_bit_for_bit_like_kept_ones(pair):
     for node in copies:  # each copy waits for the gradient of its layer's output: it cannot run in the forward
         waited = _ancestors(nodes, node.output[0])
         assert any(t.startswith(layer_of(node.name)) and t.endswith("_output_0_grad") for t in waited), node.name
+    # what the forward made and the copies make again is read only on the way to the loss: nothing that
+    # only the backward needs (the gradient builder's Shape of an activation) keeps the forward's tensor
+    forward = _ancestors(nodes, "output")
+    copied = {t.removesuffix("::recompute") for n in copies for t in n.output}
+    shared = {t for n in nodes for t in n.input if layer_of(n.name) != layer_of(t)}  # e.g. a rotary table
+    late = [(t, n.name) for n in nodes for t in n.input if t in copied - shared and n.output[0] not in forward]
+    assert not late, late[:3]
     batches = [_tokens(4, 16, seed) for seed in range(4)]
     for engine in ("classic", "portable"):
         trainers = [Trainer.load(d, engine=engine) for d in pair]
