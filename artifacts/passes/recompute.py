@@ -35,6 +35,7 @@ from collections import defaultdict
 import onnx
 from onnx import helper
 
+from ..errors import ExportError
 from ._nodes import wait_constants, zero_after
 
 __all__ = ["recompute_layers", "layer_of"]
@@ -262,5 +263,6 @@ def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
             if not waiting_on[r]:
                 heapq.heappush(ready, r)
     if len(order) != len(nodes):
-        raise ValueError("the recomputed graph has a cycle")
+        raise ExportError("recomputing layers made a cycle in the training graph (a bug in "
+                          "artifacts.passes.recompute): generate without --recompute; please report the model.")
     return [nodes[i] for i in order]
