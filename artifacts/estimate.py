@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .lora import Lora, add_adapters
+from .passes.recompute import LAYER_NAME
 from .selection import select_trainable
 
 __all__ = ["BASE_BYTES", "ACTIVATION_FACTOR", "FORWARD_FACTOR", "Footprint", "footprint"]
@@ -160,7 +161,7 @@ def _saved_bytes(
     return outside + max(per_layer.values(), default=0) + sum(inputs.values())
 
 
-_LAYER = re.compile(r"[A-Za-z_]\w*\.\d+")
+_LAYER = re.compile(LAYER_NAME)
 
 
 def _repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -38,11 +38,13 @@ from onnx import helper
 from ..errors import ExportError
 from ._nodes import wait_constants, zero_after
 
-__all__ = ["recompute_layers", "layer_of"]
+__all__ = ["recompute_layers", "layer_of", "LAYER_NAME"]
 
 _PREFIX = "odt.recompute"
 _SUFFIX = "::recompute"
-_LAYER = re.compile(r"^(/(?:[^/]*/)*?[A-Za-z_]\w*\.\d+)/")
+LAYER_NAME = r"[A-Za-z_]\w*\.\d+"
+"""A repeated layer's module name, ``layers.3``: what the pass recomputes (and the planner's estimate counts)."""
+_LAYER = re.compile(rf"^(/(?:[^/]*/)*?{LAYER_NAME})/")
 _UNREPEATABLE = {"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout", "RandomNormal",
                  "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}  # fmt: skip
 
@@ -155,6 +157,10 @@ def _recompute(
             continue
         needed.add(i)
         stack.extend(producer[t] for t in nodes[i].input if t in producer and producer[t] in repeatable)
+    upstream = _upstream(gradient, nodes, producer)
+    readers_of_saved = sorted({r for t in saved for r in readers[t] if r in backward})
+    if upstream.intersection(readers_of_saved):
+        return None  # the gradient waited for needs a saved value itself: this layer keeps its activations
     copied = {out for i in needed for out in nodes[i].output if out}
     base = f"{_PREFIX}{layer}"
     copies: list[onnx.NodeProto] = []
@@ -171,10 +177,6 @@ def _recompute(
         node.input[:] = [renamed.get(t, t) for t in node.input]
         node.output[:] = [renamed.get(t, t) if t else t for t in node.output]
         copies.append(node)
-    upstream = _upstream(gradient, nodes, producer)
-    readers_of_saved = sorted({r for t in saved for r in readers[t] if r in backward})
-    if not readers_of_saved or upstream.intersection(readers_of_saved):
-        return None  # the gradient waited for needs a saved value itself: this layer keeps its activations
     for r in readers_of_saved:
         node = nodes[r]
         node.input[:] = [renamed[t] if t in saved else t for t in node.input]

@@ -129,18 +129,23 @@ print(json.dumps({"growth": peak() - loaded, "losses": losses}))
 """
 
 
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory) -> Path:
+    """8 layers, kept and recomputed, and a batch of 4 x 256 tokens."""
+    root = tmp_path_factory.mktemp("recompute-memory")
+    folder = _llama(root / "hf", layers=8, width=96, positions=256)
+    for kind, flags in (("kept", ()), ("recomputed", ("--recompute",))):
+        _generate(folder, root / kind, 256, "--no-verify", *flags)
+    np.savez(root / "batch.npz", **_tokens(4, 256))
+    return root
+
+
 @pytest.mark.parametrize("engine", ["classic", "portable"])
-def test_the_step_holds_far_less_memory(tmp_path_factory, engine):
-    """8 layers at 4 x 256 tokens: a step's peak RSS over the loaded trainer, measured in fresh processes."""
-    root = tmp_path_factory.getbasetemp() / "recompute-memory"
-    if not root.exists():
-        folder = _llama(Path(tmp_path_factory.mktemp("hf")), layers=8, width=96, positions=256)
-        for kind, flags in (("kept", ()), ("recomputed", ("--recompute",))):
-            _generate(folder, root / kind, 256, "--no-verify", *flags)
-        np.savez(root / "batch.npz", **_tokens(4, 256))
+def test_the_step_holds_far_less_memory(deep, engine):
+    """A step's peak RSS over the loaded trainer, measured in fresh processes."""
     runs = {}
     for kind in ("kept", "recomputed"):
-        done = subprocess.run([sys.executable, "-c", STEP, str(root / kind), engine, str(root / "batch.npz")],
+        done = subprocess.run([sys.executable, "-c", STEP, str(deep / kind), engine, str(deep / "batch.npz")],
                               capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
         runs[kind] = json.loads(done.stdout.splitlines()[-1])
     assert runs["kept"]["losses"] == runs["recomputed"]["losses"]
