@@ -9,10 +9,12 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ondevice.engines.contract import PORTABLE_NCHWC, PORTABLE_OPTIMIZER, PORTABLE_TRAINING
+from ondevice.engines.contract import FUSED_MAX, PORTABLE_NCHWC, PORTABLE_OPTIMIZER, PORTABLE_STEP, PORTABLE_TRAINING
+from ondevice.engines.step_graph import fuse_step
 
 from . import passes
 from .optimizers import SGD, AdamW
+from .passes.finite import FINITE_CHECK
 from .portable_optimizer import build_optimizer_graph
 
 __all__ = ["write_portable", "unportable_reason"]
@@ -44,7 +46,9 @@ def write_portable(
     """Lower ``work/training_model.onnx`` (the registry's ``portable`` stage) and build the optimizer
     graph; returns the manifest's ``portable`` entry. A model that does not lower keeps the classic
     engine only, and the entry says why (an operator and its layer). With ``variants``, the registry's
-    ``variant`` stage also runs on the lowered graph: convolutions on NCHWc kernels, for x86 runtimes."""
+    ``variant`` stage also runs on the lowered graph: convolutions on NCHWc kernels, for x86 runtimes.
+    A small model (at most :data:`FUSED_MAX` trainable values) without such a variant also gets the two
+    graphs fused into one, a whole step per run."""
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     context = passes.Context(opset=opset)
     passes.run_stage("portable", model, context)
@@ -65,4 +69,9 @@ def write_portable(
         if context.results.get("nchwc-conv"):
             onnx.save(model, work / PORTABLE_NCHWC)
             entry["nchwc"] = PORTABLE_NCHWC
+    if size <= FUSED_MAX and "nchwc" not in entry:
+        lowered = onnx.load(work / PORTABLE_TRAINING, load_external_data=False)
+        checked = FINITE_CHECK if any(o.name == FINITE_CHECK for o in lowered.graph.output) else None
+        onnx.save(fuse_step(lowered, update, [name for name, _ in trainable], checked), work / PORTABLE_STEP)
+        entry["step"] = PORTABLE_STEP
     return entry

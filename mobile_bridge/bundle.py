@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
+from ondevice.engines.contract import PORTABLE_STEP
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
 from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
@@ -39,7 +40,7 @@ BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
 PARAMETERS = "parameters.bin"
-STEP = "step_model.portable.onnx"
+STEP = PORTABLE_STEP
 
 
 def make_bundle(
@@ -106,10 +107,11 @@ def make_bundle(
         }
         import onnx
 
+        from ondevice.engines.step_graph import fuse_step
+
         from .frozen import internalize_frozen
         from .learning_rate import bake_learning_rate
         from .loss_scale import expose_loss_scale
-        from .step_graph import fuse_step
 
         # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
         portable = manifest.portable_files
@@ -123,7 +125,8 @@ def make_bundle(
             internalize_frozen(source, work, manifest, graphs, trainer)
         if portable:
             shutil.copy2(source / portable[1], work / portable[1])
-            step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]), manifest)
+            step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]),
+                             [p.name for p in manifest.trainable], manifest.finite_check)
             onnx.save(step, work / STEP)
             layout = _write_parameters(trainer, manifest, work / PARAMETERS)
         del trainer

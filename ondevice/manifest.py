@@ -230,7 +230,8 @@ class Manifest:
     when depthwise convolutions can run on ORT's x86 NCHWc kernels. Same inputs, outputs, parameters and
     values as ``training_model.onnx``; the runtime loads one (:func:`ondevice.session.training_graph`)."""
     portable: Mapping[str, str] | None = None
-    """The portable engine's graphs, ``{"training": file, "optimizer": file}`` (with ``eval_model.onnx``), or
+    """The portable engine's graphs, ``{"training": file, "optimizer": file}`` (with ``eval_model.onnx``; for a
+    small model also ``"step"``: the two fused, see :attr:`portable_step`), or
     ``{"unsupported": why}`` naming the operator and layer that did not lower; None in artifacts made
     before the portable engine (:mod:`ondevice.engines`)."""
     index_limits: Mapping[str, int] = field(default_factory=dict)
@@ -249,6 +250,12 @@ class Manifest:
         """``(training graph, optimizer graph)`` of the portable engine, or None when the artifacts lack them."""
         files = self.portable or {}
         return (files["training"], files["optimizer"]) if "training" in files else None
+
+    @property
+    def portable_step(self) -> str | None:
+        """The portable training and optimizer graphs fused into one (a whole step per run), when the
+        artifacts carry it: the generator writes it for small models, where a run's fixed cost counts."""
+        return (self.portable or {}).get("step") if self.portable_files else None
 
     @property
     def portable_variants(self) -> dict[str, str]:

@@ -185,7 +185,7 @@ class Trainer:
     def train_step(self, batch: Mapping[str, np.ndarray]) -> StepResult:
         """Forward, backward and one optimizer step on ``batch``; skipped if not finite."""
         feeds = list(check_data(self.manifest, batch).values())
-        loss, fetched, applied = self._micro_step(feeds, micro=0)
+        loss, fetched, applied = self._micro_step(feeds, micro=0, whole=self._whole_steps(1))
         self._finish(bad=not applied, micro_steps=1)
         return StepResult(loss, dict(zip(self._train_names, fetched[1 : 1 + len(self._train_names)])), applied)
 
@@ -197,13 +197,20 @@ class Trainer:
         self._release_rows()
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
-    def _micro_step(self, feeds: list[np.ndarray], micro: int) -> tuple[float, list[np.ndarray], bool]:
+    def _whole_steps(self, accumulate: int) -> bool:
+        """Whether each micro-batch is a whole optimizer step whose gradients only the update reads (no
+        accumulation, no proximal term, the finite check in the graph): the engine may fuse the two."""
+        return accumulate == 1 and self._proximal is None and self.manifest.finite_check is not None
+
+    def _micro_step(
+        self, feeds: list[np.ndarray], micro: int, whole: bool = False
+    ) -> tuple[float, list[np.ndarray], bool]:
         """Forward and backward: the loss, ORT's fetches (loss, outputs, buffers, finite flag) and
         whether loss and gradients are finite. Lean on purpose: it is the loop's per-step Python."""
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
-        fetched = self._session.train_step(self._trimmed(feeds))
+        fetched = self._session.train_step(self._trimmed(feeds), whole=whole)
         self._release_rows()
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
@@ -351,11 +358,12 @@ class Trainer:
         lengths = None if not bucket or self._trim is None else arrays[self._trim[1]].sum(axis=1)
         order = batch_indices(len(arrays[0]), batch_size, shuffle=shuffle, seed=self.seed, epoch=self.epoch,
                               lengths=lengths, accumulate=accumulate)  # fmt: skip
+        whole = self._whole_steps(accumulate)
         for index in order:
             if pending == 0 and schedule is not None:
                 self.set_lr(schedule(self.step))
             feeds = [array[index] for array in arrays]
-            loss, fetched, applied = self._micro_step(feeds, micro=pending)
+            loss, fetched, applied = self._micro_step(feeds, micro=pending, whole=whole)
             bad |= not applied
             held = None if scores is None else fetched[scores]
             weight = len(index) if meter.tokens is None else meter.weight(dict(zip(data, feeds)), len(index))

@@ -127,6 +127,13 @@ class _Builder:
             raise _Unlowerable(f"{name!r} is not a constant")
         return self._known[name]
 
+    def known(self, name: str) -> np.ndarray | None:
+        """``name``'s value when it is a constant, else None."""
+        try:
+            return self.constant_value(name)
+        except _Unlowerable:
+            return None
+
     def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: object) -> str:
         out = out or f"{self.prefix}.{len(self.nodes)}.{op_type}"
         self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
@@ -145,13 +152,24 @@ def _out(node: onnx.NodeProto, index: int) -> str | None:
 
 def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # ORT's DropoutGrad: dX = dY * mask * (1 / (1 - ratio)) in training mode, else dY (ratio 0.5 by default).
+    # A constant ratio gives a constant scale, and a constant mode no Where (a node fewer on small models'
+    # steps, where each costs: the exported model's mode and ratio are constants).
     node = b.node
     dy, mask = node.input[0], node.input[1]
     ratio = node.input[2] if len(node.input) > 2 and node.input[2] else b.const(0.5)
-    scale = b.op("Div", [b.const(1.0), b.op("Sub", [b.const(1.0), ratio])])
+    mode = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    training = None if mode is None else b.known(mode)
+    if training is not None and not training.all():
+        b.op("Identity", [dy], node.output[0])
+        return
+    fixed, one = b.known(ratio), np.float32(1.0)
+    if fixed is not None:  # the same float32 operations as the graph's, done once here
+        scale = b.const(np.asarray(one / (one - np.float32(fixed)), np.float32))
+    else:
+        scale = b.op("Div", [b.const(1.0), b.op("Sub", [b.const(1.0), ratio])])
     dropped = b.op("Mul", [b.op("Mul", [dy, b.op("Cast", [mask], to=onnx.TensorProto.FLOAT)]), scale])
-    if len(node.input) > 3 and node.input[3]:
-        b.op("Where", [node.input[3], dropped, dy], node.output[0])
+    if mode is not None and training is None:
+        b.op("Where", [mode, dropped, dy], node.output[0])
     else:
         b.op("Identity", [dropped], node.output[0])
 

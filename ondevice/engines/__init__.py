@@ -26,14 +26,19 @@ ENGINES = ("auto", "classic", "portable")
 
 
 class Engine(Protocol):
-    """What the trainer needs from an engine: steps, parameters in and out, state to save."""
+    """What the trainer needs from an engine: steps, parameters in and out, state to save.
+
+    A step is ``train_step`` per micro-batch, then ``optimizer_step`` (or not, when it was not finite) and
+    ``reset_grad``. ``whole=True`` tells ``train_step`` that its batch is the step's only one and the
+    gradients will not be touched before ``optimizer_step``: an engine may then compute the update in the
+    same run and apply it in ``optimizer_step``."""
 
     name: str
     ort_version: str
     with_eval: bool
     lean_memory: bool
 
-    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]: ...
+    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0, whole: bool = False) -> list[np.ndarray]: ...
     def eval_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]: ...
     def optimizer_step(self) -> None: ...
     def reset_grad(self) -> None: ...

@@ -69,9 +69,10 @@ class OrtTraining:
         names = self.input_names()
         self._scale_at = names.index(LOSS_SCALE) if LOSS_SCALE in names else None
 
-    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0, whole: bool = False) -> list[np.ndarray]:
         """One forward and backward pass; gradients add to the accumulated ones. ``scale`` multiplies
-        this pass's gradients where the graph has the loss-scale input (a bundle's), else it must be 1."""
+        this pass's gradients where the graph has the loss-scale input (a bundle's), else it must be 1.
+        ``whole`` (this batch is a whole optimizer step) changes nothing here: the update is its own run."""
         feeds = list(feeds)
         if self._scale_at is not None:
             feeds.insert(self._scale_at, np.array(scale, np.float32))

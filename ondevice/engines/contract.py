@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "OPTIMIZER_INPUTS", "OPTIMIZER_STATE",
-           "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output"]
+__all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABLE_STEP", "FUSED_MAX",
+           "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
 """The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
@@ -12,6 +12,12 @@ PORTABLE_NCHWC = "training_model.portable.nchwc.onnx"
 manifest's ``portable["nchwc"]`` names it when the model has such convolutions."""
 PORTABLE_OPTIMIZER = "optimizer_model.portable.onnx"
 """The optimizer update as a standard graph (``artifacts/portable_optimizer.py``)."""
+PORTABLE_STEP = "step_model.portable.onnx"
+"""The training graph and the optimizer update fused, a whole step in one run (``ondevice/engines/step_graph.py``)."""
+FUSED_MAX = 1 << 18
+"""The generator writes :data:`PORTABLE_STEP` for trainable vectors up to this many values (and no NCHWc
+variant): there a session run's fixed cost is a large part of a step, and the update fits in the one slice
+the portable engine would run it in anyway (``ondevice.engines.portable.SLICE``)."""
 OPTIMIZER_INPUTS = ("odt.lr", "odt.lr_corrected", "odt.lr_decay")
 """The optimizer graph's scalar inputs: the learning rate, AdamW's bias-corrected rate, rate x weight decay."""
 OPTIMIZER_STATE = ("odt.parameters", "odt.gradients", "odt.momentum0", "odt.momentum1")

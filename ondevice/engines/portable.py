@@ -21,11 +21,11 @@ import numpy as np
 from .._ort_checkpoint import CheckpointData, read_checkpoint, write_checkpoint
 from ..manifest import Manifest
 from ..session import ORT_VERSION, OrtValue, ort, session_options, training_graph
-from .contract import OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE, gradient_output
+from .contract import FUSED_MAX, OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE, gradient_output
 
 __all__ = ["PortableEngine", "adamw_rates"]
 
-SLICE = 1 << 18
+SLICE = FUSED_MAX
 """Values per run of an element-wise optimizer graph (1 MiB of each vector), so that its fourteen passes
 read and write the CPU's cache, not memory: AdamW over 3.1 M values (the next-word LSTM has 2.3 M) took 8.5 ms
 against 16.1 ms in one run over the whole vectors, over 22.7 M (MiniLM) 66 against 170 ms, and its
@@ -77,20 +77,21 @@ class PortableEngine:
     ) -> None:
         self.directory, self.manifest, self.with_eval, self.lean_memory = directory, manifest, with_eval, lean_memory
         self.ort_version = ORT_VERSION
-        options = session_options(threads, lean_memory)
-        # Pre-packing copies every weight it packs: measured 1.43x the classic engine's peak on
-        # MiniLM LoRA with it on, 0.92x with it off at the same speed (field notes).
-        options.add_session_config_entry("session.disable_prepacking", "1")
-        options.enable_mem_pattern = False
-        # Three sessions take turns each step; a finished session's pool threads spinning for work took the
-        # cores from the next one: step times 85 -> 44-50 ms (CNN) and 6.5 -> 2.6 ms (MLP) without the spin
-        # (onnxruntime 1.32, 2 threads, one-off A/Bs).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._frozen = dict(frozen or {})  # one mapping of frozen.bin for all sessions (ondevice.frozen)
-        for name, value in self._frozen.items():
-            options.add_initializer(name, value)
 
-        def open_session(name: str) -> ort.InferenceSession:
+        def open_session(name: str, spin: bool = False) -> ort.InferenceSession:
+            options = session_options(threads, lean_memory)
+            # Pre-packing copies every weight it packs: measured 1.43x the classic engine's peak on
+            # MiniLM LoRA with it on, 0.92x with it off at the same speed (field notes).
+            options.add_session_config_entry("session.disable_prepacking", "1")
+            options.enable_mem_pattern = False
+            # The training and optimizer sessions take turns each step; a finished session's pool threads
+            # spinning for work took the cores from the next one: step times 85 -> 44-50 ms (CNN) and 6.5 ->
+            # 2.6 ms (MLP) without the spin (onnxruntime 1.32, 2 threads, one-off A/Bs). The fused step is the
+            # only session a step runs, and spins: digits 390-540 -> 320-340 us a step (2 threads, one-off).
+            options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+            for frozen_name, value in self._frozen.items():
+                options.add_initializer(frozen_name, value)
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
 
         training, optimizer = manifest.portable_files or ("", "")
@@ -99,6 +100,9 @@ class PortableEngine:
         self._train = open_session(self.graph)
         self._eval = open_session("eval_model.onnx") if with_eval else None
         self._update = open_session(optimizer)
+        # a whole step in one run, where the artifacts carry it and the plain graph is the one chosen
+        fused = manifest.portable_step if self.graph == training else None
+        self._fused = open_session(fused, True) if fused else None
         state = read_checkpoint(checkpoint.read_bytes())
         self._trainable = [p.name for p in manifest.trainable]
         missing = [n for n in self._trainable if n not in state.trainable]
@@ -126,6 +130,7 @@ class PortableEngine:
         fetch = [] if self._eval is None else [o.name for o in self._eval.get_outputs()]
         self._eval_binding = None if self._eval is None else self._bound(self._eval, fetch)
         self._bind_optimizer()
+        self._bind_fused()
 
     def _split(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         views, offset = {}, 0
@@ -157,10 +162,36 @@ class PortableEngine:
             self._bindings[reset] = binding
         return self._bindings[reset]
 
+    def _bind_fused(self) -> None:
+        """The fused step's binding: the update lands in staging vectors, which :meth:`optimizer_step` copies
+        over the state when the trainer applies the step (a step that is not finite leaves the state alone)."""
+        self._staged: dict[str, np.ndarray] = {}
+        self._fused_binding, self._pending = None, False  # pending: a fused step's update is staged
+        if self._fused is None:
+            return
+        outputs = [o.name for o in self._fused.get_outputs()]
+        self._fused_fetch = [name for name in outputs if name not in OPTIMIZER_UPDATED]
+        binding = self._bound(self._fused, self._fused_fetch)  # the fetches first: get_outputs keeps this order
+        moments = dict(zip(OPTIMIZER_STATE[2:], (self._flat["momentum0"], self._flat["momentum1"])))
+        state = {**self._rates, **moments}
+        for graph_input in self._fused.get_inputs():
+            if graph_input.name in state:
+                binding.bind_ortvalue_input(graph_input.name, _value(state[graph_input.name]))
+        for name, kind in zip(OPTIMIZER_UPDATED, ("value", "momentum0", "momentum1")):
+            if name in outputs:
+                self._staged[kind] = np.zeros_like(self._flat[kind])
+                binding.bind_ortvalue_output(name, _value(self._staged[kind]))
+        self._fused_binding = binding
+
     # -- steps ---------------------------------------------------------------------------------
-    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+    def train_step(self, feeds: Sequence[np.ndarray], scale: float = 1.0, whole: bool = False) -> list[np.ndarray]:
+        """Forward and backward (gradients into the accumulation buffers). ``whole``: this batch is the
+        optimizer step's only one, so artifacts with a fused step graph also compute the update in the same
+        run, staged until :meth:`optimizer_step` applies it (the gradients then stay inside the graph)."""
         if scale != 1.0:
             raise ValueError("the portable engine scales nothing: accumulate whole micro-batches instead")
+        if whole and self._fused_binding is not None and self._reset:
+            return self._fused_step(feeds)
         reset = self._reset
         binding = self._train_binding(reset)
         for name, value in zip(self._feeds, feeds):
@@ -173,6 +204,18 @@ class PortableEngine:
         self._reset = False
         values = binding.get_outputs()  # in the order bound: the fetches, then the gradients (not copied)
         return [values[i].numpy() for i in range(len(self._fetch))]
+
+    def _fused_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        binding = self._fused_binding
+        self._set_rates(self.step + 1)
+        for name, value in zip(self._feeds, feeds):
+            binding.bind_cpu_input(name, value)
+        for name in self._fused_fetch:
+            binding.bind_output(name, "cpu")
+        self._fused.run_with_iobinding(binding)
+        self._reset, self._pending = False, True
+        values = binding.get_outputs()  # the fetches first, as bound
+        return [values[i].numpy() for i in range(len(self._fused_fetch))]
 
     def eval_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
         assert self._eval is not None and self._eval_binding is not None, "created without the eval graph"
@@ -207,21 +250,30 @@ class PortableEngine:
                     binding.bind_ortvalue_output(name, _value(self._flat[kind][part]))
             self._update_bindings.append(binding)
 
-    def optimizer_step(self) -> None:
-        self.step += 1
+    def _set_rates(self, step: int) -> None:
+        """The optimizer's scalar inputs for optimizer step ``step`` (1-based) at the current rate."""
         spec = self.manifest.optimizer
         if spec.kind == "adamw":
-            rates = adamw_rates(self._lr, self.step, spec.options.get("betas", (0.9, 0.999)),
+            rates = adamw_rates(self._lr, step, spec.options.get("betas", (0.9, 0.999)),
                                 float(spec.options.get("weight_decay", 0.0)))  # fmt: skip
         else:
             rates = (self._lr, self._lr, 0.0)
         for name, rate in zip(OPTIMIZER_INPUTS, rates):
             self._rates[name][...] = rate
+
+    def optimizer_step(self) -> None:
+        self.step += 1
+        if self._pending:  # the fused step computed it: copy it over the state
+            for kind, staged in self._staged.items():
+                np.copyto(self._flat[kind], staged)
+            self._pending = False
+            return
+        self._set_rates(self.step)
         for binding in self._update_bindings:
             self._update.run_with_iobinding(binding)
 
     def reset_grad(self) -> None:
-        self._reset = True
+        self._reset, self._pending = True, False
 
     def set_learning_rate(self, lr: float) -> None:
         self._lr = float(lr)

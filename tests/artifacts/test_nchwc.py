@@ -76,6 +76,7 @@ def test_the_portable_engine_loads_its_own_nchwc_variant_and_trains_like_the_pla
     directory = tmp_path / "a"
     manifest = generate(_separable(), EXAMPLE, directory, verify=False)
     assert manifest.portable_variants == {"nchwc": PORTABLE_NCHWC}
+    assert manifest.portable_step is None  # a whole step in one graph is for models without variants
     variant = onnx.load(directory / PORTABLE_NCHWC, load_external_data=False).graph
     assert len([n for n in variant.node if n.op_type == "Conv" and n.domain == NCHWC_DOMAIN]) == 6
     assert Trainer.load(directory, engine="portable")._session.graph == PORTABLE_NCHWC
@@ -97,6 +98,7 @@ def test_channel_counts_no_block_divides_stay_portable(tmp_path):
     manifest = generate(_separable(channels=12), EXAMPLE, tmp_path / "a", verify=False)
     assert manifest.variants == manifest.portable_variants == {}
     assert not list((tmp_path / "a").glob("*nchwc*"))
+    assert manifest.portable_step == "step_model.portable.onnx"  # small, no variant: whole steps fused
 
 
 def test_a_bundle_carries_the_portable_graph_only(tmp_path):

@@ -14,6 +14,7 @@ from artifacts.passes.portable import lower_accumulators, lower_operators, unpor
 from benchmarks.compare import _batches
 from benchmarks.models import cases
 from ondevice import Trainer
+from ondevice.engines.contract import FUSED_MAX
 from ondevice.session import ort, session_options
 
 RNG = np.random.default_rng(0)
@@ -137,6 +138,24 @@ def test_each_lowering_matches_orts_training_kernel(case):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * scale, err_msg=f"{op} output {index}")
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
+    """The exported model's ratio and training mode are constants: the lowering folds the scale and the mode
+    (no Sub, Div or Where left) and still gives the kernel's values."""
+    rng = np.random.default_rng(3)
+    inputs = {"dy": rng.standard_normal((6, 5)).astype(np.float32), "mask": rng.random((6, 5)) > 0.3}
+    constants = {"ratio": np.array(0.3, np.float32), "training": np.array(training)}
+    model = _one_node("DropoutGrad", {**inputs, **constants}, {}, 1, {})
+    kept = [i for i in model.graph.input if i.name in inputs]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    model.graph.initializer.extend(onnx.numpy_helper.from_array(v, n) for n, v in constants.items())
+    expected = _run(model, inputs)[0]
+    assert lower_operators(model, 17) == ["DropoutGrad"]
+    assert not {"Sub", "Div", "Where"} & {n.op_type for n in model.graph.node}
+    np.testing.assert_array_equal(_run(model, inputs)[0], expected)
+
+
 def test_batchnorm_with_its_running_statistics_read_is_left_for_the_error():
     op, inputs, attrs, outputs, shapes = next(c for c in _cases() if c[0] == "BatchNormInternal")
     model = _one_node(op, inputs, attrs, outputs, shapes)  # outputs 1 and 2 are graph outputs: read
@@ -201,6 +220,9 @@ def test_every_benchmark_model_trains_alike_on_both_engines(name, tmp_path):
     manifest = generate(case.build(), case.inputs(case.batch), tmp_path / "art", trainable=case.trainable,
                         optimizer=AdamW(), lora=lora, verify=False)  # fmt: skip
     assert manifest.engines == ("classic", "portable"), manifest.portable
+    # small models without an NCHWc variant run whole steps as one graph (tested equal in test_engines)
+    small = manifest.trainable_size <= FUSED_MAX and not manifest.portable_variants
+    assert (manifest.portable_step is not None) == small
     batches = _batches(case, 5)
     losses, buffers = {}, {}
     for engine in ("classic", "portable"):

@@ -92,8 +92,7 @@ def test_the_update_runs_in_slices_that_equal_one_run_over_the_whole_vectors(fix
     for size in (default, 1000):
         monkeypatch.setattr(portable, "SLICE", size)
         trainer = Trainer.load(directory, engine="portable")
-        for _ in range(3):
-            trainer.train_step(batch)
+        trainer.fit(batch, epochs=3, batch_size=16, accumulate=2, shuffle=False, progress=False)  # not fused
         engine = trainer._session
         runs[size] = (len(engine._update_bindings), trainer.get_flat_weights(),
                       engine._flat["momentum0"].copy(), engine._flat["momentum1"].copy())  # fmt: skip
@@ -102,6 +101,48 @@ def test_the_update_runs_in_slices_that_equal_one_run_over_the_whole_vectors(fix
     assert [runs[default][0], runs[1000][0]] == ([1, -(-size // 1000)] if sliced else [1, 1])
     for whole, parts in zip(runs[default][1:], runs[1000][1:]):
         np.testing.assert_array_equal(parts, whole)
+
+
+def _without_fused_step(directory, out):
+    """A copy of ``directory`` whose manifest does not name the fused step graph."""
+    from dataclasses import replace
+
+    from ondevice.manifest import Manifest
+
+    shutil.copytree(directory, out)
+    manifest = Manifest.load(out)
+    replace(manifest, portable={k: v for k, v in manifest.portable.items() if k != "step"}).save(out)
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["digits_artifacts", "clipped_artifacts", "digits_sgd"])
+def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, request, digits_data, tmp_path):
+    """Small models' whole steps run as one graph: the losses and weights of the two graphs, bit for bit,
+    through dropout, clipping, SGD, a rate change and a step that is not finite (skipped, state untouched)."""
+    from ondevice.manifest import Manifest
+
+    directory = request.getfixturevalue(fixture)
+    assert Manifest.load(directory).portable_step == "step_model.portable.onnx"
+    batches = [_part(digits_data["train"], 16 * k, 16 * k + 16) for k in range(6)]
+    batches[3] = {**batches[3], "input": batches[3]["input"] * np.float32(1e38)}  # overflows: not finite
+    runs = {}
+    for kind, source in (("fused", directory), ("two graphs", _without_fused_step(directory, tmp_path / "copy"))):
+        trainer = Trainer.load(source, engine="portable")
+        losses, applied = [], []
+        for k, batch in enumerate(batches):
+            if k == 4:
+                trainer.set_lr(trainer.lr * 0.5)
+            result = trainer.train_step(batch)
+            losses.append(result.loss)
+            applied.append(result.applied)
+            gradient = trainer._session.gradient_view(trainer.manifest.trainable[0].name)
+            assert (not gradient.any()) == (kind == "fused")  # the fused step keeps gradients inside
+        runs[kind] = (losses, applied, trainer.get_flat_weights(), trainer.step, trainer.skipped_steps)
+    fused, two = runs["fused"], runs["two graphs"]
+    assert fused[1] == two[1] == [True, True, True, False, True, True]
+    assert fused[3:] == two[3:] == (5, 1)
+    np.testing.assert_array_equal(fused[0], two[0])
+    np.testing.assert_array_equal(fused[2], two[2])
 
 
 def test_adamw_rates_follow_orts_float32_formula():

@@ -228,7 +228,7 @@ def test_a_batch_drops_the_padding_columns_all_its_rows_share_and_computes_the_s
     padded._trim = None  # what every batch was before: all columns
     widths: list[int] = []
     step = trimmed._session.train_step
-    trimmed._session.train_step = lambda feeds: widths.append(feeds[0].shape[1]) or step(feeds)
+    trimmed._session.train_step = lambda feeds, **options: widths.append(feeds[0].shape[1]) or step(feeds, **options)
     for _ in range(3):
         a, b = trimmed.train_step(short), padded.train_step(short)
         assert a.loss == pytest.approx(b.loss, rel=1e-6)
@@ -269,8 +269,8 @@ def test_fit_with_buckets_feeds_narrower_batches_and_learns(text_artifacts, tmp_
         trainer = Trainer.load(text_artifacts)
         widths[bucket] = []
         step = trainer._session.train_step
-        trainer._session.train_step = lambda feeds, seen=widths[bucket], step=step: (
-            seen.append(feeds[0].shape[1]) or step(feeds)
+        trainer._session.train_step = lambda feeds, seen=widths[bucket], step=step, **options: (
+            seen.append(feeds[0].shape[1]) or step(feeds, **options)
         )
         before = trainer.evaluate(data)["loss"]
         trainer.fit(data, epochs=2, batch_size=4, bucket=bucket, progress=False)

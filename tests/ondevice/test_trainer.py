@@ -236,13 +236,15 @@ def test_finite_check_is_the_norm_of_loss_and_accumulated_gradients(digits_no_dr
         assert float(fetched[-1]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("in_graph", [True, False], ids=["graph-check", "python-check"])
-def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph):
+@pytest.mark.parametrize("in_graph, engine", [(True, "classic"), (True, "portable"), (False, "classic")],
+                         ids=["graph-check", "fused-step-check", "python-check"])
+def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph, engine):
     from artifacts import generate
     from tests.artifacts import models
 
     generate(models.SqrtGate(), torch.randn(8, 64), tmp_path / "gate", verify=False)
-    trainer = Trainer.load(tmp_path / "gate")
+    trainer = Trainer.load(tmp_path / "gate", engine=engine)
+    assert trainer.manifest.portable_step is not None  # the portable engine runs whole steps fused
     if not in_graph:  # artifacts made before the in-graph check: the runtime sums the gradients itself
         trainer.manifest = dataclasses.replace(trainer.manifest, finite_check=None)
     before = trainer.get_flat_weights()
@@ -404,7 +406,7 @@ def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(dig
     assert whole.micro_batches(32) == (32, 1)
     rows: list[int] = []
     step = split._session.train_step
-    split._session.train_step = lambda feeds: rows.append(len(feeds[0])) or step(feeds)
+    split._session.train_step = lambda feeds, **options: rows.append(len(feeds[0])) or step(feeds, **options)
     whole.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
     split.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
     assert max(rows) == 4 and split.step == whole.step == 2 * 7
