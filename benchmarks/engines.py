@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -30,6 +31,8 @@ from .models import cases
 ROOT = Path(__file__).resolve().parents[1]
 STOCK = ROOT / ".venv-stock"
 RESULTS = ROOT / "benchmarks" / "results"
+MIN_BLOCK_S = 0.25
+"""Each timed block runs at least this long on the fastest side."""
 
 WORKER = r"""
 import json, sys, time
@@ -131,18 +134,22 @@ def measure(case: Any, work: Path, threads: int, blocks: int) -> dict[str, Any]:
         "classic": Worker(Path(sys.executable), "classic", common),
         "portable": Worker(stock_python(), "portable", common),
     }
+    # an untimed block each; then blocks of at least MIN_BLOCK_S on the fastest side (20 steps of digits were
+    # 10 ms: a thread's wake-up or a neighbour's burst moved the ratio by 0.2)
+    fastest = min(worker.block(case.steps, 0) for worker in workers.values())
+    steps = max(case.steps, math.ceil(MIN_BLOCK_S / fastest))
     times: dict[str, list[float]] = {name: [] for name in workers}
     order = list(workers)
     for index in range(blocks):
         for name in order[index % 3 :] + order[: index % 3]:  # rotate who goes first
-            times[name].append(workers[name].block(case.steps, index * case.steps))
+            times[name].append(workers[name].block(steps, index * steps))
     reports = {name: worker.finish() for name, worker in workers.items()}
     median = {name: statistics.median(values) for name, values in times.items()}
     return {
         "model": case.name,
         "batch": case.batch,
         "blocks": blocks,
-        "steps_per_block": case.steps,
+        "steps_per_block": steps,
         "step_ms": {name: 1e3 * value for name, value in median.items()},
         "portable_vs_classic": statistics.median(c / p for c, p in zip(times["classic"], times["portable"])),
         "portable_vs_torch": statistics.median(t / p for t, p in zip(times["torch"], times["portable"])),
@@ -160,7 +167,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Portable engine on onnxruntime {result['versions']['portable']}; classic on onnxruntime-training "
         f"{result['versions']['classic']}; torch {result['versions']['torch']}.",
         "Speed columns are medians of per-block ratios (>1: the first is faster), the three workers "
-        "taking turns block by block. Peak RSS is each worker process's VmHWM.",
+        f"taking turns block by block (blocks of at least {MIN_BLOCK_S} s on the fastest side, after an untimed "
+        "one). Peak RSS is each worker process's VmHWM.",
         "",
         "| model | batch | portable ms | classic ms | PyTorch ms | portable vs classic | portable vs PyTorch "
         "| classic vs PyTorch | peak RSS MiB portable / classic / PyTorch | load s portable / classic |",
