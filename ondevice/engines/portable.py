@@ -97,12 +97,15 @@ class PortableEngine:
         training, optimizer = manifest.portable_files or ("", "")
         # the NCHWc variant where this ORT has the kernels (x86): CNN steps 10-30 % faster (one-off A/Bs)
         self.graph = graph or training_graph(manifest.portable_variants, training)
-        self._train = open_session(self.graph)
-        self._eval = open_session("eval_model.onnx") if with_eval else None
-        self._update = open_session(optimizer)
-        # a whole step in one run, where the artifacts carry it and the plain graph is the one chosen
+        # a whole step in one run, where the artifacts carry it and the plain graph is the one chosen; the
+        # training graph's own session then opens when a step first accumulates micro-batches (a second copy
+        # of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without, in two runs)
         fused = manifest.portable_step if self.graph == training else None
         self._fused = open_session(fused, True) if fused else None
+        self._open = open_session
+        self._train = None if self._fused else open_session(self.graph)
+        self._eval = open_session("eval_model.onnx") if with_eval else None
+        self._update = open_session(optimizer)
         state = read_checkpoint(checkpoint.read_bytes())
         self._trainable = [p.name for p in manifest.trainable]
         missing = [n for n in self._trainable if n not in state.trainable]
@@ -122,8 +125,9 @@ class PortableEngine:
         self._scratch = np.zeros(0, np.float32)  # gradients of later micro-batches, made when first needed
         self._lr = float(manifest.optimizer.lr)
         self._feeds = list(manifest.feed_names)
-        outputs = [o.name for o in self._train.get_outputs()]
-        self._fetch = outputs[: len(outputs) - len(self._trainable)]
+        gradients = {gradient_output(name) for name in self._trainable}
+        outputs = [o.name for o in (self._fused or self._train).get_outputs()]
+        self._fetch = [name for name in outputs if name not in gradients and name not in OPTIMIZER_UPDATED]
         self._values = {name: _value(array) for name, array in self._params.items()}
         self._reset = True
         self._bindings: dict[bool, object] = {}
@@ -153,6 +157,8 @@ class PortableEngine:
         """The training graph's binding: gradients into the accumulation buffers when a new optimizer step
         starts, else into scratch buffers that are then added in (only for accumulation)."""
         if reset not in self._bindings:
+            if self._train is None:
+                self._train = self._open(self.graph)
             binding = self._bound(self._train, self._fetch)
             if not reset:
                 self._scratch = _flat([p.size for p in self.manifest.trainable])
@@ -170,8 +176,7 @@ class PortableEngine:
         if self._fused is None:
             return
         outputs = [o.name for o in self._fused.get_outputs()]
-        self._fused_fetch = [name for name in outputs if name not in OPTIMIZER_UPDATED]
-        binding = self._bound(self._fused, self._fused_fetch)  # the fetches first: get_outputs keeps this order
+        binding = self._bound(self._fused, self._fetch)  # the fetches first: get_outputs keeps this order
         moments = dict(zip(OPTIMIZER_STATE[2:], (self._flat["momentum0"], self._flat["momentum1"])))
         state = {**self._rates, **moments}
         for graph_input in self._fused.get_inputs():
@@ -194,28 +199,27 @@ class PortableEngine:
             return self._fused_step(feeds)
         reset = self._reset
         binding = self._train_binding(reset)
+        fetched = self._run(self._train, binding, feeds)
+        if not reset:
+            np.add(self._flat["grad"], self._scratch, out=self._flat["grad"])
+        self._reset = False
+        return fetched
+
+    def _fused_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        self._set_rates(self.step + 1)
+        fetched = self._run(self._fused, self._fused_binding, feeds)
+        self._reset, self._pending = False, True
+        return fetched
+
+    def _run(self, session: ort.InferenceSession, binding, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+        """Run ``binding`` on ``feeds``; the fetches (bound first) as arrays."""
         for name, value in zip(self._feeds, feeds):
             binding.bind_cpu_input(name, value)
         for name in self._fetch:  # afresh: a bound output keeps the last step's shape, and batches vary
             binding.bind_output(name, "cpu")
-        self._train.run_with_iobinding(binding)
-        if not reset:
-            np.add(self._flat["grad"], self._scratch, out=self._flat["grad"])
-        self._reset = False
-        values = binding.get_outputs()  # in the order bound: the fetches, then the gradients (not copied)
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()  # in the order bound: the fetches, then the state (not copied)
         return [values[i].numpy() for i in range(len(self._fetch))]
-
-    def _fused_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
-        binding = self._fused_binding
-        self._set_rates(self.step + 1)
-        for name, value in zip(self._feeds, feeds):
-            binding.bind_cpu_input(name, value)
-        for name in self._fused_fetch:
-            binding.bind_output(name, "cpu")
-        self._fused.run_with_iobinding(binding)
-        self._reset, self._pending = False, True
-        values = binding.get_outputs()  # the fetches first, as bound
-        return [values[i].numpy() for i in range(len(self._fused_fetch))]
 
     def eval_step(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
         assert self._eval is not None and self._eval_binding is not None, "created without the eval graph"
