@@ -269,6 +269,32 @@ def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3  # the adapters and head moved
 
 
+def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path):
+    """A small Llama (grouped-query attention, RMSNorm, SiLU, rotary positions) with LoRA on its attention
+    projections and its own token loss (prompt tokens labelled -100): the bundle carries the adapters over
+    frozen weights like any other artifacts, and 20 steps in the browser equal Python's portable engine."""
+    import torch
+
+    from artifacts import AdamW, Lora, generate
+    from artifacts.losses import loss_from_name
+    from tests.artifacts.test_decoders import FAMILIES, CausalLM, _example, _without_dropout
+
+    root, url = site
+    torch.manual_seed(0)
+    model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
+    manifest = generate(model, _example(), tmp_path / "llama", loss=loss_from_name("model"), lora=Lora(4),
+                        optimizer=AdamW(lr=1e-2), verify=False)  # fmt: skip
+    assert manifest.adapters and manifest.frozen_file is not None
+    make_bundle(tmp_path / "llama", root / "bundle")
+    steps = []
+    for k in range(20):
+        batch = _example(seed=10 + k % 5)
+        steps.append({"size": 4, **{name: batch[name].numpy().ravel().tolist() for name in manifest.feed_names}})
+    result, weights = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
+    assert result["losses"][15] < result["losses"][0]  # the same batch: the adapters learn
+    assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3
+
+
 def test_browser_skips_a_step_whose_gradient_is_not_finite(digits_data, site, tmp_path):
     import torch
 
