@@ -219,7 +219,8 @@ REGISTRY: tuple[Pass, ...] = (
     Pass("portable-dropout-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("DropoutGrad",)),
          "DropoutGrad is not in stock ORT",
          "dY * Cast(mask) * (1 / (1 - ratio)), the kernel's product in its order; dY where training_mode is false; "
-         "a constant ratio (an exported model's) becomes a constant scale and a constant mode needs no Where",
+         "a constant ratio (an exported model's) becomes a division by the constant 1 - ratio (what ORT fuses the "
+         "formula to) and a constant mode needs no Where",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-dropout-masks", "portable", lambda m, c: keep_dropout_masks(m),
          "stock ORT's basic optimizer deletes a Dropout whose mask output is unused, even in training mode, so a "

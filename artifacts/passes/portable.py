@@ -152,7 +152,7 @@ def _out(node: onnx.NodeProto, index: int) -> str | None:
 
 def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # ORT's DropoutGrad: dX = dY * mask * (1 / (1 - ratio)) in training mode, else dY (ratio 0.5 by default).
-    # A constant ratio gives a constant scale, and a constant mode no Where (a node fewer on small models'
+    # A constant ratio gives a constant divisor, and a constant mode no Where (nodes fewer on small models'
     # steps, where each costs: the exported model's mode and ratio are constants).
     node = b.node
     dy, mask = node.input[0], node.input[1]
@@ -163,11 +163,11 @@ def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
         b.op("Identity", [dy], node.output[0])
         return
     fixed, one = b.known(ratio), np.float32(1.0)
-    if fixed is not None:  # the same float32 operations as the graph's, done once here
-        scale = b.const(np.asarray(one / (one - np.float32(fixed)), np.float32))
+    masked = b.op("Mul", [dy, b.op("Cast", [mask], to=onnx.TensorProto.FLOAT)])
+    if fixed is not None:  # a division by the constant 1 - ratio: what ORT makes of the formula below (DivMulFusion)
+        dropped = b.op("Div", [masked, b.const(np.asarray(one - np.float32(fixed), np.float32))])
     else:
-        scale = b.op("Div", [b.const(1.0), b.op("Sub", [b.const(1.0), ratio])])
-    dropped = b.op("Mul", [b.op("Mul", [dy, b.op("Cast", [mask], to=onnx.TensorProto.FLOAT)]), scale])
+        dropped = b.op("Mul", [masked, b.op("Div", [b.const(1.0), b.op("Sub", [b.const(1.0), ratio])])])
     if mode is not None and training is None:
         b.op("Where", [mode, dropped, dy], node.output[0])
     else:

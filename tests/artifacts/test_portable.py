@@ -141,19 +141,24 @@ def test_each_lowering_matches_orts_training_kernel(case):
 @pytest.mark.parametrize("training", [True, False])
 def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
     """The exported model's ratio and training mode are constants: the lowering folds the scale and the mode
-    (no Sub, Div or Where left) and still gives the kernel's values."""
+    (a division by the constant 1 - ratio, no Sub or Where left) and gives what it gives with them as inputs,
+    bit for bit (in training mode, the kernel's values too)."""
     rng = np.random.default_rng(3)
     inputs = {"dy": rng.standard_normal((6, 5)).astype(np.float32), "mask": rng.random((6, 5)) > 0.3}
     constants = {"ratio": np.array(0.3, np.float32), "training": np.array(training)}
-    model = _one_node("DropoutGrad", {**inputs, **constants}, {}, 1, {})
-    kept = [i for i in model.graph.input if i.name in inputs]
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    model.graph.initializer.extend(onnx.numpy_helper.from_array(v, n) for n, v in constants.items())
-    expected = _run(model, inputs)[0]
-    assert lower_operators(model, 17) == ["DropoutGrad"]
-    assert not {"Sub", "Div", "Where"} & {n.op_type for n in model.graph.node}
-    np.testing.assert_array_equal(_run(model, inputs)[0], expected)
+    fed = _one_node("DropoutGrad", {**inputs, **constants}, {}, 1, {})
+    kernel = _run(fed, {**inputs, **constants})[0]
+    assert lower_operators(fed, 17) == ["DropoutGrad"]
+    folded = _one_node("DropoutGrad", {**inputs, **constants}, {}, 1, {})
+    kept = [i for i in folded.graph.input if i.name in inputs]
+    del folded.graph.input[:]
+    folded.graph.input.extend(kept)
+    folded.graph.initializer.extend(onnx.numpy_helper.from_array(v, n) for n, v in constants.items())
+    assert lower_operators(folded, 17) == ["DropoutGrad"]
+    assert not {"Sub", "Where"} & {n.op_type for n in folded.graph.node}
+    np.testing.assert_array_equal(_run(folded, inputs)[0], _run(fed, {**inputs, **constants})[0])
+    if training:
+        np.testing.assert_array_equal(_run(folded, inputs)[0], kernel)
 
 
 def test_batchnorm_with_its_running_statistics_read_is_left_for_the_error():
