@@ -175,16 +175,31 @@ export function checkDescription(description, schema) {
   }
 }
 
-/** Check one named array against the bundle's spec; returns an ORT tensor. */
-export function toTensor(ort, spec, values, batch) {
+/** Check one named array against the bundle's spec; returns an ORT tensor. `batch`: the examples; `lengths`:
+ * the other named dimensions' sizes (a text's "seq"), filled from the first array that has one and checked
+ * against every later one, so that token ids and their mask must agree. */
+export function toTensor(ort, spec, values, batch, lengths = {}) {
   const Expected = ARRAYS[spec.dtype];
   if (!Expected) throw new InputError(`${spec.name}: dtype ${spec.dtype} is not supported in the browser`);
   if (!(values instanceof Expected)) {
     const found = values?.constructor?.name ?? typeof values;
     throw new InputError(`${spec.name} must be a ${Expected.name} (${spec.dtype}), got ${found}`);
   }
-  const dims = spec.shape.map((d) => (d === "batch" ? batch : d));
-  if (dims.some((d) => typeof d !== "number")) throw new InputError(`${spec.name}: only the batch dimension may be dynamic`);
+  const named = (d) => typeof d === "string" && d !== "batch";
+  const open = [...new Set(spec.shape.filter((d) => named(d) && !(d in lengths)))];
+  if (open.length > 1) {
+    throw new InputError(`${spec.name}: its dimensions ${open} are all dynamic; give an input whose shape fixes them first`);
+  }
+  const known = spec.shape.map((d) => (d === "batch" ? batch : d in lengths ? lengths[d] : d));
+  if (open.length === 1) {
+    const rest = count(known.filter((d) => typeof d === "number"));
+    const length = values.length / rest;
+    if (!Number.isInteger(length) || length < 1) {
+      throw new InputError(`${spec.name} needs a multiple of ${rest} values for shape [${spec.shape}] with batch ${batch}, got ${values.length}`);
+    }
+    lengths[open[0]] = length;
+  }
+  const dims = spec.shape.map((d) => (d === "batch" ? batch : d in lengths ? lengths[d] : d));
   const size = count(dims);
   if (values.length !== size) {
     throw new InputError(`${spec.name} needs ${size} values for shape [${dims}], got ${values.length}`);
@@ -514,9 +529,10 @@ export class OdtClient {
 
   feeds(batch, size) {
     const feeds = {};
+    const lengths = {}; // a text's "seq": one length for every input of the step
     for (const spec of this.specs) {
       if (!(spec.name in batch)) throw new InputError(`missing input ${spec.name}; expected ${this.specs.map((s) => s.name)}`);
-      feeds[spec.name] = toTensor(this.ort, spec, batch[spec.name], size);
+      feeds[spec.name] = toTensor(this.ort, spec, batch[spec.name], size, lengths);
     }
     return feeds;
   }

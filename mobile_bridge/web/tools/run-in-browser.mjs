@@ -225,12 +225,16 @@ try {
       // The page's responsiveness while it trains: the longest gap between ticks of a 4 ms timer.
       const ticks = [performance.now()];
       const timer = setInterval(() => ticks.push(performance.now()), 4);
-      for (const step of task.steps ?? []) {
+      const typed = (step) => {
         const batch = {};
         for (const spec of client.specs) {
           const Array_ = spec.dtype === "int64" ? BigInt64Array : Float32Array;
           batch[spec.name] = spec.dtype === "int64" ? Array_.from(step[spec.name].map(BigInt)) : Array_.from(step[spec.name]);
         }
+        return batch;
+      };
+      for (const step of task.steps ?? []) {
+        const batch = typed(step);
         if (step.lr !== undefined) await client.setLearningRate(step.lr); // a rate change before this step
         const s0 = performance.now();
         const { loss, applied } = await client.trainStep(batch, step.size);
@@ -246,8 +250,9 @@ try {
       if (task.save) await client.saveState(task.save);
       let badInput = null;
       if (task.badInput) {
-        try {
-          await client.trainStep({ input: new Float64Array(4), labels: new BigInt64Array(1) }, 1);
+        try {  // true: a float64 array for digits; or a step of its own (JSON, typed as the steps are)
+          const bad = task.badInput === true ? { input: new Float64Array(4), labels: new BigInt64Array(1) } : typed(task.badInput);
+          await client.trainStep(bad, task.badInput.size ?? 1);
         } catch (error) {
           badInput = `${error.name}: ${error.message}`;
         }
