@@ -69,11 +69,6 @@ def make_bundle(
         raise BundleError(refusal + ".")
     source, target = Path(artifacts), Path(out).absolute()
     manifest = Manifest.load(source)
-    if (manifest.frozen_file or {}).get("int8"):
-        raise BundleError(
-            f"{source} keeps its frozen base in int8 (`odt generate --base int8`); bundles carry float32 weights "
-            "for ORT Mobile and the browser so far. Generate the artifacts again without --base int8 to bundle them."
-        )
     if schedule != "constant" and total_steps is None:
         raise BundleError(
             f"a {schedule} schedule needs --total-steps N (total_steps=N): the optimizer steps it spans on the "
@@ -128,7 +123,7 @@ def make_bundle(
             step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]),
                              [p.name for p in manifest.trainable], manifest.finite_check)
             onnx.save(step, work / STEP)
-            layout = _write_parameters(trainer, manifest, work / PARAMETERS)
+            layout = _write_parameters(trainer, manifest, source, work / PARAMETERS, work / portable[0])
         del trainer
 
         training = onnx.load(work / "training_model.onnx")
@@ -176,18 +171,44 @@ def make_bundle(
     return description
 
 
-def _write_parameters(trainer: Trainer, manifest: Manifest, path: Path) -> list[dict[str, Any]]:
-    """``parameters.bin``: every trainable parameter in the manifest's order (the flat weight buffer), then
-    every frozen one, float32 little-endian, for clients that feed parameters to the portable graphs.
-    Returns the frozen tensors' places (offsets in values)."""
-    layout, offset = [], manifest.trainable_size
+def _write_parameters(
+    trainer: Trainer, manifest: Manifest, source: Path, path: Path, graph: Path
+) -> list[dict[str, Any]]:
+    """``parameters.bin``: every trainable parameter in the manifest's order (the flat float32 weight buffer),
+    then the frozen arrays ``graph`` reads, as the artifacts store them (float32, or an int8 base's int8
+    matrices with their float32 scales, a large matrix's row blocks being views of its bytes), little-endian.
+    Returns the frozen arrays' places: name, shape, dtype and byte offset (a multiple of 4 for float32)."""
+    import onnx
+
+    from .frozen import frozen_arrays
+
+    arrays = frozen_arrays(source, manifest, trainer)
+    wanted = {i.name for i in onnx.load(graph, load_external_data=False).graph.input}
+    layout: list[dict[str, Any]] = []
     with open(path, "wb") as handle:
         for spec in manifest.trainable:
             handle.write(np.ascontiguousarray(trainer.parameter(spec.name), "<f4").tobytes())
-        for spec in manifest.frozen:
-            handle.write(np.ascontiguousarray(trainer.parameter(spec.name), "<f4").tobytes())
-            layout.append({"name": spec.name, "shape": list(spec.shape), "offset": offset})
-            offset += spec.size
+        written: dict[int, int] = {}  # a mapped file's address -> where its bytes start in parameters.bin
+
+        def place(array: np.ndarray) -> int:
+            root = array
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            if root is array or not isinstance(root, np.memmap):  # an array of its own
+                handle.write(b"\0" * (-handle.tell() % 4))
+                start = handle.tell()
+                handle.write(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+                return start
+            if root.ctypes.data not in written:  # frozen.bin, once: its tensors are views of it
+                handle.write(b"\0" * (-handle.tell() % 4))
+                written[root.ctypes.data] = handle.tell()
+                handle.write(memoryview(root))
+            return written[root.ctypes.data] + array.ctypes.data - root.ctypes.data
+
+        for name, array in arrays.items():
+            if name in wanted:
+                dtype = np.dtype(array.dtype).name
+                layout.append({"name": name, "shape": list(array.shape), "dtype": dtype, "byte_offset": place(array)})
     return layout
 
 

@@ -4,6 +4,11 @@ Artifacts keep frozen weights in ``frozen.bin`` as ONNX external data (see ``art
 onnxruntime-web and the mobile packages load graphs and checkpoints from bytes, and an ORT-format
 graph would hold its initializers itself (twice: training and eval). A bundle therefore carries
 them as ORT always did: frozen parameters in the checkpoint, graph inputs in every graph.
+
+An int8 base (``odt generate --base int8``) travels as it is stored: each matrix as int8 with its
+per-row scales (``W::scale``) and, for a large one, its row blocks (``W::rows{start}``), each a graph
+input of its own dtype, so the device holds a quarter of the float32 bytes and the graphs widen them
+as they do in the artifacts.
 """
 
 from __future__ import annotations
@@ -15,32 +20,42 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ondevice import Manifest, Trainer
+from ondevice.frozen import stored_arrays
 from ondevice.session import C
 
-__all__ = ["internalize_frozen"]
+__all__ = ["internalize_frozen", "frozen_arrays"]
+
+
+def frozen_arrays(source: Path, manifest: Manifest, trainer: Trainer) -> dict[str, np.ndarray]:
+    """Every frozen array the graphs of ``source`` read, by graph name, as stored: ``frozen.bin``'s tensors
+    (views of one read-only mapping; an int8 base's matrices, scales and row blocks as they are) and the
+    checkpoint's other frozen parameters (``trainer``, over ``source``, reads them)."""
+    stored = manifest.frozen_file
+    arrays = {} if stored is None else stored_arrays(np.memmap(source / stored["file"], np.uint8, "r"), manifest)
+    return {**{p.name: trainer.parameter(p.name) for p in manifest.frozen if p.name not in arrays}, **arrays}
 
 
 def internalize_frozen(source: Path, work: Path, manifest: Manifest, graphs: tuple[str, ...], trainer: Trainer) -> None:
-    """Write ``graphs`` and ``checkpoint`` of ``source`` into ``work`` with every frozen weight of
-    ``frozen.bin`` back in the checkpoint (``trainer``, over ``source``, reads them)."""
+    """Write ``graphs`` and ``checkpoint`` of ``source`` into ``work`` with every array of ``frozen.bin``
+    back in the checkpoint and a graph input where a graph reads it."""
     assert manifest.frozen_file is not None, "artifacts without frozen.bin are copied as they are"
-    offsets, shapes = manifest.frozen_file["offsets"], {p.name: p.shape for p in manifest.frozen}
+    arrays = frozen_arrays(source, manifest, trainer)
     for graph in graphs:
         model = onnx.load(source / graph, load_external_data=False)
-        kept = [i for i in model.graph.initializer if i.name not in offsets]
+        kept = [i for i in model.graph.initializer if i.name not in arrays]
         used = {name for node in model.graph.node for name in node.input}
+        inputs = {i.name for i in model.graph.input}
         del model.graph.initializer[:]
         model.graph.initializer.extend(kept)
         model.graph.input.extend(
-            helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shapes[n]) for n in offsets if n in used
-        )
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for n, a in arrays.items() if n in used and n not in inputs
+        )  # fmt: skip
         onnx.save(model, work / graph)
-    trainable = {p.name for p in manifest.trainable}
-    names = [p.name for p in (*manifest.trainable, *manifest.frozen)]
+    trainable = [p.name for p in manifest.trainable]
 
-    def proto(name: str) -> bytes:
-        return numpy_helper.from_array(np.ascontiguousarray(trainer.parameter(name)), name).SerializeToString()
+    def proto(name: str, array: np.ndarray) -> bytes:
+        return numpy_helper.from_array(np.ascontiguousarray(array), name).SerializeToString()
 
-    trained = [proto(n) for n in names if n in trainable]
-    frozen = [proto(n) for n in names if n not in trainable]
-    C.save_checkpoint(trained, frozen, str(work / "checkpoint"), False)
+    trained = [proto(n, trainer.parameter(n)) for n in trainable]
+    C.save_checkpoint(trained, [proto(n, a) for n, a in arrays.items()], str(work / "checkpoint"), False)

@@ -505,7 +505,10 @@ class Trainer:
             if name in stored.get("int8", {}):  # an int8 base: the values the step graph computes from it
                 return dequantize_rows(arrays[name], arrays[name + SCALE_SUFFIX])
             return np.array(arrays[name])
-        return self._session.get_parameter(name)
+        value = self._session.get_parameter(name)
+        if value.dtype == np.int8:  # a bundle carries an int8 base in its checkpoint, with the scales beside it
+            return dequantize_rows(value, self._session.get_parameter(name + SCALE_SUFFIX))
+        return value
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """Running statistics the train step updates (BatchNorm mean/var), by name in manifest order."""

@@ -41,6 +41,7 @@ export class InputError extends Error {
 const CLASSIC_FILES = ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"];
 const SCHEMA_FILE = "manifest.schema.json";
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array };
+const FROZEN_ARRAYS = { float32: Float32Array, int8: Int8Array }; // parameters.bin's frozen arrays (an int8 base)
 
 async function fetchBytes(url, headers = {}) {
   // Revalidated, never taken from the HTTP cache as is: a bundle rebuilt at the same URL would fail its hashes.
@@ -317,9 +318,14 @@ class PortableEngine {
     }
     const values = bytes[layout.parameters];
     const size = description.weights.size;
-    const total = size + layout.frozen.reduce((sum, t) => sum + count(t.shape), 0); // trainable, then frozen
-    if (values.byteLength !== total * 4) throw new BundleError(`${layout.parameters} holds ${values.byteLength} bytes, not ${total * 4}; rebuild the bundle`);
-    const all = new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength));
+    const buffer = values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength);
+    for (const t of layout.frozen) { // each frozen array as stored: float32, or an int8 base's int8 rows
+      const end = t.byte_offset + count(t.shape) * FROZEN_ARRAYS[t.dtype].BYTES_PER_ELEMENT;
+      if (t.byte_offset < size * 4 || end > buffer.byteLength || t.byte_offset % FROZEN_ARRAYS[t.dtype].BYTES_PER_ELEMENT) {
+        throw new BundleError(`${layout.parameters} (${buffer.byteLength} bytes) has no ${t.dtype} ${t.name} of shape [${t.shape}] at byte ${t.byte_offset}; rebuild the bundle`);
+      }
+    }
+    if (buffer.byteLength < size * 4) throw new BundleError(`${layout.parameters} holds ${buffer.byteLength} bytes, fewer than the ${size} weights; rebuild the bundle`);
     const sessions = {};
     try {
       const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
@@ -327,16 +333,17 @@ class PortableEngine {
     } catch (error) {
       throw openError(error, "1.30 or later");
     }
-    return new PortableEngine(ort, description, sessions, all, provider);
+    return new PortableEngine(ort, description, sessions, buffer, provider);
   }
 
   /** `sessions`: the training graph, the optimizer update and the two fused (a whole step in one run). */
-  constructor(ort, description, { training, optimizer, step }, all, provider) {
+  constructor(ort, description, { training, optimizer, step }, buffer, provider) {
     const size = description.weights.size;
     Object.assign(this, { name: "portable", ort, description, training, optimizer, fused: step, provider });
-    this.flat = { value: all.slice(0, size), grad: new Float32Array(size), momentum0: new Float32Array(size),
-                  momentum1: new Float32Array(size) };
-    this.frozen = Object.fromEntries(description.portable.frozen.map((t) => [t.name, tensorAt(ort, all, t)]));
+    this.flat = { value: new Float32Array(buffer, 0, size).slice(), grad: new Float32Array(size),
+                  momentum0: new Float32Array(size), momentum1: new Float32Array(size) };
+    const stored = (t) => new ort.Tensor(t.dtype, new FROZEN_ARRAYS[t.dtype](buffer, t.byte_offset, count(t.shape)), t.shape);
+    this.frozen = Object.fromEntries(description.portable.frozen.map((t) => [t.name, stored(t)]));
     this.step = 0;
     this.pending = 0; // parts whose gradients the accumulator holds
     this.staged = null; // a fused step's updated vectors, applied by optimizerStep

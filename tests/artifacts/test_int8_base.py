@@ -23,7 +23,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from artifacts import InputSpecError, generate
 from artifacts.from_onnx import generate_from_onnx
 from artifacts.int8_base import dequantize_rows, quantize_rows, widen_in_graph
-from mobile_bridge import BundleError, make_bundle
+from mobile_bridge import make_bundle
 from ondevice import Manifest, Predictor, Trainer, frozen
 from ondevice.cli import main
 from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX
@@ -155,9 +155,37 @@ def test_an_int8_base_is_refused_where_it_cannot_go(pair, tmp_path):
         generate(Classifier(), _example(), tmp_path / "half", lora=LORA, base="float16")
     with pytest.raises(InputSpecError, match="built for PyTorch models"):
         generate_from_onnx(tmp_path / "model.onnx", tmp_path / "from-onnx", base="int8")
-    with pytest.raises(BundleError, match="--base int8"):
-        make_bundle(pair[0], tmp_path / "bundle")
-    assert not (tmp_path / "bundle").exists()
+
+
+def test_an_int8_base_travels_in_a_bundle_as_stored_and_trains_as_the_artifacts(monkeypatch, tmp_path):
+    """Blocks of one row (every matrix over 4 x 24 values is multiplied a row at a time): parameters.bin holds
+    each array the portable graph reads as the artifacts store it (int8 matrices, float32 scales, row blocks as
+    views of their matrix's bytes, so no byte twice), and the bundle trains on both engines as the artifacts
+    do, its checkpoint carrying the same arrays for the training builds."""
+    monkeypatch.setattr(frozen, "BLOCK_VALUES", 24)
+    torch.manual_seed(0)
+    manifest = generate(Classifier(), _example(), tmp_path / "int8", lora=LORA, trainable=HEAD, base="int8",
+                        verify=False)  # fmt: skip
+    description = make_bundle(tmp_path / "int8", tmp_path / "bundle")
+    stored = frozen.stored_arrays(np.fromfile(tmp_path / "int8" / "frozen.bin", np.uint8), manifest)
+    bundled = np.fromfile(tmp_path / "bundle" / "parameters.bin", np.uint8)
+    entries = description["portable"]["frozen"]
+    blocks = [t for t in entries if "::rows" in t["name"]]
+    assert len(blocks) > 32 and {t["dtype"] for t in entries} == {"int8", "float32"}
+    for t in entries:
+        array = np.frombuffer(bundled, t["dtype"], int(np.prod(t["shape"])), t["byte_offset"]).reshape(t["shape"])
+        np.testing.assert_array_equal(array, stored[t["name"]], err_msg=t["name"])
+    frozen_bytes = (tmp_path / "int8" / "frozen.bin").stat().st_size
+    assert bundled.size <= 4 * manifest.trainable_size + frozen_bytes + 4 * sum(p.size for p in manifest.frozen
+                                                                                 if p.name not in stored)  # fmt: skip
+    data = _data()
+    batches = [{k: v[i : i + 8] for k, v in data.items()} for i in range(0, 32, 8)]
+    for engine in ("classic", "portable"):
+        trainers = [Trainer.load(tmp_path / d, engine=engine) for d in ("int8", "bundle")]
+        losses = [[t.train_step(batch).loss for batch in batches] for t in trainers]
+        assert losses[0] == losses[1], engine
+        for name in manifest.frozen_file["int8"]:  # the bundle's checkpoint: int8 rows and scales, widened alike
+            np.testing.assert_array_equal(trainers[1].parameter(name), trainers[0].parameter(name))
 
 
 @pytest.mark.parametrize(

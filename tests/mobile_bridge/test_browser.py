@@ -290,9 +290,9 @@ def test_browser_trains_the_intents_samples_minilm_lora_bundle_like_python(site,
     for module in pretrained.model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    manifest = generate(pretrained.model, pretrained.example, tmp_path / "intents", dynamic_axes=pretrained.dynamic_axes,
-                        tokenizer=pretrained.tokenizer, labels=labels, lora=Lora(8, 16, targets=("query", "value")),
-                        trainable=["head"], optimizer=AdamW(lr=2e-3), verify=False)  # fmt: skip
+    manifest = generate(pretrained.model, pretrained.example, tmp_path / "intents", labels=labels,
+                        dynamic_axes=pretrained.dynamic_axes, tokenizer=pretrained.tokenizer, trainable=["head"],
+                        lora=Lora(8, 16, ("query", "value")), optimizer=AdamW(lr=2e-3), verify=False)  # fmt: skip
     assert manifest.portable_step is not None  # the fused step, as on a phone
     make_bundle(tmp_path / "intents", root / "bundle")
     train = load_jsonl(data["train"], root / "bundle")
@@ -303,13 +303,17 @@ def test_browser_trains_the_intents_samples_minilm_lora_bundle_like_python(site,
     short_mask = {**steps[0], "mask": steps[0]["mask"][:-4]}
     result, weights = _like_python(url, root / "bundle", {"steps": steps, "badInput": short_mask}, tmp_path)
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-4  # the adapters and head moved
-    assert result["badInput"] == f"InputError: mask needs {4 * length} values for shape [4,{length}], got {4 * length - 4}"
+    expected = f"mask needs {4 * length} values for shape [4,{length}], got {4 * length - 4}"
+    assert result["badInput"] == f"InputError: {expected}"
 
 
-def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path):
+@pytest.mark.parametrize("base, build", [("float32", "current"), ("int8", "current"), ("int8", "training")])
+def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path, base, build):
     """A small Llama (grouped-query attention, RMSNorm, SiLU, rotary positions) with LoRA on its attention
     projections and its own token loss (prompt tokens labelled -100): the bundle carries the adapters over
-    frozen weights like any other artifacts, and 20 steps in the browser equal Python's portable engine."""
+    frozen weights like any other artifacts, and 20 steps in the browser equal Python's portable engine. On
+    an int8 base the browser feeds int8 rows and their scales from parameters.bin, as stored; 1.19.2's training
+    build reads them from the checkpoint, equal to Python's classic engine."""
     import torch
 
     from artifacts import AdamW, Lora, generate
@@ -320,14 +324,17 @@ def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path)
     torch.manual_seed(0)
     model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
     manifest = generate(model, _example(), tmp_path / "llama", loss=loss_from_name("model"), lora=Lora(4),
-                        optimizer=AdamW(lr=1e-2), verify=False)  # fmt: skip
+                        optimizer=AdamW(lr=1e-2), base=base, verify=False)  # fmt: skip
     assert manifest.adapters and manifest.frozen_file is not None
-    make_bundle(tmp_path / "llama", root / "bundle")
+    description = make_bundle(tmp_path / "llama", root / "bundle")
+    assert ("int8" in {t["dtype"] for t in description["portable"]["frozen"]}) == (base == "int8")
     steps = []
     for k in range(20):
         batch = _example(seed=10 + k % 5)
         steps.append({"size": 4, **{name: batch[name].numpy().ravel().tolist() for name in manifest.feed_names}})
-    result, weights = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
+    engine = "portable" if build == "current" else "classic"
+    result, weights = _like_python(url, root / "bundle", {"steps": steps, "build": build}, tmp_path, engine=engine)
+    assert result["engine"] == engine
     assert result["losses"][15] < result["losses"][0]  # the same batch: the adapters learn
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3
 

@@ -204,11 +204,12 @@ options = ort.SessionOptions()
 options.log_severity_level = 3
 training = ort.InferenceSession(f"{bundle}/training_model.portable.ort", options)
 optimizer = ort.InferenceSession(f"{bundle}/optimizer_model.portable.ort", options)
-values = np.fromfile(f"{bundle}/parameters.bin", "<f4")
+stored = np.fromfile(f"{bundle}/parameters.bin", np.uint8)
 n, tensors, hyper = d["weights"]["size"], d["weights"]["tensors"], d["portable"]["optimizer_options"]
-params, grads, m0, m1 = values[:n].copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+params, grads, m0, m1 = stored[: 4 * n].view("<f4").copy(), *(np.zeros(n, np.float32) for _ in range(3))
 view = lambda a, t: a[t["offset"] : t["offset"] + math.prod(t["shape"])].reshape(t["shape"])
-frozen = {t["name"]: view(values, t) for t in d["portable"]["frozen"]}
+array = lambda t: np.frombuffer(stored, t["dtype"], math.prod(t["shape"]), t["byte_offset"]).reshape(t["shape"])
+frozen = {t["name"]: array(t) for t in d["portable"]["frozen"]}
 names = [o.name for o in training.get_outputs()]
 losses = []
 for step, batch in enumerate(data, 1):
