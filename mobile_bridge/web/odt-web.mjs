@@ -326,17 +326,24 @@ class PortableEngine {
       }
     }
     if (buffer.byteLength < size * 4) throw new BundleError(`${layout.parameters} holds ${buffer.byteLength} bytes, fewer than the ${size} weights; rebuild the bundle`);
-    const sessions = {};
-    try {
-      const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
-      for (const kind of ["training", "optimizer", "step"]) sessions[kind] = await ort.InferenceSession.create(bytes[layout[kind]], options);
-    } catch (error) {
-      throw openError(error, "1.30 or later");
-    }
+    const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
+    const open = async (graph) => {
+      try {
+        return await ort.InferenceSession.create(graph, options);
+      } catch (error) {
+        throw openError(error, "1.30 or later");
+      }
+    };
+    const sessions = { optimizer: await open(bytes[layout.optimizer]), step: await open(bytes[layout.step]) };
+    // The training graph runs only when a step accumulates micro-batches: its session opens then (a second copy
+    // of the step's kernels otherwise, and the time to open it before the first step).
+    const training = bytes[layout.training];
+    sessions.training = () => (sessions.opened ??= open(training));
     return new PortableEngine(ort, description, sessions, buffer, provider);
   }
 
-  /** `sessions`: the training graph, the optimizer update and the two fused (a whole step in one run). */
+  /** `sessions`: the optimizer update, the training graph and the update fused (a whole step in one run), and
+   * `training()`, which opens the training graph's session on first use. */
   constructor(ort, description, { training, optimizer, step }, buffer, provider) {
     const size = description.weights.size;
     Object.assign(this, { name: "portable", ort, description, training, optimizer, fused: step, provider });
@@ -367,7 +374,7 @@ class PortableEngine {
       this.staged = await this.fused.run(feeds);
       return this.staged;
     }
-    const results = await this.training.run(feeds);
+    const results = await (await this.training()).run(feeds);
     const grad = this.flat.grad;
     for (const t of tensors) {
       const part = results[`${t.name}_grad`].data;
