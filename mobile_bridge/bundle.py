@@ -40,7 +40,6 @@ BUNDLE_FORMAT = 1
 BUNDLE_JSON = "bundle.json"
 SIGNATURE = "bundle.sig"
 PARAMETERS = "parameters.bin"
-STEP = PORTABLE_STEP
 
 
 def make_bundle(
@@ -122,7 +121,7 @@ def make_bundle(
             shutil.copy2(source / portable[1], work / portable[1])
             step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]),
                              [p.name for p in manifest.trainable], manifest.finite_check)
-            onnx.save(step, work / STEP)
+            onnx.save(step, work / PORTABLE_STEP)
             layout = _write_parameters(trainer, manifest, source, work / PARAMETERS, work / portable[0])
         del trainer
 
@@ -151,7 +150,7 @@ def make_bundle(
             description["portable"] = {
                 "training": portable[0],
                 "optimizer": portable[1],
-                "step": STEP,
+                "step": PORTABLE_STEP,
                 "eval": "eval_model.onnx",
                 "parameters": PARAMETERS,
                 "frozen": layout,
