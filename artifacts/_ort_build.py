@@ -23,6 +23,7 @@ from .losses import Loss
 from .optimizers import SGD, AdamW
 from .passes.batchnorm import strip_batchnorm_training
 from .passes.crossentropy import rewrite_cross_entropy
+from .passes.portable import lower_operators
 
 __all__ = ["run_ort_generator", "repair_eval_model", "convert_to_ort_format", "check_loads"]
 
@@ -102,6 +103,10 @@ def repair_eval_model(path: Path) -> None:
     strip_batchnorm_training(model)
     dropout_to_inference(model)
     rewrite_cross_entropy(model)  # the training graph's loss, for the same speed (a registry pass there)
+    # what stays of it (ignore_index, class weights) as standard operators, as in the portable graphs: the
+    # eval graph serves both engines, and stock ORT loads its ORT-format copy only without the function operator
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    lower_operators(model, opset, ("SoftmaxCrossEntropyLoss",))
     onnx.save(model, path)
 
 

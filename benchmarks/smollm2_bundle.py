@@ -8,9 +8,9 @@
    training build on the classic ones (the int8 rows from parameters.bin and from the checkpoint), beside
    Python's portable engine on the same bundle (newest stock onnxruntime) and classic engine
    (onnxruntime-training 1.19.2), one thread each. Rounds take turns; each browser run loads the bundle
-   afresh (timed: fetching, checking the hashes, opening the sessions) and trains the same steps; the losses of every side are compared with
-   Python's classic engine on the artifacts (Python's own losses on the bundle come from onnxruntime-training
-   1.19.2 in this process: the stock runtime's workers only time their steps).
+   afresh (timed: fetching, checking the hashes, opening the sessions) and trains the same steps; the losses
+   of every side are compared with Python's classic engine on the artifacts (Python's own losses on the bundle
+   come from onnxruntime-training 1.19.2 in this process: the stock runtime's workers only time their steps).
 
 Run: .venv/bin/python -m benchmarks.smollm2_bundle [--out benchmarks/results]
 """
@@ -144,8 +144,8 @@ def markdown(result: dict) -> str:
         f"One text a step ({min(result['tokens'])}-{max(result['tokens'])} tokens), {STEPS} steps a run, the first "
         f"{WARM} untimed, medians over {ROUNDS} rounds that take turns:",
         "",
-        "| side | ms / step | loading the bundle (fetch, hashes, sessions) | peak RSS | largest loss difference from Python's classic "
-        "engine on the artifacts |",
+        "| side | ms / step | loading the bundle (fetch, hashes, sessions) | peak RSS | largest loss difference "
+        "from Python's classic engine on the artifacts |",
         "|---|---:|---:|---:|---:|",
     ]
     for side in result["sides"]:

@@ -254,6 +254,16 @@ REGISTRY: tuple[Pass, ...] = (
          "(Exp(log_prob) - OneHot(label)) w dY / sum(w), w the label's class weight and 0 at ignore_index: the "
          "kernel's formula, rounded in another order",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
+    Pass("portable-cross-entropy", "portable",
+         lambda m, c: lower_operators(m, c.opset, ("SoftmaxCrossEntropyLoss",)),
+         "SoftmaxCrossEntropyLoss (what the cross-entropy pass leaves) has no kernel in stock ORT, which runs the "
+         "ONNX function that defines it, inlined when it loads an ONNX file. The bundles' ORT-format graphs, "
+         "converted with the training build (which has the kernel), kept the node, and stock ORT refused "
+         "SmolLM2's. The eval graph gets the same lowering",
+         "LogSoftmax over the classes; the label's log-probability gathered, times w (the class weight, 0 at "
+         "ignore_index), negated and summed, divided by sum(w) for mean: ONNX's definition, rounded in another "
+         "order",
+         "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-gpt2-grads", "portable", lambda m, c: lower_operators(m, c.opset, ("FastGeluGrad", "GatherGrad")),
          "FastGeluGrad (GPT-2's tanh GELU) and GatherGrad on an activation (what the lookup-grad pass leaves: a "
          "pick of one position per row) are not in stock ORT",

@@ -25,7 +25,7 @@ from ondevice.engines.contract import gradient_output
 
 from ._nodes import attributes
 
-__all__ = ["LOWERINGS", "lower_accumulators", "lower_operators", "unportable", "RUNS_ON_STOCK"]
+__all__ = ["FUNCTIONS", "LOWERINGS", "lower_accumulators", "lower_operators", "unportable", "RUNS_ON_STOCK"]
 
 ACCUMULATOR = "InPlaceAccumulatorV2"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
@@ -278,6 +278,44 @@ def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> No
         raise _Unlowerable(f"reduction {reduction!r}")
     unsqueezed = b.op("Unsqueeze", [per_row, b.const(np.array([1], np.int64))])
     b.op("Mul", [b.op("Sub", [b.op("Exp", [log_prob]), onehot]), unsqueezed], node.output[0])
+
+
+def _softmax_cross_entropy(b: _Builder, shapes: dict[str, list[int]]) -> None:
+    # ONNX's SoftmaxCrossEntropyLoss (what the cross-entropy rewrite leaves: class weights or an ignore_index,
+    # a causal LM's token loss): log_prob = LogSoftmax(scores, 1); loss = -sum(w * log_prob[label]) / sum(w)
+    # ("mean"), the sum ("sum") or each row's ("none"), w the label's class weight (1 without weights), 0 at
+    # ignore_index. Stock ORT has no kernel for it and runs the ONNX function it is defined by, inlined when
+    # it loads an ONNX file; an ORT-format graph converted where the training build's kernel exists keeps the
+    # node, and stock ORT (ORT Mobile, onnxruntime-web) then refuses the graph.
+    node = b.node
+    scores, label = node.input[:2]
+    weight = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    a = attributes(node)
+    reduction = a.get("reduction", b"mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
+    rank = b.ranks.get(scores)
+    if rank is None or b.opset < 13 or reduction not in ("mean", "sum", "none"):
+        raise _Unlowerable(f"cross-entropy over {scores!r} (rank {rank}, opset {b.opset}, reduction {reduction!r})")
+    log_prob = b.op("LogSoftmax", [scores], _out(node, 1), axis=1)
+    if "ignore_index" in a:
+        valid = b.op("Not", [b.op("Equal", [label, b.const(np.array(int(a["ignore_index"]), np.int64))])])
+        label = b.op("Where", [valid, label, b.const(np.array(0, np.int64))])  # any class: its row counts 0
+        w = b.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
+    else:
+        w = b.op("Cast", [b.op("Equal", [label, label])], to=onnx.TensorProto.FLOAT)  # ones of the label's shape
+    if weight is not None:
+        w = b.op("Mul", [w, b.op("Gather", [weight, label])])
+    axis = b.const(np.array([1], np.int64))
+    picked = b.op("Squeeze", [b.op("GatherElements", [log_prob, b.op("Unsqueeze", [label, axis])], axis=1), axis])
+    losses = b.op("Neg", [b.op("Mul", [picked, w])])
+    if reduction == "none":
+        b.op("Identity", [losses], node.output[0])
+        return
+    total = b.reduce("ReduceSum", losses, list(range(rank - 1)), 0)
+    if reduction == "sum":
+        b.op("Identity", [total], node.output[0])
+    else:
+        b.op("Div", [total, b.reduce("ReduceSum", w, list(range(rank - 1)), 0)], node.output[0])
 
 
 def _fast_gelu_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
@@ -619,6 +657,7 @@ LOWERINGS: dict[str, Callable[[_Builder, dict[str, list[int]]], None]] = {
     "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
     "QuickGeluGrad": _quick_gelu_grad,
     "SoftmaxCrossEntropyLossGrad": _softmax_cross_entropy_grad,
+    "SoftmaxCrossEntropyLoss": _softmax_cross_entropy,
     "FastGeluGrad": _fast_gelu_grad,
     "GatherGrad": _gather_grad,
     "ConcatTraining": _concat_training,
@@ -632,7 +671,11 @@ LOWERINGS: dict[str, Callable[[_Builder, dict[str, list[int]]], None]] = {
     "BatchNormalizationGrad": _batchnorm_grad,
     "ConvGrad": _conv_grad,
 }
-"""ORT training operator (com.microsoft) -> the standard operators that compute it."""
+"""ORT training operator (com.microsoft), or an ONNX function operator stock ORT has no kernel for (in
+:data:`FUNCTIONS`) -> the standard operators that compute it."""
+FUNCTIONS = {"SoftmaxCrossEntropyLoss"}
+"""Standard-domain operators that stock ORT runs only by inlining their ONNX function, which it does for ONNX
+files but not for ORT-format graphs."""
 
 
 def lower_operators(model: onnx.ModelProto, opset: int, only: tuple[str, ...] | None = None) -> list[str]:
@@ -643,7 +686,8 @@ def lower_operators(model: onnx.ModelProto, opset: int, only: tuple[str, ...] | 
     constants: dict[str, onnx.TensorProto] = {}
     nodes, done = [], []
     for node in graph.node:
-        chosen = node.domain == "com.microsoft" and (only is None or node.op_type in only)
+        known = node.domain == "com.microsoft" or node.domain in ("", "ai.onnx") and node.op_type in FUNCTIONS
+        chosen = known and (only is None or node.op_type in only)
         lowering = LOWERINGS.get(node.op_type) if chosen else None
         if lowering is None:
             nodes.append(node)

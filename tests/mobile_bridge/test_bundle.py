@@ -322,3 +322,62 @@ def test_the_fused_step_graph_does_what_the_training_and_optimizer_graphs_do(dig
         params, m0, m1 = (fused[f"odt.{v}.updated"] for v in ("parameters", "momentum0", "momentum1"))
         np.testing.assert_array_equal(params, engine.get_flat())
     assert not any(o.endswith("_grad") for o in outputs)  # the gradients stay inside
+
+
+STOCK_LOADS = r"""
+import json, math, sys
+import numpy as np
+import onnxruntime as ort
+bundle, feeds = sys.argv[1], dict(np.load(sys.argv[2]))
+d = json.load(open(f"{bundle}/bundle.json"))
+stored = np.fromfile(f"{bundle}/parameters.bin", np.uint8)
+weights = stored[: 4 * d["weights"]["size"]].view("<f4")
+for t in d["weights"]["tensors"]:
+    feeds[t["name"]] = weights[t["offset"] : t["offset"] + math.prod(t["shape"])].reshape(t["shape"])
+for t in d["portable"]["frozen"]:
+    feeds[t["name"]] = np.frombuffer(stored, t["dtype"], math.prod(t["shape"]), t["byte_offset"]).reshape(t["shape"])
+options = ort.SessionOptions()
+options.log_severity_level = 3
+loaded = {}
+for name in ("training_model.portable.ort", "step_model.portable.ort", "eval_model.ort", "eval_model.onnx"):
+    session = ort.InferenceSession(f"{bundle}/{name}", options, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    loaded[name] = float(session.run(None, {k: v for k, v in feeds.items() if k in wanted})[0]) if "eval" in name else 0
+print(json.dumps({"version": ort.__version__, "eval_losses": loaded}))
+"""
+
+
+def test_a_causal_lms_bundle_loads_in_stock_onnxruntime_in_ort_format(tmp_path, stock_python):
+    """A token loss with ignore_index stays an ONNX SoftmaxCrossEntropyLoss after the cross-entropy rewrite: the
+    training build has a kernel for it, stock ORT runs the ONNX function it is defined by, inlined when it loads
+    an ONNX file but not an ORT-format one (the bundle's .ort graphs, converted with the training build, were
+    refused by stock ORT). No graph a current runtime loads holds the node now, and the newest stock onnxruntime
+    opens the ORT-format training, step and eval graphs of a small Llama's bundle; its eval loss from the .ort
+    graph equals the .onnx graph's and the Python trainer's."""
+    import subprocess
+
+    import onnx
+    import torch
+
+    from artifacts import AdamW, Lora, generate
+    from artifacts.losses import loss_from_name
+    from tests.artifacts.test_decoders import FAMILIES, CausalLM, _example, _without_dropout
+
+    torch.manual_seed(0)
+    model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
+    manifest = generate(model, _example(), tmp_path / "llama", loss=loss_from_name("model"), lora=Lora(4),
+                        optimizer=AdamW(lr=1e-2), verify=False)  # fmt: skip
+    make_bundle(tmp_path / "llama", tmp_path / "bundle")
+    for name in ("training_model.portable.onnx", "step_model.portable.onnx", "eval_model.onnx"):
+        graph = onnx.load(tmp_path / "bundle" / name, load_external_data=False)
+        assert "SoftmaxCrossEntropyLoss" not in {n.op_type for n in graph.graph.node}, name
+    batch = {name: value.numpy() for name, value in _example(seed=3).items() if name in manifest.feed_names}
+    np.savez(tmp_path / "batch.npz", **batch)
+    run = subprocess.run([*stock_python, "-c", STOCK_LOADS, str(tmp_path / "bundle"), str(tmp_path / "batch.npz")],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    stock = json.loads(run.stdout)
+    assert stock["version"] != "1.19.2"
+    python = Trainer.load(tmp_path / "bundle", engine="classic").eval_step(batch)
+    assert stock["eval_losses"]["eval_model.ort"] == stock["eval_losses"]["eval_model.onnx"]
+    np.testing.assert_allclose(stock["eval_losses"]["eval_model.ort"], python.loss, rtol=1e-6)
