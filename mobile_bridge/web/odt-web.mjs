@@ -336,7 +336,7 @@ class PortableEngine {
     };
     const sessions = { optimizer: await open(bytes[layout.optimizer]), step: await open(bytes[layout.step]) };
     // The training graph runs only when a step accumulates micro-batches: its session opens then (SmolLM2's int8
-    // bundle loaded in 9.9 s instead of 20.0 s, benchmarks.smollm2_bundle).
+    // bundle took 20.0 s to load with it opened here, 9.9 and 11.9 s without: benchmarks.smollm2_bundle).
     const training = bytes[layout.training];
     sessions.training = () => (sessions.opened ??= open(training));
     return new PortableEngine(ort, description, sessions, buffer, provider);
