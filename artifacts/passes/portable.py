@@ -246,6 +246,20 @@ def _quick_gelu_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     b.op("Mul", [b.op("Mul", [dy, s]), slope], b.node.output[0])
 
 
+def _label_weights(b: _Builder, label: str, weight: str | None, given: dict) -> tuple[str, str]:
+    """A cross-entropy's labels safe to gather with (ignored ones as class 0) and each label's weight: its class
+    weight (1 without weights), 0 at ignore_index."""
+    if "ignore_index" in given:
+        valid = b.op("Not", [b.op("Equal", [label, b.const(np.array(int(given["ignore_index"]), np.int64))])])
+        label = b.op("Where", [valid, label, b.const(np.array(0, np.int64))])  # any class: its row counts 0
+        w = b.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
+    else:
+        w = b.op("Cast", [b.op("Equal", [label, label])], to=onnx.TensorProto.FLOAT)  # ones of the label's shape
+    if weight is not None:
+        w = b.op("Mul", [w, b.op("Gather", [weight, label])])
+    return label, w
+
+
 def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # ORT's SoftmaxCrossEntropyLossGrad: dX = (exp(log_prob) - onehot(label)) * w * dY / W, where w is
     # the label's class weight (1 without weights) and 0 at ignore_index, and W the sum of w ("mean"),
@@ -259,14 +273,7 @@ def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> No
     rank = b.ranks.get(log_prob)
     if rank is None:
         raise _Unlowerable(f"the rank of the cross-entropy scores {log_prob!r} is unknown")
-    if "ignore_index" in a:
-        valid = b.op("Not", [b.op("Equal", [label, b.const(np.array(int(a["ignore_index"]), np.int64))])])
-        label = b.op("Where", [valid, label, b.const(np.array(0, np.int64))])  # any class: its row counts 0
-        w = b.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
-    else:
-        w = b.op("Cast", [b.op("Equal", [label, label])], to=onnx.TensorProto.FLOAT)  # ones of the label's shape
-    if weight is not None:
-        w = b.op("Mul", [w, b.op("Gather", [weight, label])])
+    label, w = _label_weights(b, label, weight, a)
     classes = b.op("Slice", [b.op("Shape", [log_prob]), b.const(np.array([1], np.int64)),
                              b.const(np.array([2], np.int64))])  # fmt: skip
     onehot = b.op("OneHot", [label, classes, b.const(np.array([0.0, 1.0], np.float32))], axis=1)
@@ -297,14 +304,7 @@ def _softmax_cross_entropy(b: _Builder, shapes: dict[str, list[int]]) -> None:
     if rank is None or b.opset < 13 or reduction not in ("mean", "sum", "none"):
         raise _Unlowerable(f"cross-entropy over {scores!r} (rank {rank}, opset {b.opset}, reduction {reduction!r})")
     log_prob = b.op("LogSoftmax", [scores], _out(node, 1), axis=1)
-    if "ignore_index" in a:
-        valid = b.op("Not", [b.op("Equal", [label, b.const(np.array(int(a["ignore_index"]), np.int64))])])
-        label = b.op("Where", [valid, label, b.const(np.array(0, np.int64))])  # any class: its row counts 0
-        w = b.op("Cast", [valid], to=onnx.TensorProto.FLOAT)
-    else:
-        w = b.op("Cast", [b.op("Equal", [label, label])], to=onnx.TensorProto.FLOAT)  # ones of the label's shape
-    if weight is not None:
-        w = b.op("Mul", [w, b.op("Gather", [weight, label])])
+    label, w = _label_weights(b, label, weight, a)
     axis = b.const(np.array([1], np.int64))
     picked = b.op("Squeeze", [b.op("GatherElements", [log_prob, b.op("Unsqueeze", [label, axis])], axis=1), axis])
     losses = b.op("Neg", [b.op("Mul", [picked, w])])
