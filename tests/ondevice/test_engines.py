@@ -66,6 +66,31 @@ def test_batches_of_every_size_train_and_evaluate_alike(digits_no_dropout, digit
     assert results["portable"][1:] == pytest.approx(results["classic"][1:], rel=1e-6)
 
 
+def test_a_steps_outputs_stay_the_callers_when_later_steps_run(digits_no_dropout, digits_data):
+    """The portable engine keeps its fetches in arrays bound once per batch shape: what a step returned must
+    not change under the next steps (of the same or another size), and equals the classic engine's."""
+    directory, _ = digits_no_dropout
+    sizes = (32, 32, 32, 7, 32, 32)
+    results = {}
+    for engine in ENGINES:
+        trainer = Trainer.load(directory, engine=engine)
+        steps, start = [], 0
+        for size in sizes:
+            result = trainer.train_step(_part(digits_data["train"], start, start + size))
+            steps.append((result, result.loss, {k: v.copy() for k, v in result.outputs.items()}))
+            start += size
+        for result, loss, outputs in steps:
+            assert result.loss == loss and result.outputs.keys() == outputs.keys()
+            for name, value in outputs.items():
+                np.testing.assert_array_equal(result.outputs[name], value)
+        results[engine] = steps
+    for (classic, _, _), (portable, _, _) in zip(results["classic"], results["portable"]):
+        assert portable.loss == pytest.approx(classic.loss, rel=1e-6)
+        assert portable.outputs.keys() == classic.outputs.keys() and classic.outputs
+        for name in classic.outputs:
+            np.testing.assert_allclose(portable.outputs[name], classic.outputs[name], rtol=1e-5, atol=1e-6)
+
+
 def test_accumulated_micro_batches_equal_one_large_batch_on_the_portable_engine(digits_no_dropout, digits_data):
     directory, _ = digits_no_dropout
     batch = _part(digits_data["train"], 0, 32)
