@@ -103,7 +103,7 @@ def make_bundle(
 
         from ondevice.engines.step_graph import fuse_step
 
-        from .frozen import internalize_frozen
+        from .frozen import frozen_arrays, internalize_frozen
         from .learning_rate import bake_learning_rate
         from .loss_scale import expose_loss_scale
 
@@ -112,18 +112,19 @@ def make_bundle(
         graphs = ("training_model.onnx", "eval_model.onnx", *(portable[:1] if portable else ()))
         # reads the checkpoint's tensors and frozen.bin's alike; needed only to write them out again
         trainer = Trainer.load(source, evaluation=False) if portable or manifest.frozen_file else None
+        frozen = {} if trainer is None else frozen_arrays(source, manifest, trainer)
         if manifest.frozen_file is None:
             for name in (*graphs, "checkpoint"):
                 shutil.copy2(source / name, work / name)
         else:
-            internalize_frozen(source, work, manifest, graphs, trainer)
+            internalize_frozen(source, work, manifest, graphs, trainer, frozen)
         if portable:
             shutil.copy2(source / portable[1], work / portable[1])
             step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]),
                              [p.name for p in manifest.trainable], manifest.finite_check)
             onnx.save(step, work / PORTABLE_STEP)
-            layout = _write_parameters(trainer, manifest, source, work / PARAMETERS, work / portable[0])
-        del trainer
+            layout = _write_parameters(trainer, manifest, frozen, work / PARAMETERS, work / portable[0])
+        del trainer, frozen
 
         training = onnx.load(work / "training_model.onnx")
         expose_loss_scale(training, manifest.loss_output, list(manifest.feed_names))
@@ -171,17 +172,14 @@ def make_bundle(
 
 
 def _write_parameters(
-    trainer: Trainer, manifest: Manifest, source: Path, path: Path, graph: Path
+    trainer: Trainer, manifest: Manifest, arrays: dict[str, np.ndarray], path: Path, graph: Path
 ) -> list[dict[str, Any]]:
     """``parameters.bin``: every trainable parameter in the manifest's order (the flat float32 weight buffer),
-    then the frozen arrays ``graph`` reads, as the artifacts store them (float32, or an int8 base's int8
+    then the frozen arrays ``graph`` reads (of ``arrays``), as the artifacts store them (float32, or an int8 base's int8
     matrices with their float32 scales, a large matrix's row blocks being views of its bytes), little-endian.
     Returns the frozen arrays' places: name, shape, dtype and byte offset (a multiple of 4 for float32)."""
     import onnx
 
-    from .frozen import frozen_arrays
-
-    arrays = frozen_arrays(source, manifest, trainer)
     wanted = {i.name for i in onnx.load(graph, load_external_data=False).graph.input}
     layout: list[dict[str, Any]] = []
     with open(path, "wb") as handle:

@@ -35,11 +35,11 @@ def frozen_arrays(source: Path, manifest: Manifest, trainer: Trainer) -> dict[st
     return {**{p.name: trainer.parameter(p.name) for p in manifest.frozen if p.name not in arrays}, **arrays}
 
 
-def internalize_frozen(source: Path, work: Path, manifest: Manifest, graphs: tuple[str, ...], trainer: Trainer) -> None:
-    """Write ``graphs`` and ``checkpoint`` of ``source`` into ``work`` with every array of ``frozen.bin``
-    back in the checkpoint and a graph input where a graph reads it."""
+def internalize_frozen(source: Path, work: Path, manifest: Manifest, graphs: tuple[str, ...], trainer: Trainer,
+                       arrays: dict[str, np.ndarray]) -> None:  # fmt: skip
+    """Write ``graphs`` and ``checkpoint`` of ``source`` into ``work`` with every frozen array (``arrays``:
+    :func:`frozen_arrays`) back in the checkpoint and a graph input where a graph reads it."""
     assert manifest.frozen_file is not None, "artifacts without frozen.bin are copied as they are"
-    arrays = frozen_arrays(source, manifest, trainer)
     for graph in graphs:
         model = onnx.load(source / graph, load_external_data=False)
         kept = [i for i in model.graph.initializer if i.name not in arrays]

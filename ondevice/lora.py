@@ -70,8 +70,9 @@ def _bypass(graph, adapter: Adapter) -> None:  # type: ignore[no-untyped-def]
     raise CheckpointError(f"cannot fold the LoRA adapter of {adapter.weight}: no Add joins it to the base layer.")
 
 
-def prune(graph) -> None:  # type: ignore[no-untyped-def]
-    """Drop nodes no graph output needs, then initializers and graph inputs no node reads."""
+def prune(graph, inputs: bool = True) -> None:  # type: ignore[no-untyped-def]
+    """Drop nodes no graph output needs, then initializers no node reads and, with ``inputs``, graph inputs
+    (without: a graph whose inputs are an interface keeps them all)."""
     needed = {o.name for o in graph.output}
     keep = []
     for node in reversed(graph.node):
@@ -83,6 +84,7 @@ def prune(graph) -> None:  # type: ignore[no-untyped-def]
     used = [i for i in graph.initializer if i.name in needed]
     del graph.initializer[:]
     graph.initializer.extend(used)
-    inputs = [i for i in graph.input if i.name in needed]
-    del graph.input[:]
-    graph.input.extend(inputs)
+    if inputs:
+        kept = [i for i in graph.input if i.name in needed]
+        del graph.input[:]
+        graph.input.extend(kept)

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..lora import prune
 from .contract import OPTIMIZER_STATE, gradient_output
 
 __all__ = ["fuse_step"]
@@ -46,34 +47,21 @@ def fuse_step(training: onnx.ModelProto, optimizer: onnx.ModelProto, trainable: 
             pieces.append(f"{flat}/{source}")
             graph.node.append(helper.make_node("Reshape", [source, FLAT], [pieces[-1]]))
         graph.node.append(helper.make_node("Concat", pieces, [flat], axis=0))
-    if finite_check is not None:
-        _check_concatenated(graph, finite_check)
     fed = {i.name for i in graph.input}
     graph.input.extend(i for i in update.input if i.name not in fed and i.name not in OPTIMIZER_STATE[:2])
     graph.initializer.extend(update.initializer)
     graph.node.extend(update.node)
+    if finite_check is not None:
+        _check_concatenated(graph, finite_check)
     graph.name = "odt_step"
     return fused
 
 
 def _check_concatenated(graph: onnx.GraphProto, name: str) -> None:
-    """Replace the nodes that compute ``name`` (the norm of the loss and every gradient, only ever tested for
-    being finite) by ``sqrt(loss^2 + sum(odt.gradients^2))``."""
-    producers = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[int]] = {}
-    for node in graph.node:
-        for value in node.input:
-            consumers.setdefault(value, []).append(id(node))
-    kept = {o.name for o in graph.output} - {name}
-    removed, frontier = {id(producers[name])}, list(producers[name].input)
-    while frontier:  # the check's own nodes: those whose every output feeds only removed nodes
-        source = producers.get(frontier.pop())
-        if source is None or id(source) in removed or any(o in kept for o in source.output):
-            continue
-        if all(c in removed for o in source.output for c in consumers.get(o, [])):
-            removed.add(id(source))
-            frontier.extend(source.input)
-    nodes = [node for node in graph.node if id(node) not in removed]
+    """Compute ``name`` (the norm of the loss and every gradient, only ever tested for being finite) as
+    ``sqrt(loss^2 + sum(odt.gradients^2))``; the nodes only its old computation needed go. The graph's inputs
+    all stay, read or not (the bundles' clients feed each one, ``odt.lr_decay`` without weight decay too)."""
+    nodes = [node for node in graph.node if name not in node.output]
     del graph.node[:]
     graph.node.extend(nodes)
     loss, prefix = graph.output[0].name, f"{name}.flat"
@@ -83,3 +71,4 @@ def _check_concatenated(graph: onnx.GraphProto, name: str) -> None:
         helper.make_node("Add", [f"{prefix}.loss", f"{prefix}.gradients"], [f"{prefix}.sum"]),
         helper.make_node("Sqrt", [f"{prefix}.sum"], [name]),
     ])
+    prune(graph, inputs=False)

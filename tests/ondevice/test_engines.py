@@ -144,10 +144,19 @@ def _without_fused_step(directory, out):
 def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, request, digits_data, tmp_path):
     """Small models' whole steps run as one graph: the losses and weights of the two graphs, bit for bit,
     through dropout, clipping, SGD, a rate change and a step that is not finite (skipped, state untouched)."""
+    import onnx
+
+    from ondevice.engines.contract import OPTIMIZER_STATE
     from ondevice.manifest import Manifest
 
     directory = request.getfixturevalue(fixture)
-    assert Manifest.load(directory).portable_step == "step_model.portable.onnx"
+    manifest = Manifest.load(directory)
+    assert manifest.portable_step == "step_model.portable.onnx"
+    step, update = (onnx.load(directory / name).graph for name in (manifest.portable_step, manifest.portable_files[1]))
+    read = {i for node in step.node for i in node.input} | {o.name for o in step.output}
+    assert all(any(o in read for o in node.output) for node in step.node)  # the old finite check's nodes went
+    fed = {i.name for i in update.input} - set(OPTIMIZER_STATE[:2])
+    assert fed <= {i.name for i in step.input}  # the update's inputs stay the step's, read or not
     batches = [_part(digits_data["train"], 16 * k, 16 * k + 16) for k in range(6)]
     batches[3] = {**batches[3], "input": batches[3]["input"] * np.float32(1e38)}  # overflows: not finite
     runs = {}
