@@ -96,18 +96,23 @@ class PortableEngine:
         self.ort_version = ORT_VERSION
         self._frozen = dict(frozen or {})  # one mapping of frozen.bin for all sessions (ondevice.frozen)
 
-        def open_session(name: str, spin: bool = False) -> ort.InferenceSession:
-            options = session_options(threads, lean_memory)
+        order = execution_order(manifest)
+
+        def open_session(name: str, spin: bool = False, caller_only: bool = False) -> ort.InferenceSession:
+            options = session_options(1 if caller_only else threads, lean_memory)
             # Pre-packing copies every weight it packs: measured 1.43x the classic engine's peak on
             # MiniLM LoRA with it on, 0.92x with it off at the same speed (field notes).
             options.add_session_config_entry("session.disable_prepacking", "1")
             options.enable_mem_pattern = False
-            # The training and optimizer sessions take turns each step; a finished session's pool threads
-            # spinning for work took the cores from the next one: step times 85 -> 44-50 ms (CNN) and 6.5 ->
-            # 2.6 ms (MLP) without the spin (onnxruntime 1.32, 2 threads, one-off A/Bs). The fused step is the
-            # only session a step runs, and spins: digits 390-540 -> 320-340 us a step (2 threads, one-off).
+            # A step runs the training session, then the update. The training session's pool threads spin
+            # between its kernels; the update runs on the caller's thread alone, so no second pool wakes up
+            # while those threads still spin (with both pools spinning the LSTM's step took 68.5 ms; with
+            # neither, 41.3; this way 34.3). Measured one-off (onnxruntime 1.32, 2 threads, medians of 5
+            # alternating processes), no spin -> this: MobileNet-style 63.9 -> 49.9 ms, U-Net-style 25.1 ->
+            # 20.0, small encoder 118.7 -> 104.1; MiniLM full fine-tuning 828 -> 727 (3 processes). The
+            # fused step is the only session a step runs, and spins: digits 390-540 -> 320-340 us a step.
             options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-            options.execution_order = execution_order(manifest)
+            options.execution_order = order
             for frozen_name, value in self._frozen.items():
                 options.add_initializer(frozen_name, value)
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
@@ -119,11 +124,11 @@ class PortableEngine:
         # training graph's own session then opens when a step first accumulates micro-batches (a second copy
         # of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without, in two runs)
         fused = manifest.portable_step if self.graph == training else None
-        self._fused = open_session(fused, True) if fused else None
-        self._open = open_session
-        self._train = None if self._fused else open_session(self.graph)
+        self._fused = open_session(fused, spin=True) if fused else None
+        self._open = lambda: open_session(self.graph, spin=True)
+        self._train = None if self._fused else self._open()
         self._eval = open_session("eval_model.onnx") if with_eval else None
-        self._update = open_session(optimizer)
+        self._update = open_session(optimizer, caller_only=True)
         state = read_checkpoint(checkpoint.read_bytes())
         self._trainable = [p.name for p in manifest.trainable]
         missing = [n for n in self._trainable if n not in state.trainable]
@@ -177,7 +182,7 @@ class PortableEngine:
         starts, else into scratch buffers that are then added in (only for accumulation)."""
         if reset not in self._bindings:
             if self._train is None:
-                self._train = self._open(self.graph)
+                self._train = self._open()
             binding = self._bound(self._train, self._fetch)
             if not reset:
                 self._scratch = _flat([p.size for p in self.manifest.trainable])

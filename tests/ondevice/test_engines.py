@@ -182,15 +182,19 @@ def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, re
 def test_the_portable_engine_runs_models_without_convolutions_by_priority(digits_no_dropout, digits_data):
     """ORT's default order kept activations alive through the forward for the gradient's Shape nodes (a
     transformer's step peaked 1.1-1.3x higher): models without convolution kernels run by priority, in every
-    session, and train as the classic engine does."""
+    session, and train as the classic engine does. The sessions a step runs spin between kernels, and the
+    update runs on the caller's thread (two spinning pools taking turns slowed steps up to 1.7x)."""
     from ondevice.session import ort
 
     directory, _ = digits_no_dropout
-    trainer = Trainer.load(directory, engine="portable")
+    trainer = Trainer.load(directory, engine="portable", threads=2)
     engine = trainer._session
     engine._train_binding(True)  # opens the training graph's session too (a fused step does not need it)
     sessions = (engine._fused, engine._train, engine._eval, engine._update)
     assert {s.get_session_options().execution_order for s in sessions} == {ort.ExecutionOrder.PRIORITY_BASED}
+    spins = [s.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") for s in sessions]
+    assert spins == ["1", "1", "0", "0"]
+    assert [s.get_session_options().intra_op_num_threads for s in sessions] == [2, 2, 2, 1]
     classic = Trainer.load(directory, engine="classic")
     batch = _part(digits_data["train"], 0, 32)
     for _ in range(3):
