@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +26,9 @@ from .passes.batchnorm import strip_batchnorm_training
 from .passes.crossentropy import rewrite_cross_entropy
 from .passes.portable import lower_operators
 
-__all__ = ["run_ort_generator", "repair_eval_model", "convert_to_ort_format", "check_loads"]
+log = logging.getLogger(__name__)
+
+__all__ = ["run_ort_generator", "repair_eval_model", "convert_to_ort_format", "frozen_as_inputs_ort", "check_loads"]
 
 
 def run_ort_generator(
@@ -120,6 +123,28 @@ def convert_to_ort_format(work: Path) -> None:
             convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
         except Exception as exc:
             raise ExportError(f"conversion to ORT format failed: {ort_error_message(exc)}") from exc
+
+
+def frozen_as_inputs_ort(source: Path, target: Path) -> bool:
+    """Write an ORT-format copy of the graph ``source`` whose weights stored in another file (``frozen.bin``)
+    are graph inputs, so the copy holds none of them. False (and the reason logged) when ONNX Runtime cannot
+    convert it: the ONNX graph serves instead."""
+    model = onnx.load(source, load_external_data=False)
+    graph = model.graph
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external)
+    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        onnx.save(model, Path(scratch) / source.name)
+        try:
+            convert_to_ort_format(Path(scratch))
+        except ExportError as exc:
+            log.warning("no ORT-format copy of %s (the portable engine loads the ONNX graph): %s", source.name, exc)
+            return False
+        os.replace(Path(scratch) / source.with_suffix(".ort").name, target)
+    return True
 
 
 def check_loads(work: Path, manifest: Manifest) -> None:

@@ -9,10 +9,19 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ondevice.engines.contract import FUSED_MAX, PORTABLE_NCHWC, PORTABLE_OPTIMIZER, PORTABLE_STEP, PORTABLE_TRAINING
+from ondevice.engines.contract import (
+    FUSED_MAX,
+    PORTABLE_NCHWC,
+    PORTABLE_OPTIMIZER,
+    PORTABLE_ORT,
+    PORTABLE_STEP,
+    PORTABLE_TRAINING,
+)
 from ondevice.engines.step_graph import fuse_step
 
 from . import passes
+from ._ort_build import frozen_as_inputs_ort
+from .frozen import FROZEN_FILE
 from .optimizers import SGD, AdamW
 from .passes.finite import FINITE_CHECK
 from .portable_optimizer import build_optimizer_graph
@@ -48,7 +57,8 @@ def write_portable(
     engine only, and the entry says why (an operator and its layer). With ``variants``, the registry's
     ``variant`` stage also runs on the lowered graph: convolutions on NCHWc kernels, for x86 runtimes.
     A small model (at most :data:`FUSED_MAX` trainable values) without such a variant also gets the two
-    graphs fused into one, a whole step per run."""
+    graphs fused into one, a whole step per run. Artifacts with ``frozen.bin`` also get ORT-format copies of
+    the training and step graphs that read the frozen weights as inputs (:data:`PORTABLE_ORT`)."""
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     context = passes.Context(opset=opset)
     passes.run_stage("portable", model, context)
@@ -74,4 +84,13 @@ def write_portable(
         checked = FINITE_CHECK if any(o.name == FINITE_CHECK for o in lowered.graph.output) else None
         onnx.save(fuse_step(lowered, update, [name for name, _ in trainable], checked), work / PORTABLE_STEP)
         entry["step"] = PORTABLE_STEP
+    if (work / FROZEN_FILE).exists():
+        # ORT-format copies with the frozen weights as inputs: ONNX Runtime keeps less of a graph it loads from
+        # that format (SmolLM2 int8 LoRA: the training session 116 against 140 MiB of RSS, the step's peak 409
+        # against 429 MiB, loaded in 0.9 against 5.2 s; onnxruntime 1.32, one-off)
+        for graph, key in PORTABLE_ORT.items():
+            if graph in entry:
+                copy = Path(entry[graph]).with_suffix(".ort").name
+                if frozen_as_inputs_ort(work / entry[graph], work / copy):
+                    entry[key] = copy
     return entry

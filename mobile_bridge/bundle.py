@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice.engines.contract import PORTABLE_STEP
+from ondevice.engines.contract import PORTABLE_ORT, PORTABLE_STEP
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
 from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
@@ -139,8 +139,9 @@ def make_bundle(
                 shutil.copy2(source / extra.file, work / extra.file)
         (work / SCHEMA_FILE).write_text(json.dumps(SCHEMA, indent=1))  # the browser validates bundle.json with it
         files = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
-        kept = None if manifest.portable is None else {  # phones and browsers have no NCHWc kernels
-            k: v for k, v in manifest.portable.items() if k not in manifest.portable_variants}
+        # phones and browsers have no NCHWc kernels; the bundle makes its own ORT-format graphs
+        dropped = {*manifest.portable_variants, *PORTABLE_ORT.values()}
+        kept = None if manifest.portable is None else {k: v for k, v in manifest.portable.items() if k not in dropped}
         bundled = replace(manifest, files=files, name=f"{manifest.name} (bundle)", frozen_file=None, variants={},
                           portable=kept)  # fmt: skip
         bundled.save(work)

@@ -258,6 +258,15 @@ class Manifest:
         return (self.portable or {}).get("step") if self.portable_files else None
 
     @property
+    def portable_ort(self) -> dict[str, str]:
+        """The ORT-format copies of the portable graphs by graph (``{"training": file, "step": file}``), which
+        read the frozen weights as inputs; empty for artifacts without ``frozen.bin``."""
+        from .engines.contract import PORTABLE_ORT
+
+        files = self.portable or {}
+        return {graph: files[key] for graph, key in PORTABLE_ORT.items() if key in files}
+
+    @property
     def portable_variants(self) -> dict[str, str]:
         """The portable training graph's variants by kind (``{"nchwc": file}`` where the model has
         convolutions ORT's NCHWc kernels run), like :attr:`variants` for the classic engine."""

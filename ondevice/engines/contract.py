@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABLE_STEP", "FUSED_MAX",
+__all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABLE_STEP", "PORTABLE_ORT", "FUSED_MAX",
            "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
@@ -14,6 +14,10 @@ PORTABLE_OPTIMIZER = "optimizer_model.portable.onnx"
 """The optimizer update as a standard graph (``artifacts/portable_optimizer.py``)."""
 PORTABLE_STEP = "step_model.portable.onnx"
 """The training graph and the optimizer update fused, a whole step in one run (``ondevice/engines/step_graph.py``)."""
+PORTABLE_ORT = {"training": "training_ort", "step": "step_ort"}
+"""The manifest's ``portable`` keys of the ORT-format copies of the training and step graphs, which artifacts
+with a ``frozen.bin`` carry: there the frozen weights are graph inputs, bound to the runtime's one mapping of
+the file (``ondevice.frozen``), so the copy holds no weight. The file names are the graphs' with ``.ort``."""
 FUSED_MAX = 1 << 18
 """The generator writes :data:`PORTABLE_STEP` for trainable vectors up to this many values (and no NCHWc
 variant): there a session run's fixed cost is a large part of a step, and the update fits in the one slice

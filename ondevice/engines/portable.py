@@ -113,8 +113,9 @@ class PortableEngine:
             # fused step is the only session a step runs, and spins: digits 390-540 -> 320-340 us a step.
             options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
             options.execution_order = order
-            for frozen_name, value in self._frozen.items():
-                options.add_initializer(frozen_name, value)
+            if name not in inputs_frozen:
+                for frozen_name, value in self._frozen.items():
+                    options.add_initializer(frozen_name, value)
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
 
         training, optimizer = manifest.portable_files or ("", "")
@@ -124,8 +125,13 @@ class PortableEngine:
         # training graph's own session then opens when a step first accumulates micro-batches (a second copy
         # of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without, in two runs)
         fused = manifest.portable_step if self.graph == training else None
+        # the ORT-format copies, where the artifacts carry them: they read the frozen weights as inputs
+        copies = manifest.portable_ort if self._frozen and self.graph == training else {}
+        inputs_frozen = set(copies.values())
+        fused = copies.get("step", fused) if fused else None
+        opened = copies.get("training", self.graph)
         self._fused = open_session(fused, spin=True) if fused else None
-        self._open = lambda: open_session(self.graph, spin=True)
+        self._open = lambda: open_session(opened, spin=True)
         self._train = None if self._fused else self._open()
         self._eval = open_session("eval_model.onnx") if with_eval else None
         self._update = open_session(optimizer, caller_only=True)
@@ -152,6 +158,7 @@ class PortableEngine:
         outputs = [o.name for o in (self._fused or self._train).get_outputs()]
         self._fetch = [name for name in outputs if name not in gradients and name not in OPTIMIZER_UPDATED]
         self._values = {name: _value(array) for name, array in self._params.items()}
+        self._values.update(self._frozen if inputs_frozen else {})  # bound where a session reads them as inputs
         self._reset = True
         self._bindings: dict[bool, object] = {}
         self._fetched: dict[object, tuple[tuple, list[np.ndarray]]] = {}  # binding -> feeds' shapes, fetch arrays

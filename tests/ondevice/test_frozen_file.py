@@ -215,6 +215,35 @@ def test_training_and_eval_sessions_read_one_mapping_of_the_frozen_weights(froze
     assert trainer.eval_step(_batch()).loss == float(reference.eval_step(list(_batch().values()))[0])
 
 
+def test_the_portable_engine_reads_the_frozen_weights_as_inputs_of_ort_format_graphs(frozen_body, monkeypatch):
+    """ONNX Runtime keeps less of a graph loaded from its own format (SmolLM2 int8 LoRA: 24 MiB less RSS per
+    training session, loaded in 0.9 instead of 5.2 s). Artifacts with frozen.bin carry ORT-format copies of
+    the portable training and step graphs, with the frozen weights as inputs: the copies hold none of them,
+    the engine binds its one mapping of the file to them, and whole and accumulated steps train as on the
+    ONNX graphs."""
+    out, _ = frozen_body
+    manifest = Manifest.load(out)
+    assert manifest.portable_ort == {"training": "training_model.portable.ort", "step": "step_model.portable.ort"}
+    frozen_bytes = (out / "frozen.bin").stat().st_size
+    assert all((out / name).stat().st_size < frozen_bytes / 100 for name in manifest.portable_ort.values())
+    rng = np.random.default_rng(3)
+    data = {"x": rng.standard_normal((16, 16), dtype=np.float32), "labels": rng.integers(0, 3, 16)}
+    runs = {}
+    for kind in ("ort", "onnx"):
+        if kind == "onnx":
+            monkeypatch.setattr(Manifest, "portable_ort", property(lambda self: {}))
+        trainer = Trainer.load(out, engine="portable")
+        engine = trainer._session
+        names = {i.name for i in engine._fused.get_inputs()}
+        assert (set(engine._frozen) <= names) == (kind == "ort")  # the mapping is bound, not copied in
+        whole = [trainer.train_step(_batch()).loss for _ in range(3)]
+        trainer.fit(data, epochs=1, batch_size=8, accumulate=2, shuffle=False, progress=False)  # the training graph
+        assert (set(engine._frozen) <= {i.name for i in engine._train.get_inputs()}) == (kind == "ort")
+        runs[kind] = (whole, trainer.get_flat_weights())
+    np.testing.assert_allclose(runs["ort"][0], runs["onnx"][0], rtol=1e-6)
+    np.testing.assert_allclose(runs["ort"][1], runs["onnx"][1], rtol=1e-6, atol=1e-7)
+
+
 FREED = """
 import sys
 import numpy as np
