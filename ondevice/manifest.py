@@ -259,8 +259,8 @@ class Manifest:
 
     @property
     def portable_ort(self) -> dict[str, str]:
-        """The ORT-format copies of the portable graphs by graph (``{"training": file, "step": file}``), which
-        read the frozen weights as inputs; empty for artifacts without ``frozen.bin``."""
+        """The ORT-format copies of the portable engine's graphs by graph (``{"training": file, "step": file,
+        "eval": file}``), which read the frozen weights as inputs; empty for artifacts without ``frozen.bin``."""
         from .engines.contract import PORTABLE_ORT
 
         files = self.portable or {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABLE_STEP", "PORTABLE_ORT", "FUSED_MAX",
-           "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output"]
+           "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output", "ort_copy_name"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
 """The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
@@ -14,10 +14,11 @@ PORTABLE_OPTIMIZER = "optimizer_model.portable.onnx"
 """The optimizer update as a standard graph (``artifacts/portable_optimizer.py``)."""
 PORTABLE_STEP = "step_model.portable.onnx"
 """The training graph and the optimizer update fused, a whole step in one run (``ondevice/engines/step_graph.py``)."""
-PORTABLE_ORT = {"training": "training_ort", "step": "step_ort"}
-"""The manifest's ``portable`` keys of the ORT-format copies of the training and step graphs, which artifacts
-with a ``frozen.bin`` carry: there the frozen weights are graph inputs, bound to the runtime's one mapping of
-the file (``ondevice.frozen``), so the copy holds no weight. The file names are the graphs' with ``.ort``."""
+PORTABLE_ORT = {"training": "training_ort", "step": "step_ort", "eval": "eval_ort"}
+"""The manifest's ``portable`` keys of the ORT-format copies of the training, step and eval graphs, which
+artifacts with a ``frozen.bin`` carry: there the frozen weights are graph inputs, bound to the runtime's one
+mapping of the file (``ondevice.frozen``), so a copy holds no weight. The files are named by
+:func:`ort_copy_name`."""
 FUSED_MAX = 1 << 18
 """The generator writes :data:`PORTABLE_STEP` for trainable vectors up to this many values (and no NCHWc
 variant): there a session run's fixed cost is a large part of a step, and the update fits in the one slice
@@ -32,6 +33,13 @@ OPTIMIZER_UPDATED = ("odt.parameters.updated", "odt.momentum0.updated", "odt.mom
 SLICEABLE = "odt.n"
 """The symbolic length of an optimizer graph that is element-wise (no clipping): it may run over any
 consecutive slice of the flat vectors. A clipping graph has the static length of the whole vectors."""
+
+
+def ort_copy_name(graph: str) -> str:
+    """The ORT-format copy's file name: ``training_model.portable.ort``; the shared eval graph's copy is
+    ``eval_model.portable.ort``, the classic engine keeping ``eval_model.onnx``."""
+    stem = graph.removesuffix(".onnx")
+    return f"{stem if stem.endswith('.portable') else stem + '.portable'}.ort"
 
 
 def gradient_output(parameter: str) -> str:

@@ -133,7 +133,7 @@ class PortableEngine:
         self._fused = open_session(fused, spin=True) if fused else None
         self._open = lambda: open_session(opened, spin=True)
         self._train = None if self._fused else self._open()
-        self._eval = open_session("eval_model.onnx") if with_eval else None
+        self._eval = open_session(copies.get("eval", "eval_model.onnx")) if with_eval else None
         self._update = open_session(optimizer, caller_only=True)
         state = read_checkpoint(checkpoint.read_bytes())
         self._trainable = [p.name for p in manifest.trainable]

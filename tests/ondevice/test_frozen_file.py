@@ -218,12 +218,13 @@ def test_training_and_eval_sessions_read_one_mapping_of_the_frozen_weights(froze
 def test_the_portable_engine_reads_the_frozen_weights_as_inputs_of_ort_format_graphs(frozen_body, monkeypatch):
     """ONNX Runtime keeps less of a graph loaded from its own format (SmolLM2 int8 LoRA: 24 MiB less RSS per
     training session, loaded in 0.9 instead of 5.2 s). Artifacts with frozen.bin carry ORT-format copies of
-    the portable training and step graphs, with the frozen weights as inputs: the copies hold none of them,
-    the engine binds its one mapping of the file to them, and whole and accumulated steps train as on the
-    ONNX graphs."""
+    the portable training, step and eval graphs, with the frozen weights as inputs: the copies hold none of
+    them, the engine binds its one mapping of the file to them, and whole and accumulated steps train, and
+    evaluation scores, as on the ONNX graphs."""
     out, _ = frozen_body
     manifest = Manifest.load(out)
-    assert manifest.portable_ort == {"training": "training_model.portable.ort", "step": "step_model.portable.ort"}
+    assert manifest.portable_ort == {"training": "training_model.portable.ort", "step": "step_model.portable.ort",
+                                     "eval": "eval_model.portable.ort"}
     frozen_bytes = (out / "frozen.bin").stat().st_size
     assert all((out / name).stat().st_size < frozen_bytes / 100 for name in manifest.portable_ort.values())
     rng = np.random.default_rng(3)
@@ -238,10 +239,12 @@ def test_the_portable_engine_reads_the_frozen_weights_as_inputs_of_ort_format_gr
         assert (set(engine._frozen) <= names) == (kind == "ort")  # the mapping is bound, not copied in
         whole = [trainer.train_step(_batch()).loss for _ in range(3)]
         trainer.fit(data, epochs=1, batch_size=8, accumulate=2, shuffle=False, progress=False)  # the training graph
-        assert (set(engine._frozen) <= {i.name for i in engine._train.get_inputs()}) == (kind == "ort")
-        runs[kind] = (whole, trainer.get_flat_weights())
+        for session in (engine._train, engine._eval):
+            assert (set(engine._frozen) <= {i.name for i in session.get_inputs()}) == (kind == "ort")
+        runs[kind] = (whole, trainer.get_flat_weights(), trainer.eval_step(_batch()).loss)
     np.testing.assert_allclose(runs["ort"][0], runs["onnx"][0], rtol=1e-6)
     np.testing.assert_allclose(runs["ort"][1], runs["onnx"][1], rtol=1e-6, atol=1e-7)
+    assert runs["ort"][2] == pytest.approx(runs["onnx"][2], rel=1e-6)
 
 
 FREED = """
