@@ -39,10 +39,12 @@ def keep_dropout_masks(model: onnx.ModelProto) -> int:
 
     Stock ONNX Runtime's basic optimizer deletes a Dropout whose mask output is unused, even in
     training mode (measured on 1.31/1.32), so a Dropout on a frozen path (no gradient reads its
-    mask: a LoRA model's embedding dropout) would stop dropping on the portable engine. The output
-    becomes ``Where(mask, Y, 0)``: ``Y`` is already 0 wherever the mask is false, so the values are
-    the same. (The exported models compute in float32: a frozen float16 or int8 base is
-    dequantized before it is used.)
+    mask: a LoRA model's embedding dropout, every layer below a last-layers model's trainable ones)
+    would stop dropping on the portable engine. The output becomes ``Reshape(Y, Shape(Y) + 0 * m)``,
+    ``m`` the mask's first element as an integer: the same values, and a Reshape is no copy in ONNX
+    Runtime. The first version, ``Where(mask, Y, 0)``, made a pass over the tensor per Dropout: 13 ms
+    of a 430 ms step on MiniLM with its last two layers trained (13 such Dropouts; onnxruntime 1.32,
+    one-off profile).
     """
     read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
     nodes: list[onnx.NodeProto] = []
@@ -59,14 +61,30 @@ def keep_dropout_masks(model: onnx.ModelProto) -> int:
                 node.output.append("")
             mask = node.output[1] = f"{node.output[0]}/kept_mask"
         dropped, node.output[0] = node.output[0], f"{node.output[0]}/dropped"
-        nodes.append(helper.make_node("Where", [mask, node.output[0], _ZERO], [dropped], name=f"{node.name}/kept"))
+        nodes.extend(_read_once(mask, node.output[0], dropped, f"{node.name}/kept"))
         kept += 1
     if kept:
-        if not any(i.name == _ZERO for i in model.graph.initializer):
-            model.graph.initializer.append(helper.make_tensor(_ZERO, onnx.TensorProto.FLOAT, [], [0.0]))
+        present = {i.name for i in model.graph.initializer}
+        model.graph.initializer.extend(helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
+                                       for name, values in _CONSTANTS.items() if name not in present)  # fmt: skip
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return kept
 
 
-_ZERO = "odt.kept_dropout_zero"
+_CONSTANTS = {"odt.kept_dropout.flat": [-1], "odt.kept_dropout.zero": [0], "odt.kept_dropout.one": [1]}
+
+
+def _read_once(mask: str, y: str, out: str, name: str) -> list[onnx.NodeProto]:
+    """``out = Reshape(y, Shape(y) + 0 * mask[0])``: ``y`` unchanged, and ``mask`` read by a one-element Slice."""
+    flat, zero, one = _CONSTANTS
+    first = f"{name}/first"
+    return [
+        helper.make_node("Reshape", [mask, flat], [f"{name}/flat"], name=f"{name}/flat"),
+        helper.make_node("Slice", [f"{name}/flat", zero, one], [first], name=first),
+        helper.make_node("Cast", [first], [f"{name}/bit"], name=f"{name}/bit", to=onnx.TensorProto.INT64),
+        helper.make_node("Mul", [f"{name}/bit", zero], [f"{name}/nothing"], name=f"{name}/nothing"),
+        helper.make_node("Shape", [y], [f"{name}/shape"], name=f"{name}/shape"),
+        helper.make_node("Add", [f"{name}/shape", f"{name}/nothing"], [f"{name}/same"], name=f"{name}/same"),
+        helper.make_node("Reshape", [y, f"{name}/same"], [out], name=name),
+    ]
