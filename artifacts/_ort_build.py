@@ -7,13 +7,14 @@ import io
 import logging
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import onnx
 
+from ondevice._ort_format import convert_to_ort_format as to_ort_format
+from ondevice._ort_format import native_stderr_silenced
 from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest
 from ondevice.session import ort_error_message
@@ -46,7 +47,7 @@ def run_ort_generator(
     from onnxruntime.training import artifacts as ort_artifacts
 
     # Path mode writes temporary files into the working directory: keep them in `work`.
-    with _inside(work), contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
+    with _inside(work), contextlib.redirect_stdout(io.StringIO()), native_stderr_silenced():
         try:
             ort_artifacts.generate_artifacts(
                 graph,
@@ -77,21 +78,6 @@ def run_ort_generator(
 
 
 @contextlib.contextmanager
-def _native_stderr_silenced():  # type: ignore[no-untyped-def]
-    """Drop what native code writes to fd 2: ORT's gradient builder logs at INFO regardless of
-    the default logger severity. Python exceptions still carry the error."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-@contextlib.contextmanager
 def _inside(path: Path):  # type: ignore[no-untyped-def]
     previous = os.getcwd()
     os.chdir(path)
@@ -114,15 +100,11 @@ def repair_eval_model(path: Path) -> None:
 
 
 def convert_to_ort_format(work: Path) -> None:
-    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
-
-    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
-
-    with contextlib.redirect_stdout(io.StringIO()), _native_stderr_silenced():
-        try:
-            convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
-        except Exception as exc:
-            raise ExportError(f"conversion to ORT format failed: {ort_error_message(exc)}") from exc
+    """ORT-format copies of ``work``'s graphs (:func:`ondevice._ort_format.convert_to_ort_format`)."""
+    try:
+        to_ort_format(work)
+    except RuntimeError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def frozen_as_inputs_ort(source: Path, target: Path) -> bool:

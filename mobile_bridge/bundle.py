@@ -12,10 +12,7 @@ step graphs for any current ONNX Runtime (onnxruntime-web 1.30, ORT Mobile's inf
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
 import shutil
 from dataclasses import asdict, replace
@@ -25,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
+from ondevice._ort_format import convert_to_ort_format
 from ondevice.engines.contract import PORTABLE_ORT, PORTABLE_STEP
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
@@ -120,8 +118,12 @@ def make_bundle(
             internalize_frozen(source, work, manifest, graphs, trainer, frozen)
         if portable:
             shutil.copy2(source / portable[1], work / portable[1])
-            step = fuse_step(onnx.load(work / portable[0]), onnx.load(work / portable[1]),
-                             [p.name for p in manifest.trainable], manifest.finite_check)
+            step = fuse_step(
+                onnx.load(work / portable[0]),
+                onnx.load(work / portable[1]),
+                [p.name for p in manifest.trainable],
+                manifest.finite_check,
+            )
             onnx.save(step, work / PORTABLE_STEP)
             layout = _write_parameters(trainer, manifest, frozen, work / PARAMETERS, work / portable[0])
         del trainer, frozen
@@ -131,7 +133,10 @@ def make_bundle(
         onnx.save(training, work / "training_model.onnx")
         optimizer = onnx.load(source / "optimizer_model.onnx")
         onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
-        _to_ort_format(work)
+        try:
+            convert_to_ort_format(work)
+        except RuntimeError as exc:
+            raise BundleError(f"{exc}; the artifacts' graphs do not convert for phones and browsers") from exc
         # the app tokenizes text with the artifacts' tokenizer; a language model's decoder (its weights are
         # the trained ones: it is not an ORT-format graph of its own)
         for extra in (manifest.tokenizer, manifest.decoder):
@@ -208,14 +213,6 @@ def _write_parameters(
                 dtype = np.dtype(array.dtype).name
                 layout.append({"name": name, "shape": list(array.shape), "dtype": dtype, "byte_offset": place(array)})
     return layout
-
-
-def _to_ort_format(work: Path) -> None:
-    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
-
-    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
-    with contextlib.redirect_stdout(io.StringIO()):
-        convert_onnx_models_to_ort(work, output_dir=work, optimization_styles=[OptimizationStyle.Fixed])
 
 
 def _describe(

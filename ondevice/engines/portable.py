@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -61,6 +61,37 @@ def execution_order(manifest: Manifest) -> ort.ExecutionOrder:
     return ort.ExecutionOrder.DEFAULT if kernels else ort.ExecutionOrder.PRIORITY_BASED
 
 
+class GraphFiles(NamedTuple):
+    """The files a portable engine opens (see :func:`graph_files`)."""
+
+    chosen: str
+    """the training graph the step runs: the plain one or a variant (NCHWc)"""
+    training: str
+    """its file: ``chosen``, or its ORT-format copy"""
+    fused: str | None
+    """the fused step's file, where there is one for ``chosen``"""
+    eval: str
+    update: str
+    inputs_frozen: frozenset[str]
+    """the files that read the frozen weights as graph inputs (the ORT-format copies)"""
+
+
+def graph_files(manifest: Manifest, graph: str | None, frozen: bool) -> GraphFiles:
+    """Which files to open: ``graph`` (default: the NCHWc variant where this ORT has its kernels, x86, CNN steps
+    10-30 % faster in one-off A/Bs, else the plain graph); the fused step where the artifacts carry one and the
+    plain graph is chosen; and, with ``frozen`` (one mapping of frozen.bin to bind), the ORT-format copies of
+    the plain graphs where the artifacts carry them."""
+    training, update = manifest.portable_files or ("", "")
+    chosen = graph or training_graph(manifest.portable_variants, training)
+    plain = chosen == training
+    copies = manifest.portable_ort if frozen and plain else {}
+    fused = manifest.portable_step if plain else None
+    return GraphFiles(chosen=chosen, training=copies.get("training", chosen),
+                      fused=copies.get("step", fused) if fused else None,
+                      eval=copies.get("eval", "eval_model.onnx"), update=update,
+                      inputs_frozen=frozenset(copies.values()))  # fmt: skip
+
+
 def _value(array: np.ndarray) -> OrtValue:
     """An OrtValue over ``array``'s own memory (ORT reads and writes it in place)."""
     return OrtValue.ortvalue_from_numpy(array)
@@ -97,6 +128,8 @@ class PortableEngine:
         self._frozen = dict(frozen or {})  # one mapping of frozen.bin for all sessions (ondevice.frozen)
 
         order = execution_order(manifest)
+        files = graph_files(manifest, graph, bool(self._frozen))
+        self.graph = files.chosen
 
         def open_session(name: str, spin: bool = False, caller_only: bool = False) -> ort.InferenceSession:
             options = session_options(1 if caller_only else threads, lean_memory)
@@ -113,28 +146,18 @@ class PortableEngine:
             # fused step is the only session a step runs, and spins: digits 390-540 -> 320-340 us a step.
             options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
             options.execution_order = order
-            if name not in inputs_frozen:
+            if name not in files.inputs_frozen:  # the copies read them as inputs, bound once
                 for frozen_name, value in self._frozen.items():
                     options.add_initializer(frozen_name, value)
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
 
-        training, optimizer = manifest.portable_files or ("", "")
-        # the NCHWc variant where this ORT has the kernels (x86): CNN steps 10-30 % faster (one-off A/Bs)
-        self.graph = graph or training_graph(manifest.portable_variants, training)
-        # a whole step in one run, where the artifacts carry it and the plain graph is the one chosen; the
-        # training graph's own session then opens when a step first accumulates micro-batches (a second copy
-        # of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without, in two runs)
-        fused = manifest.portable_step if self.graph == training else None
-        # the ORT-format copies, where the artifacts carry them: they read the frozen weights as inputs
-        copies = manifest.portable_ort if self._frozen and self.graph == training else {}
-        inputs_frozen = set(copies.values())
-        fused = copies.get("step", fused) if fused else None
-        opened = copies.get("training", self.graph)
-        self._fused = open_session(fused, spin=True) if fused else None
-        self._open = lambda: open_session(opened, spin=True)
+        # with a fused step, the training graph's own session opens when a step first accumulates micro-batches
+        # (a second copy of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without)
+        self._fused = open_session(files.fused, spin=True) if files.fused else None
+        self._open = lambda: open_session(files.training, spin=True)
         self._train = None if self._fused else self._open()
-        self._eval = open_session(copies.get("eval", "eval_model.onnx")) if with_eval else None
-        self._update = open_session(optimizer, caller_only=True)
+        self._eval = open_session(files.eval) if with_eval else None
+        self._update = open_session(files.update, caller_only=True)
         state = read_checkpoint(checkpoint.read_bytes())
         self._trainable = [p.name for p in manifest.trainable]
         missing = [n for n in self._trainable if n not in state.trainable]
@@ -158,7 +181,7 @@ class PortableEngine:
         outputs = [o.name for o in (self._fused or self._train).get_outputs()]
         self._fetch = [name for name in outputs if name not in gradients and name not in OPTIMIZER_UPDATED]
         self._values = {name: _value(array) for name, array in self._params.items()}
-        self._values.update(self._frozen if inputs_frozen else {})  # bound where a session reads them as inputs
+        self._values.update(self._frozen if files.inputs_frozen else {})  # bound where a session reads them as inputs
         self._reset = True
         self._bindings: dict[bool, object] = {}
         self._fetched: dict[object, tuple[tuple, list[np.ndarray]]] = {}  # binding -> feeds' shapes, fetch arrays

@@ -348,3 +348,28 @@ def test_thread_counts_a_machine_cannot_run_are_usage_errors(digits_artifacts, d
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: threads must be a whole number from 1 to {4 * (os.cpu_count() or 1)}"), err
+
+
+def test_ort_format_conversion_writes_a_graph_that_computes_the_same_or_says_why_in_one_line(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ondevice._ort_format import convert_to_ort_format
+    from ondevice.session import ort
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph([helper.make_node("Tanh", ["x"], ["y"])], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "good.onnx")
+    convert_to_ort_format(tmp_path)
+    feed = {"x": np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)}
+    (found,) = ort.InferenceSession(str(tmp_path / "good.ort"), providers=["CPUExecutionProvider"]).run(None, feed)
+    np.testing.assert_allclose(found, np.tanh(feed["x"]), rtol=1e-6)
+
+    (tmp_path / "good.onnx").unlink()
+    (tmp_path / "bad.onnx").write_bytes(b"not a graph")
+    with pytest.raises(RuntimeError, match="^conversion to ORT format failed: .*bad.onnx") as caught:
+        convert_to_ort_format(tmp_path)
+    assert "\n" not in str(caught.value) and ".cc:" not in str(caught.value)
