@@ -253,7 +253,8 @@ REGISTRY: tuple[Pass, ...] = (
          "SoftmaxCrossEntropyLossGrad (what the cross-entropy pass leaves: a loss with ignore_index or class "
          "weights, as a causal LM's token loss) is not in stock ORT",
          "(Exp(log_prob) - OneHot(label)) w dY / sum(w), w the label's class weight and 0 at ignore_index: the "
-         "kernel's formula, rounded in another order",
+         "kernel's formula, rounded in another order; the label's entry gathered, (p - 1) times the scale, and "
+         "scattered into the scaled rows, so no one-hot tensor",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-cross-entropy", "portable",
          lambda m, c: lower_operators(m, c.opset, ("SoftmaxCrossEntropyLoss",)),

@@ -274,17 +274,21 @@ def _softmax_cross_entropy_grad(b: _Builder, shapes: dict[str, list[int]]) -> No
     if rank is None:
         raise _Unlowerable(f"the rank of the cross-entropy scores {log_prob!r} is unknown")
     label, w = _label_weights(b, label, weight, a)
-    classes = b.op("Slice", [b.op("Shape", [log_prob]), b.const(np.array([1], np.int64)),
-                             b.const(np.array([2], np.int64))])  # fmt: skip
-    onehot = b.op("OneHot", [label, classes, b.const(np.array([0.0, 1.0], np.float32))], axis=1)
     if reduction == "mean":
         per_row = b.op("Div", [b.op("Mul", [w, dy]), b.reduce("ReduceSum", w, list(range(rank - 1)), 0)])
     elif reduction in ("sum", "none"):
         per_row = b.op("Mul", [w, dy])
     else:
         raise _Unlowerable(f"reduction {reduction!r}")
-    unsqueezed = b.op("Unsqueeze", [per_row, b.const(np.array([1], np.int64))])
-    b.op("Mul", [b.op("Sub", [b.op("Exp", [log_prob]), onehot]), unsqueezed], node.output[0])
+    axis = b.const(np.array([1], np.int64))
+    unsqueezed = b.op("Unsqueeze", [per_row, axis])
+    # Two class-sized tensors (exp, then the scaled rows), not four (and no one-hot): the label's entry is
+    # gathered, computed as the kernel computes it, (p - 1) * scale, and scattered back.
+    probabilities, index = b.op("Exp", [log_prob]), b.op("Unsqueeze", [label, axis])
+    picked = b.op("GatherElements", [probabilities, index], axis=1)
+    at_label = b.op("Mul", [b.op("Sub", [picked, b.const(np.array(1.0, np.float32))]), unsqueezed])
+    scaled = b.op("Mul", [probabilities, unsqueezed])
+    b.op("ScatterElements", [scaled, index, at_label], node.output[0], axis=1)
 
 
 def _softmax_cross_entropy(b: _Builder, shapes: dict[str, list[int]]) -> None:
