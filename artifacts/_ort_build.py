@@ -13,10 +13,10 @@ from typing import Callable
 
 import onnx
 
-from ondevice._ort_format import convert_to_ort_format as to_ort_format
-from ondevice._ort_format import native_stderr_silenced
 from ondevice.engines.classic import OrtTraining
 from ondevice.manifest import Manifest
+from ondevice.ort_format import convert_to_ort_format as to_ort_format
+from ondevice.ort_format import native_stderr_silenced
 from ondevice.session import ort_error_message
 
 from .errors import ArtifactError, ExportError, UnsupportedOperatorError
@@ -100,7 +100,7 @@ def repair_eval_model(path: Path) -> None:
 
 
 def convert_to_ort_format(work: Path) -> None:
-    """ORT-format copies of ``work``'s graphs (:func:`ondevice._ort_format.convert_to_ort_format`)."""
+    """ORT-format copies of ``work``'s graphs (:func:`ondevice.ort_format.convert_to_ort_format`)."""
     try:
         to_ort_format(work)
     except RuntimeError as exc:

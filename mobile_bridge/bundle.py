@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from ondevice import ConfigError, Manifest, Schedule, Trainer
-from ondevice._ort_format import convert_to_ort_format
 from ondevice.engines.contract import PORTABLE_ORT, PORTABLE_STEP
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
 from ondevice.manifest import MANIFEST_NAME
+from ondevice.ort_format import convert_to_ort_format
 from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
 from ondevice.session import LOSS_SCALE
 

@@ -354,7 +354,7 @@ def test_ort_format_conversion_writes_a_graph_that_computes_the_same_or_says_why
     import onnx
     from onnx import TensorProto, helper
 
-    from ondevice._ort_format import convert_to_ort_format
+    from ondevice.ort_format import convert_to_ort_format
     from ondevice.session import ort
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
