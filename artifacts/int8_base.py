@@ -184,8 +184,16 @@ def _blocked_product(
         factor = x
         if not transposed:
             factor = f"{at}/x"
-            made.append(helper.make_node("Slice", [x, f"{at}/start", f"{at}/stop", f"{base}/axis1"], [factor],
-                                         name=factor))  # fmt: skip
+            bounds = [f"{at}/start", f"{at}/stop"]
+            if parts:  # the activation's slice waits too, or ORT fuses all the slices into one Split: a copy of x
+                none = [f"{at}/size", f"{_PREFIX}/start"]  # 0 * the previous part's size: waits for it
+                made += [helper.make_node("Size", [parts[-1]], [f"{at}/size"], name=f"{at}/size"),
+                         helper.make_node("Mul", none, [f"{at}/none"], name=f"{at}/none")]  # fmt: skip
+                for bound in ("start", "stop"):
+                    made.append(helper.make_node("Add", [f"{at}/{bound}", f"{at}/none"], [f"{at}/{bound}/waited"],
+                                                 name=f"{at}/{bound}/waited"))  # fmt: skip
+                bounds = [f"{at}/start/waited", f"{at}/stop/waited"]
+            made.append(helper.make_node("Slice", [x, *bounds, f"{base}/axis1"], [factor], name=factor))  # fmt: skip
         made.append(helper.make_node("Gemm", [factor, f"{at}/w"], [f"{at}/y"], name=f"{at}/y", alpha=alpha,
                                      transB=int(transposed)))  # fmt: skip
         parts.append(f"{at}/y")
