@@ -111,6 +111,8 @@ class _Builder:
                  graph: _GraphFacts) -> None:  # fmt: skip
         self.node, self.constants, self.opset = node, constants, opset
         self.ranks, self.dims, self.used, self._known = graph.ranks, graph.dims, graph.used, graph.constants
+        self.per_row: set[str] = set()
+        """inputs a lowering knows hold one value per row (a norm's statistics), whatever shape inference knew"""
         self.prefix = (node.name or node.output[0]) + ".portable"
         self.nodes: list[onnx.NodeProto] = []
 
@@ -136,8 +138,49 @@ class _Builder:
 
     def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: object) -> str:
         out = out or f"{self.prefix}.{len(self.nodes)}.{op_type}"
-        self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
         return out
+
+    def wait_for(self, gradient: str) -> None:
+        """Make the lowering's forward-only arithmetic (what it computes from saved activations alone, like
+        SiLU's sigmoid) wait for ``gradient``: ORT's priority order would run it in the forward, as soon as
+        the activation exists, and keep its results (new tensors of the activation's size) until the
+        backward. Each such node that reads a float constant reads that constant plus ``0 * gradient[0]``
+        instead (SmolLM2: two [64, 1536] tensors a layer, 11 MiB of its step's peak). Others stay as they are."""
+        made = {n.output[0] for n in self.nodes}
+        later = {gradient}
+        for node in self.nodes:
+            if later.intersection(node.input):
+                later.update(node.output)
+        early = []  # (node, input position of a float constant) of nodes that read activations alone
+        for node in self.nodes:
+            reads = [i for i in node.input if i]
+            if later.intersection(reads) or made.intersection(reads) or all(i in self.constants for i in reads):
+                continue  # waits already, waits through what it reads, or is constant
+            slots = [k for k, i in enumerate(node.input) if self._waitable(i)]
+            early += [(node, slots[0])] if slots else []
+        if not early:
+            return
+        at = f"{self.prefix}.wait"
+        waits = [  # 0 * gradient[0], a scalar: the sum keeps each constant's shape
+            helper.make_node("Reshape", [gradient, self.const(np.array([-1], np.int64))], [f"{at}.flat"]),
+            helper.make_node("Slice", [f"{at}.flat", self.const(np.array([0], np.int64)),
+                                       self.const(np.array([1], np.int64))], [f"{at}.first"]),
+            helper.make_node("Reshape", [f"{at}.first", self.const(np.array([], np.int64))], [f"{at}.one"]),
+            helper.make_node("Mul", [f"{at}.one", self.const(0.0)], [f"{at}.zero"]),
+        ]  # fmt: skip
+        for index, (node, slot) in enumerate(early):
+            waits.append(helper.make_node("Add", [node.input[slot], f"{at}.zero"], [f"{at}.{index}"]))
+            node.input[slot] = f"{at}.{index}"
+        for wait in waits:
+            wait.name = wait.output[0]
+        self.nodes[:0] = waits
+
+    def _waitable(self, name: str) -> bool:
+        """A float constant, or one of :attr:`per_row`: cheap to add a zero to."""
+        if name in self.constants:
+            return self.constants[name].data_type == onnx.TensorProto.FLOAT
+        return name in self.per_row
 
     def reduce(self, op_type: str, x: str, axes: list[int], keepdims: int, out: str | None = None) -> str:
         """A reduction over ``axes`` in this opset's form (axes became an input in 13 or 18)."""
@@ -163,7 +206,9 @@ def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
         b.op("Identity", [dy], node.output[0])
         return
     fixed, one = b.known(ratio), np.float32(1.0)
-    masked = b.op("Mul", [dy, b.op("Cast", [mask], to=onnx.TensorProto.FLOAT)])
+    # Where, not a product with the mask as floats: a Cast of the mask reads no gradient, so ORT's priority order
+    # would run it in the forward and keep a float copy of every mask (four times its bytes) until the backward
+    masked = b.op("Where", [mask, dy, b.const(0.0)])
     if fixed is not None:  # a division by the constant 1 - ratio: what ORT makes of the formula below (DivMulFusion)
         dropped = b.op("Div", [masked, b.const(np.asarray(one - np.float32(fixed), np.float32))])
     else:
@@ -196,6 +241,7 @@ def _layer_norm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     #   a = dY * scale;  dX = inv_std * (a - mean(a) - x_hat * mean(a * x_hat))
     node = b.node
     dy, x, scale, mean, inv_std = node.input[:5]
+    b.per_row.update((mean, inv_std))
     normalized = shapes.get(scale)
     if normalized is None:
         raise _Unlowerable(f"the shape of LayerNormalization's scale {scale!r} is unknown")
@@ -221,6 +267,7 @@ def _simplified_layer_norm_grad(b: _Builder, shapes: dict[str, list[int]]) -> No
     #   dscale = sum_rows dY * x_hat
     node = b.node
     dy, x, scale, inv_std = node.input[:4]
+    b.per_row.add(inv_std)
     normalized = shapes.get(scale)
     if normalized is None:
         raise _Unlowerable(f"the shape of SimplifiedLayerNormalization's scale {scale!r} is unknown")
@@ -327,11 +374,12 @@ def _fast_gelu_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # dX = dY (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)), t = tanh(u), the kernel's formula
     node = b.node
     dy, x = node.input[:2]
-    root, cube = b.const(float(np.sqrt(2 / np.pi))), b.const(0.044715)
-    square = b.op("Mul", [x, x])
-    t = b.op("Tanh", [b.op("Mul", [root, b.op("Mul", [x, b.op("Add", [b.const(1.0), b.op("Mul", [cube, square])])])])])
+    # (each product with x starts from a constant, so all of it can wait for dY: Builder.wait_for)
+    root = b.const(float(np.sqrt(2 / np.pi)))
+    cubic = b.op("Mul", [b.op("Mul", [x, b.const(0.044715)]), x])  # 0.044715 x^2
+    t = b.op("Tanh", [b.op("Mul", [root, b.op("Mul", [x, b.op("Add", [b.const(1.0), cubic])])])])
     left = b.op("Mul", [b.const(0.5), b.op("Add", [b.const(1.0), t])])
-    slope = b.op("Mul", [root, b.op("Add", [b.const(1.0), b.op("Mul", [b.const(3 * 0.044715), square])])])
+    slope = b.op("Mul", [root, b.op("Add", [b.const(1.0), b.op("Mul", [b.const(3.0), cubic])])])
     right = b.op("Mul", [b.op("Mul", [b.const(0.5), x]), b.op("Mul", [b.op("Sub", [b.const(1.0), b.op("Mul", [t, t])]),
                                                                        slope])])  # fmt: skip
     b.op("Mul", [dy, b.op("Add", [left, right])], node.output[0])
@@ -382,8 +430,8 @@ def _sigmoid_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
 
 
 def _tanh_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
-    dy, y = b.node.input[:2]  # dX = dY * (1 - Y^2)
-    b.op("Mul", [dy, b.op("Sub", [b.const(1.0), b.op("Mul", [y, y])])], b.node.output[0])
+    dy, y = b.node.input[:2]  # dX = dY * (1 - Y^2), as (1 - Y)(1 + Y): each factor starts from a constant (wait_for)
+    b.op("Mul", [dy, b.op("Mul", [b.op("Sub", [b.const(1.0), y]), b.op("Add", [b.const(1.0), y])])], b.node.output[0])
 
 
 def _scale(b: _Builder, shapes: dict[str, list[int]]) -> None:
@@ -702,6 +750,8 @@ def lower_operators(model: onnx.ModelProto, opset: int, only: tuple[str, ...] | 
         except _Unlowerable:
             nodes.append(node)
             continue
+        if node.op_type.removesuffix("_13").endswith("Grad"):
+            builder.wait_for(node.input[0])
         nodes.extend(builder.nodes)
         done.append(node.op_type)
     del graph.node[:]

@@ -52,9 +52,9 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
         ("SoftmaxGrad_13", {"dy": _r(4, 7), "y": _softmax(logits, 1)}, {"axis": 1}, 1, {}),
         ("LogSoftmaxGrad_13", {"dy": _r(4, 7), "y": np.log(_softmax(logits, -1))}, {"axis": -1}, 1, {}),
         ("LayerNormalizationGrad", {"dy": _r(4, 6, 8), "x": x, "scale": _r(8), "mean": ln_mean, "inv": ln_inv},
-         {"axis": -1}, 3, {"scale": [8]}),
+         {"axis": -1}, 3, {"scale": [8], "mean": None, "inv": None}),  # statistics of unknown shape, as in a graph
         ("SimplifiedLayerNormalizationGrad", {"dy": _r(4, 6, 8), "x": x, "scale": _r(8), "inv": rms_inv},
-         {"axis": -1, "epsilon": 1e-6}, 2, {"scale": [8]}),
+         {"axis": -1, "epsilon": 1e-6}, 2, {"scale": [8], "inv": None}),
         ("QuickGeluGrad", {"dy": _r(3, 5), "x": 3 * _r(3, 5)}, {"alpha": 1.0}, 1, {}),
         ("QuickGeluGrad", {"dy": _r(3, 5), "x": 3 * _r(3, 5)}, {}, 1, {}),  # GELU's default alpha, 1.702
         ("SoftmaxCrossEntropyLossGrad", {"dy": np.array(0.7, np.float32), "log_prob": log_probs, "label": tokens},
@@ -149,10 +149,38 @@ def test_each_lowering_matches_orts_training_kernel(case):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * scale, err_msg=f"{op} output {index}")
 
 
+_RUN_AT_ONCE = {"SoftmaxCrossEntropyLossGrad", "LogSoftmaxGrad_13",  # read the forward's last output
+                "GatherGrad", "SliceGrad",  # shape arithmetic
+                "BatchNormalizationGrad", "ConvGrad"}  # convolutional models keep ORT's default order  # fmt: skip
+"""Gradient lowerings whose arithmetic on saved activations alone is not made to wait for the gradient."""
+
+
+@pytest.mark.parametrize("case", [c for c in _cases() if c[0].removesuffix("_13").endswith("Grad")],
+                         ids=lambda case: case[0])  # fmt: skip
+def test_a_gradient_lowering_computes_nothing_before_its_gradient_exists(case):
+    """The portable step runs by ORT's priority order, which runs a node as soon as its inputs exist: arithmetic
+    on the saved activations alone (SiLU's sigmoid, a norm's x * inv_std, a dropout mask as floats) would run in
+    the forward and keep new activation-sized tensors until the backward (SmolLM2's step: 377 -> 367 MiB).
+    Every lowered node that reads an activation reads the gradient or something computed from it."""
+    op, inputs, attrs, outputs, shapes = case
+    model = _one_node(op, inputs, attrs, outputs, shapes)
+    gradient = model.graph.node[0].input[0]
+    assert lower_operators(model, 17) == [op]
+    constants = {i.name for i in model.graph.initializer}
+    after = {gradient}
+    early = []
+    for node in model.graph.node:
+        if after.intersection(node.input):
+            after.update(node.output)
+        elif any(name and name not in constants for name in node.input):
+            early.append(node.op_type)
+    assert bool(early) == (op in _RUN_AT_ONCE), early
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
     """The exported model's ratio and training mode are constants: the lowering folds the scale and the mode
-    (a division by the constant 1 - ratio, no Sub or Where left) and gives what it gives with them as inputs,
+    (a division by the constant 1 - ratio, no Sub, nothing reads them) and gives what it gives with them as inputs,
     bit for bit (in training mode, the kernel's values too)."""
     rng = np.random.default_rng(3)
     inputs = {"dy": rng.standard_normal((6, 5)).astype(np.float32), "mask": rng.random((6, 5)) > 0.3}
@@ -166,7 +194,8 @@ def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
     folded.graph.input.extend(kept)
     folded.graph.initializer.extend(onnx.numpy_helper.from_array(v, n) for n, v in constants.items())
     assert lower_operators(folded, 17) == ["DropoutGrad"]
-    assert not {"Sub", "Where"} & {n.op_type for n in folded.graph.node}
+    assert "Sub" not in {n.op_type for n in folded.graph.node}
+    assert not [n.op_type for n in folded.graph.node if {"ratio", "training"} & set(n.input)]
     np.testing.assert_array_equal(_run(folded, inputs)[0], _run(fed, {**inputs, **constants})[0])
     if training:
         np.testing.assert_array_equal(_run(folded, inputs)[0], kernel)
