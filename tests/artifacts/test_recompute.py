@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from artifacts import generate
+from artifacts import generate, passes
 from artifacts.passes.recompute import layer_of
 from ondevice import Manifest, Trainer
 from ondevice.cli import main
@@ -95,6 +95,31 @@ def test_recomputed_layers_train_bit_for_bit_like_kept_ones(pair):
     batches = [_tokens(4, 16, seed) for seed in range(4)]
     for engine in ("classic", "portable"):
         trainers = [Trainer.load(d, engine=engine) for d in pair]
+        losses = [[t.train_step(b).loss for b in batches] for t in trainers]
+        assert losses[0] == losses[1], engine
+        for (name, a), b in zip(trainers[0].get_weights().items(), trainers[1].get_weights().values()):
+            np.testing.assert_array_equal(a, b, err_msg=f"{engine}: {name}")
+
+
+def test_swiglu_activations_are_made_again_in_the_backward_bit_for_bit(pair, tmp_path, monkeypatch):
+    """Without --recompute, the backward's readers of each layer's SiLU output read a copy that waits for the
+    backward, so the forward's output is read by the forward alone; the step is the same to the bit as without
+    the pass, on both engines."""
+    kept = pair[0]
+    monkeypatch.setattr(passes, "REGISTRY", passes.without("silu-recompute"))
+    plain = _generate(kept.parent / "hf", tmp_path / "plain", 16, "--no-verify")
+    nodes = list(onnx.load(kept / "training_model.onnx", load_external_data=False).graph.node)
+    activations = [n.output[0] for n in nodes if n.op_type == "QuickGelu" and "::silu/" not in n.name]
+    assert len(activations) == 3  # one per layer
+    forward = _ancestors(nodes, "output")
+    for activation in activations:
+        readers = [n for n in nodes if activation in n.input]
+        assert readers and all(n.output[0] in forward for n in readers), activation
+    for copy in (n for n in nodes if "::silu/" in n.name and n.op_type == "QuickGelu"):
+        assert any(t.endswith("_grad") for t in _ancestors(nodes, copy.output[0])), copy.name
+    batches = [_tokens(4, 16, seed) for seed in range(3)]
+    for engine in ("classic", "portable"):
+        trainers = [Trainer.load(d, engine=engine) for d in (kept, plain)]
         losses = [[t.train_step(b).loss for b in batches] for t in trainers]
         assert losses[0] == losses[1], engine
         for (name, a), b in zip(trainers[0].get_weights().items(), trainers[1].get_weights().values()):
