@@ -278,7 +278,7 @@ REGISTRY: tuple[Pass, ...] = (
     Pass("portable-gpt2-grads", "portable", lambda m, c: lower_operators(m, c.opset, ("FastGeluGrad", "GatherGrad")),
          "FastGeluGrad (GPT-2's tanh GELU) and GatherGrad on an activation (what the lookup-grad pass leaves: a "
          "pick of one position per row) are not in stock ORT",
-         "dY (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 0.134145 x^2)) with t the tanh of the forward; and "
+         "dY (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 (0.044715 x) x)) with t the tanh of the forward; and "
          "ScatterElements(zeros, indices, dY, reduction add) along axis 0: the kernels' formulas, sums in index "
          "order",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
@@ -290,7 +290,8 @@ REGISTRY: tuple[Pass, ...] = (
     Pass("portable-activation-grads", "portable",
          lambda m, c: lower_operators(m, c.opset, ("SigmoidGrad", "TanhGrad", "Scale")),
          "SigmoidGrad, TanhGrad and Scale are not in stock ORT",
-         "dY * Y * (1 - Y), dY * (1 - Y * Y), and X * scale (or / scale): the kernels' formulas",
+         "dY * Y * (1 - Y), dY * (1 - Y) * (1 + Y), and X * scale (or / scale): the kernels' formulas (1 - Y^2 "
+         "as a product of two factors that each start from a constant, so that they wait for dY)",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-slice-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("SliceGrad",)),
          "SliceGrad is not in stock ORT",
