@@ -187,7 +187,7 @@ REGISTRY: tuple[Pass, ...] = (
     Pass("silu-recompute", "training", lambda m, c: [] if c.recompute else recompute_silu(m),
          "the backward of a SwiGLU MLP (Llama, Qwen, Mistral, SmolLM) reads SiLU's output, kept from the forward "
          "beside SiLU's input, which its gradient keeps anyway: a tensor of the MLP's width per layer for the "
-         "whole step (SmolLM2 at 64 tokens: 11 MiB of the step's peak)",
+         "whole step (SmolLM2 at 64 tokens: its step's peak 368 -> 359 MiB with this pass)",
          "the backward's readers read a copy made from the same input (``input + 0 * g[0]``, so it runs in the "
          "backward): the same operator on the same values",
          "tests/artifacts/test_recompute.py::test_swiglu_activations_are_made_again_in_the_backward_bit_for_bit"),
