@@ -101,7 +101,7 @@ def make_bundle(
 
         from ondevice.engines.step_graph import fuse_step
 
-        from .frozen import frozen_arrays, internalize_frozen
+        from .frozen import frozen_arrays, internalize_frozen, read_from_parameters
         from .learning_rate import bake_learning_rate
         from .loss_scale import expose_loss_scale
 
@@ -137,6 +137,12 @@ def make_bundle(
             convert_to_ort_format(work)
         except RuntimeError as exc:
             raise BundleError(f"{exc}; the artifacts' graphs do not convert for phones and browsers") from exc
+        # the browser's portable graphs read the frozen arrays from parameters.bin (after the ORT-format copies,
+        # which would otherwise hold them)
+        sources = {"training": portable[0], "step": PORTABLE_STEP} if portable and layout else {}
+        browser = {kind: name.replace(".onnx", ".web.onnx") for kind, name in sources.items()}
+        for kind, name in sources.items():
+            onnx.save(read_from_parameters(onnx.load(work / name), layout, PARAMETERS), work / browser[kind])
         # the app tokenizes text with the artifacts' tokenizer; a language model's decoder (its weights are
         # the trained ones: it is not an ORT-format graph of its own)
         for extra in (manifest.tokenizer, manifest.decoder):
@@ -161,6 +167,7 @@ def make_bundle(
                 "eval": "eval_model.onnx",
                 "parameters": PARAMETERS,
                 "frozen": layout,
+                **({"browser": browser} if browser else {}),
                 "optimizer_options": {
                     "betas": list(options.get("betas", (0.9, 0.999))),
                     "weight_decay": options.get("weight_decay", 0.0),

@@ -59,3 +59,30 @@ def internalize_frozen(source: Path, work: Path, manifest: Manifest, graphs: tup
 
     trained = [proto(n, trainer.parameter(n)) for n in trainable]
     C.save_checkpoint(trained, [proto(n, a) for n, a in arrays.items()], str(work / "checkpoint"), False)
+
+
+def read_from_parameters(model: onnx.ModelProto, layout: list[dict], parameters: str) -> onnx.ModelProto:
+    """``model`` with each frozen graph input of ``layout`` (``_write_parameters``'s entries: name, shape, dtype,
+    byte offset) made an initializer stored as external data in ``parameters`` at its offset: the browser's
+    copy of a portable graph. onnxruntime-web copies a run's inputs into its WebAssembly memory on every
+    run (MiniLM's 90 MB of frozen weights each step); an initializer is read once, when the session opens
+    (``externalData``), and ORT may then pre-pack it. The input copies stay for phones, whose ORT binds them."""
+    places = {t["name"]: t for t in layout}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    moved = [i.name for i in graph.input if i.name in places]
+    kept = [i for i in graph.input if i.name not in places]
+    del graph.input[:]
+    graph.input.extend(kept)
+    for name in moved:
+        place = places[name]
+        dtype = np.dtype(place["dtype"])
+        tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(dtype), dims=place["shape"])
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        length = int(np.prod(place["shape"], dtype=np.int64)) * dtype.itemsize
+        for key, value in (("location", parameters), ("offset", place["byte_offset"]), ("length", length)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        graph.initializer.append(tensor)
+    return out

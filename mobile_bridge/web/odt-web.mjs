@@ -312,21 +312,25 @@ const STATE = ["value", "momentum0", "momentum1"]; // the flat vectors a saved s
 class PortableEngine {
   static async open(ort, base, description, headers, provider) {
     const layout = description.portable;
+    // Frozen arrays (a LoRA's base): the bundle's browser graphs read them from parameters.bin as initializers,
+    // copied into ORT's memory once per session instead of on every run (MiniLM's 90 MB a step).
+    const graphs = layout.frozen.length ? layout.browser : layout;
+    if (!graphs) throw new BundleError("this bundle's portable graphs read frozen weights as inputs; rebuild it with odt bundle");
     const bytes = {};
-    for (const name of [layout.training, layout.optimizer, layout.step, layout.parameters]) {
+    for (const name of [graphs.training, layout.optimizer, graphs.step, layout.parameters]) {
       bytes[name] = await fetchChecked(base, name, description, headers);
     }
     const values = bytes[layout.parameters];
     const size = description.weights.size;
-    const buffer = values.buffer.slice(values.byteOffset, values.byteOffset + values.byteLength);
     for (const t of layout.frozen) { // each frozen array as stored: float32, or an int8 base's int8 rows
       const end = t.byte_offset + count(t.shape) * FROZEN_ARRAYS[t.dtype].BYTES_PER_ELEMENT;
-      if (t.byte_offset < size * 4 || end > buffer.byteLength || t.byte_offset % FROZEN_ARRAYS[t.dtype].BYTES_PER_ELEMENT) {
-        throw new BundleError(`${layout.parameters} (${buffer.byteLength} bytes) has no ${t.dtype} ${t.name} of shape [${t.shape}] at byte ${t.byte_offset}; rebuild the bundle`);
+      if (t.byte_offset < size * 4 || end > values.byteLength || t.byte_offset % FROZEN_ARRAYS[t.dtype].BYTES_PER_ELEMENT) {
+        throw new BundleError(`${layout.parameters} (${values.byteLength} bytes) has no ${t.dtype} ${t.name} of shape [${t.shape}] at byte ${t.byte_offset}; rebuild the bundle`);
       }
     }
-    if (buffer.byteLength < size * 4) throw new BundleError(`${layout.parameters} holds ${buffer.byteLength} bytes, fewer than the ${size} weights; rebuild the bundle`);
+    if (values.byteLength < size * 4) throw new BundleError(`${layout.parameters} holds ${values.byteLength} bytes, fewer than the ${size} weights; rebuild the bundle`);
     const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
+    if (layout.frozen.length) options.externalData = [{ path: layout.parameters, data: values }];
     const open = async (graph) => {
       try {
         return await ort.InferenceSession.create(graph, options);
@@ -334,23 +338,25 @@ class PortableEngine {
         throw openError(error, "1.30 or later");
       }
     };
-    const sessions = { optimizer: await open(bytes[layout.optimizer]), step: await open(bytes[layout.step]) };
-    // The training graph runs only when a step accumulates micro-batches: its session opens then (SmolLM2's int8
-    // bundle took 20.0 s to load with it opened here, 9.9 and 11.9 s without: benchmarks.smollm2_bundle).
-    const training = bytes[layout.training];
-    sessions.training = () => (sessions.opened ??= open(training));
-    return new PortableEngine(ort, description, sessions, buffer, provider);
+    // The step graph runs whole batches, the training graph a memory plan's parts: each session opens on first
+    // use (SmolLM2's int8 bundle took 20.0 s to load with both opened, 9.9 and 11.9 s with one:
+    // benchmarks.smollm2_bundle), and each holds its own copy of the frozen arrays.
+    const lazy = (graph) => {
+      let opened = null;
+      return () => (opened ??= open(graph));
+    };
+    const sessions = { optimizer: await open(bytes[layout.optimizer]), step: lazy(bytes[graphs.step]),
+                       training: lazy(bytes[graphs.training]) };
+    return new PortableEngine(ort, description, sessions, values, provider);
   }
 
-  /** `sessions`: the optimizer update, the training graph and the update fused (a whole step in one run), and
-   * `training()`, which opens the training graph's session on first use. */
-  constructor(ort, description, { training, optimizer, step }, buffer, provider) {
+  /** `sessions`: the optimizer update, and `training()` and `step()`, which open the training graph's session and
+   * the fused one (the training graph and the update: a whole step in one run) on first use. */
+  constructor(ort, description, { training, optimizer, step }, values, provider) {
     const size = description.weights.size;
     Object.assign(this, { name: "portable", ort, description, training, optimizer, fused: step, provider });
-    this.flat = { value: new Float32Array(buffer, 0, size).slice(), grad: new Float32Array(size),
-                  momentum0: new Float32Array(size), momentum1: new Float32Array(size) };
-    const stored = (t) => new ort.Tensor(t.dtype, new FROZEN_ARRAYS[t.dtype](buffer, t.byte_offset, count(t.shape)), t.shape);
-    this.frozen = Object.fromEntries(description.portable.frozen.map((t) => [t.name, stored(t)]));
+    this.flat = { value: new Float32Array(values.buffer.slice(values.byteOffset, values.byteOffset + size * 4)),
+                  grad: new Float32Array(size), momentum0: new Float32Array(size), momentum1: new Float32Array(size) };
     this.step = 0;
     this.pending = 0; // parts whose gradients the accumulator holds
     this.staged = null; // a fused step's updated vectors, applied by optimizerStep
@@ -368,10 +374,10 @@ class PortableEngine {
   async trainStep(feeds, _scale, whole) {
     const tensors = this.description.weights.tensors;
     for (const t of tensors) feeds[t.name] = tensorAt(this.ort, this.flat.value, t);
-    Object.assign(feeds, this.frozen);
     if (whole && this.pending === 0) {
-      Object.assign(feeds, this.updateFeeds(false));
-      this.staged = await this.fused.run(feeds);
+      const fused = await this.fused();
+      Object.assign(feeds, this.updateFeeds(false, fused));
+      this.staged = await fused.run(feeds);
       return this.staged;
     }
     const results = await (await this.training()).run(feeds);
@@ -387,7 +393,7 @@ class PortableEngine {
 
   /** The update's inputs for the next optimizer step: the rates, the moments (and the parameters and gradients
    * unless the fused graph gathers them itself). */
-  updateFeeds(vectors) {
+  updateFeeds(vectors, session = this.optimizer) {
     const { ort, flat } = this;
     const lr = this.learningRate ?? rateAt(this.step, this.description.learning_rate);
     const rates = this.description.optimizer === "adamw"
@@ -397,7 +403,7 @@ class PortableEngine {
     const candidates = { "odt.lr": scalar(rates[0]), "odt.lr_corrected": scalar(rates[1]), "odt.lr_decay": scalar(rates[2]),
       "odt.momentum0": vector(flat.momentum0), "odt.momentum1": vector(flat.momentum1),
       ...(vectors ? { "odt.parameters": vector(flat.value), "odt.gradients": vector(flat.grad) } : {}) };
-    const wanted = (vectors ? this.optimizer : this.fused).inputNames;
+    const wanted = session.inputNames;
     return Object.fromEntries(Object.entries(candidates).filter(([name]) => wanted.includes(name)));
   }
 

@@ -251,7 +251,9 @@ def test_browser_resumes_after_a_page_reload_from_its_saved_state(digits_no_drop
 
 def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_path):
     """A small BERT with LoRA on query and value and a trainable head: its frozen weights come from
-    parameters.bin as inputs of the portable graph; 20 steps equal Python's portable engine on the bundle."""
+    parameters.bin as initializers of the browser's graphs; 20 steps equal Python's portable engine on the
+    bundle. A memory plan splits the steps of 8 into parts of 4 (the training graph) and the last step, of 4,
+    runs whole (the step graph): both sessions read the same parameters.bin."""
     import torch
 
     from artifacts import AdamW, generate
@@ -262,11 +264,17 @@ def test_browser_trains_lora_adapters_over_frozen_weights_like_python(site, tmp_
     manifest = generate(Classifier(), _example(), tmp_path / "lora", lora=LORA, trainable=HEAD,
                         optimizer=AdamW(lr=1e-2), verify=False)  # fmt: skip
     assert manifest.frozen_file is not None
+    stored = json.loads((tmp_path / "lora" / "manifest.json").read_text())
+    stored["plan"] = {"budget": 10**9, "batch_size": 8, "chosen": "everything", "rows": [], "micro_batch_size": 4}
+    (tmp_path / "lora" / "manifest.json").write_text(json.dumps(stored))
     description = make_bundle(tmp_path / "lora", root / "bundle")
     assert {t["name"] for t in description["portable"]["frozen"]} == {p.name for p in manifest.frozen}
+    assert set(description["portable"]["browser"]) == {"training", "step"}
     data = _data(160)
-    steps = [{"size": 8, **{k: v[i * 8 : (i + 1) * 8].ravel().tolist() for k, v in data.items()}} for i in range(20)]
-    result, weights = _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
+    steps = [{"size": 8, **{k: v[i * 8 : (i + 1) * 8].ravel().tolist() for k, v in data.items()}} for i in range(19)]
+    steps.append({"size": 4, **{k: v[152:156].ravel().tolist() for k, v in data.items()}})
+    result, weights = _like_python(url, root / "bundle", {"steps": steps, "parts": 8}, tmp_path)
+    assert result["parts"] == 4
     assert np.abs(weights - np.asarray(result["initial"], np.float32)).max() > 1e-3  # the adapters and head moved
 
 

@@ -324,6 +324,60 @@ def test_the_fused_step_graph_does_what_the_training_and_optimizer_graphs_do(dig
     assert not any(o.endswith("_grad") for o in outputs)  # the gradients stay inside
 
 
+def test_the_browsers_graphs_read_the_frozen_arrays_from_parameters_bin_and_compute_the_same(tmp_path):
+    """A LoRA bundle over an int8 base: the browser's copies of the training and step graphs hold no frozen
+    input; each frozen array (int8 rows, float32 scales and norms) is an initializer stored at its place in
+    parameters.bin, read once when the session opens. ORT computes from them exactly what the plain graphs
+    compute from the same arrays fed as inputs, and the ORT-format copies stay the plain ones."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from artifacts import AdamW, Lora, generate
+    from artifacts.losses import loss_from_name
+    from tests.artifacts.test_decoders import FAMILIES, CausalLM, _example, _without_dropout
+
+    torch.manual_seed(0)
+    model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
+    manifest = generate(model, _example(), tmp_path / "llama", loss=loss_from_name("model"), lora=Lora(4),
+                        optimizer=AdamW(), base="int8", verify=False)  # fmt: skip
+    bundle = tmp_path / "bundle"
+    description = make_bundle(tmp_path / "llama", bundle)
+    layout = description["portable"]
+    stored = np.fromfile(bundle / "parameters.bin", np.uint8)
+    frozen = {t["name"]: np.frombuffer(stored, t["dtype"], int(np.prod(t["shape"])), t["byte_offset"])
+              .reshape(t["shape"]) for t in layout["frozen"]}  # fmt: skip
+    assert {a.dtype.name for a in frozen.values()} == {"int8", "float32"}
+    weights = stored[: 4 * description["weights"]["size"]].view("<f4")
+    feeds = {name: np.asarray(value) for name, value in _example(seed=3).items()}
+    feeds.update({t["name"]: weights[t["offset"] : t["offset"] + int(np.prod(t["shape"]))].reshape(t["shape"])
+                  for t in description["weights"]["tensors"]})  # fmt: skip
+    size = description["weights"]["size"]
+    feeds.update({"odt.lr": np.float32(1e-3), "odt.lr_corrected": np.float32(1e-3), "odt.lr_decay": np.float32(0.0),
+                  "odt.momentum0": np.full(size, 0.1, np.float32), "odt.momentum1": np.full(size, 0.2, np.float32)})
+    feeds = {name: np.asarray(value) for name, value in feeds.items()}
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    assert set(layout["browser"]) == {"training", "step"}
+    for kind, name in layout["browser"].items():
+        graph = onnx.load(bundle / name, load_external_data=False).graph
+        assert not {i.name for i in graph.input} & set(frozen)
+        places = {t.name: {e.key: e.value for e in t.external_data} for t in graph.initializer if t.name in frozen}
+        assert set(places) == set(frozen)
+        assert {p["location"] for p in places.values()} == {"parameters.bin"}
+        outputs = []
+        for path, given in ((bundle / layout[kind], {**feeds, **frozen}), (bundle / name, feeds)):
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            wanted = {i.name for i in session.get_inputs()}
+            assert wanted <= set(given)
+            outputs.append(session.run(None, {k: v for k, v in given.items() if k in wanted}))
+        assert len(outputs[0]) == len(outputs[1])
+        for plain, web in zip(*outputs):
+            np.testing.assert_array_equal(plain, web)
+        assert description["files"][name]["sha256"] and not (bundle / name.replace(".onnx", ".ort")).exists()
+    assert manifest.frozen_file is not None
+
+
 STOCK_LOADS = r"""
 import json, math, sys
 import numpy as np
