@@ -8,7 +8,8 @@
    training build on the classic ones (the int8 rows from parameters.bin and from the checkpoint), beside
    Python's portable engine on the same bundle (newest stock onnxruntime) and classic engine
    (onnxruntime-training 1.19.2), one thread each. Rounds take turns; each browser run loads the bundle
-   afresh (timed: fetching, checking the hashes, opening the sessions) and trains the same steps; the losses
+   afresh (timed: fetching, checking the hashes, opening the sessions; the current build opens its step
+   graph's session in the first step, timed too) and trains the same steps; the losses
    of every side are compared with Python's classic engine on the artifacts (Python's own losses on the bundle
    come from onnxruntime-training 1.19.2 in this process: the stock runtime's workers only time their steps).
 
@@ -72,6 +73,7 @@ def main() -> int:
                "Python classic": Worker(Path(sys.executable), "classic", common)}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in (*browsers, *pythons)}
     opened: dict[str, list[float]] = {name: [] for name in browsers}
+    first_steps: dict[str, list[float]] = {name: [] for name in browsers}
     server = _serve(site)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/index.html"
@@ -82,6 +84,7 @@ def main() -> int:
                     raise RuntimeError(f"{name}: {result}")
                 times[name].append(statistics.median(result["stepTimes"][WARM:]))
                 opened[name].append(result["loadMs"])
+                first_steps[name].append(result["firstStepMs"])
                 losses[name] = result["losses"]
             for name, worker in pythons.items():
                 times[name].append(1e3 * worker.block(STEPS, index * STEPS))
@@ -102,7 +105,8 @@ def main() -> int:
         "tokens": [int(b["mask"].sum()) if "mask" in b else int(b[next(iter(b))].size) for b in batches],
         "sides": [
             {"side": name, "step_ms": statistics.median(t), "open_ms": statistics.median(opened[name]) if name in
-             opened else None, "peak_rss_mb": reports[name]["peak_rss"] / 1e6 if name in reports else None}
+             opened else None, "first_step_ms": statistics.median(first_steps[name]) if name in first_steps else None,
+             "peak_rss_mb": reports[name]["peak_rss"] / 1e6 if name in reports else None}
             for name, t in times.items()
         ],  # fmt: skip
         "reference_losses": first,
@@ -134,16 +138,17 @@ def markdown(result: dict) -> str:
         f"One text a step ({min(result['tokens'])}-{max(result['tokens'])} tokens), {STEPS} steps a run, the first "
         f"{WARM} untimed, medians over {ROUNDS} rounds that take turns:",
         "",
-        "| side | ms / step | loading the bundle (fetch, hashes, sessions) | peak RSS | largest loss difference "
-        "from Python's classic engine on the artifacts |",
-        "|---|---:|---:|---:|---:|",
+        "| side | ms / step | loading the bundle (fetch, hashes, sessions) | first step | peak RSS | largest loss "
+        "difference from Python's classic engine on the artifacts |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for side in result["sides"]:
         name = side["side"]
         opened = "-" if side["open_ms"] is None else f"{side['open_ms'] / 1e3:.1f} s"
+        first = "-" if side["first_step_ms"] is None else f"{side['first_step_ms'] / 1e3:.1f} s"
         peak = "-" if side["peak_rss_mb"] is None else f"{side['peak_rss_mb']:.0f} MB"
         difference = result["max_loss_difference"][name]
-        lines.append(f"| {name} | {side['step_ms']:.0f} | {opened} | {peak} | {difference:.1e} |")
+        lines.append(f"| {name} | {side['step_ms']:.0f} | {opened} | {first} | {peak} | {difference:.1e} |")
     return "\n".join(lines) + "\n"
 
 

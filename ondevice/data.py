@@ -110,13 +110,18 @@ def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bo
 
 
 def _check_axes(specs: list[TensorSpec], data: dict[str, np.ndarray]) -> None:
-    """A named dynamic axis (e.g. ``seq``) must have one size across all arrays."""
+    """A named dynamic axis (e.g. ``seq``) must have one size across all arrays, and not 0."""
     seen: dict[str, tuple[str, int]] = {}
     for spec in specs:
         for axis, dim in enumerate(spec.shape):
             if not axis or not isinstance(dim, str):
                 continue
             size = data[spec.name].shape[axis]
+            if not size:
+                raise DataError(
+                    f"{spec.name!r} has shape {data[spec.name].shape}: no values along axis {dim!r}. Every "
+                    "example needs at least one (a text at least one token); drop the empty ones."
+                )
             first = seen.setdefault(dim, (spec.name, size))
             if first[1] != size:
                 raise DataError(

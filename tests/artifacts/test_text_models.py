@@ -150,6 +150,13 @@ def test_dynamic_sequence_length_trains_other_lengths(tmp_path):
     mixed["mask"] = mixed["mask"][:, :5]
     with pytest.raises(DataError, match="axis 'seq' must have one size"):
         trainer.evaluate(mixed)
+    empty = {**_data(16, 7), "ids": np.zeros((16, 0), np.int64), "mask": np.zeros((16, 0), np.int64)}
+    before = trainer.get_flat_weights()
+    with pytest.raises(DataError, match=r"'ids' has shape \(16, 0\): no values along axis 'seq'"):
+        trainer.train_step(empty)
+    with pytest.raises(DataError, match="no values along axis 'seq'"):
+        trainer.evaluate(empty)
+    np.testing.assert_array_equal(trainer.get_flat_weights(), before)
 
 
 def test_a_size_baked_into_the_graph_fails_at_the_second_batch(tmp_path):
