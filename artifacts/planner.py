@@ -315,14 +315,14 @@ def measure(directory: Path, batch: Path, steps: int = 4, *, lean_memory: bool =
 
 
 def longest_inputs(example: Mapping[str, torch.Tensor], spec: Spec) -> dict[str, torch.Tensor]:
-    """``example`` at the longest text the device will feed: the inputs the tokenizer fills, tiled
-    along their dynamic axes to its ``max_length`` (a batch of text pads to its longest, at most
-    that). Without a tokenizer, the example as given."""
+    """``example`` at the longest text the device will feed: the inputs the tokenizer fills (ids, mask
+    and a causal LM's labels), tiled along their dynamic axes to its ``max_length`` (a batch of text
+    pads to its longest, at most that). Without a tokenizer, the example as given."""
     tokenizer = spec.tokenizer
     if tokenizer is None:
         return dict(example)
     longest = dict(example)
-    for name in (tokenizer.ids, tokenizer.mask):
+    for name in (tokenizer.ids, tokenizer.mask, tokenizer.labels):
         tensor = example.get(name) if name else None
         for axis in spec.dynamic_axes.get(name or "", {}) if tensor is not None else ():
             if 0 < tensor.shape[axis] < tokenizer.max_length:

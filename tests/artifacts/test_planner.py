@@ -290,6 +290,13 @@ def test_text_models_are_planned_at_the_tokenizers_longest_text():
     assert longest["ids"].shape == longest["mask"].shape == (2, 32) and longest["extra"] is example["extra"]
     assert torch.equal(longest["ids"][:, 12:24], example["ids"]) and bool((longest["mask"] == 1).all())
     assert longest_inputs(example, Spec(dynamic_axes=axes)) == example  # no tokenizer: the example as given
+    # a causal LM's labels (-100 for the prompt) are the tokenizer's too: tiled with the ids they shift against
+    example["labels"] = torch.where(torch.arange(12) < 4, -100, example["ids"])
+    axes["labels"] = {1: "seq"}
+    spec = Spec(dynamic_axes=axes, tokenizer=TokenizerSpec("tokenizer.json", "ids", "mask", 32, labels="labels"))
+    longest = longest_inputs(example, spec)
+    assert longest["labels"].shape == longest["ids"].shape == (2, 32)
+    assert torch.equal(longest["labels"][:, 12:24], example["labels"])
 
 
 def test_a_plan_of_a_small_set_trains_at_the_adapter_rate(tmp_path):
