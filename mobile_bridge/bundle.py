@@ -8,7 +8,8 @@ weight-buffer layout an app needs) and, when signed, ``bundle.sig`` (Ed25519 ove
 Two sets of graphs: the classic ones for ONNX Runtime 1.19.2's training builds (onnxruntime-web's
 ``TrainingSession``, ORT Mobile's training packages), and, when the artifacts carry them, the portable
 step graphs for any current ONNX Runtime (onnxruntime-web 1.30, ORT Mobile's inference packages) with
-``parameters.bin``, the values those graphs take as inputs."""
+``parameters.bin``, the values those graphs take as inputs (the browser's copies of the training and step
+graphs read its frozen arrays as initializers, once per session)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 Artifacts keep frozen weights in ``frozen.bin`` as ONNX external data (see ``artifacts.frozen``).
 onnxruntime-web and the mobile packages load graphs and checkpoints from bytes, and an ORT-format
 graph would hold its initializers itself (twice: training and eval). A bundle therefore carries
-them as ORT always did: frozen parameters in the checkpoint, graph inputs in every graph.
+them as ORT always did: frozen parameters in the checkpoint, graph inputs in every graph. The
+browser's copies of the portable graphs read them as initializers from ``parameters.bin`` instead
+(:func:`read_from_parameters`).
 
 An int8 base (``odt generate --base int8``) travels as it is stored: each matrix as int8 with its
 per-row scales (``W::scale``) and, for a large one, its row blocks (``W::rows{start}``), each a graph
@@ -23,7 +25,7 @@ from ondevice import Manifest, Trainer
 from ondevice.frozen import stored_arrays
 from ondevice.session import C
 
-__all__ = ["internalize_frozen", "frozen_arrays"]
+__all__ = ["internalize_frozen", "frozen_arrays", "read_from_parameters"]
 
 
 def frozen_arrays(source: Path, manifest: Manifest, trainer: Trainer) -> dict[str, np.ndarray]:
