@@ -252,10 +252,12 @@ BENCHMARK_MODELS = [case.name for case in cases()]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARK_MODELS)
 def test_every_benchmark_model_trains_alike_on_both_engines(name, tmp_path):
-    """50 steps from one checkpoint with dropout off: losses within 1e-5 relative at every step (1e-5 of the
-    first loss where a loss has fallen far: MiniLM's last two layers differ by 1.5e-5 at a loss of 0.15,
-    rounding that grows as training goes on), and the
-    BatchNorm statistics the first step updates alike too (later ones drift apart by design: a convolution's
+    """50 steps from one checkpoint with dropout off: the first 10 losses within 1e-5 relative, and all 50
+    within 1e-5 relative or 5e-5 of the first loss. The engines' roundings differ, and training amplifies
+    the difference while the loss falls fast, then shrinks it as the runs converge: MiniLM's last two
+    layers differ by 1.4e-7 relative at step 9, by 6.5e-5 at a loss of 1.0 at step 19 (1.9e-5 of the
+    first loss, on an Intel Xeon; 1.5e-5 at a loss of 0.15 on an AMD EPYC) and by 4.5e-8 at step 48. The
+    BatchNorm statistics the first step updates agree too (later ones drift apart by design: a convolution's
     bias before a BatchNorm has a gradient of rounding noise, which AdamW scales to whole steps of the rate)."""
     from artifacts import AdamW, Lora, generate
 
@@ -276,6 +278,7 @@ def test_every_benchmark_model_trains_alike_on_both_engines(name, tmp_path):
         buffers[engine] = trainer.get_buffers()
         losses[engine] += [trainer.train_step(batches[step % 5]).loss for step in range(1, 50)]
     first = abs(losses["classic"][0])
-    np.testing.assert_allclose(losses["portable"], losses["classic"], rtol=1e-5, atol=1e-5 * first)
+    np.testing.assert_allclose(losses["portable"][:10], losses["classic"][:10], rtol=1e-5)
+    np.testing.assert_allclose(losses["portable"], losses["classic"], rtol=1e-5, atol=5e-5 * first)
     for key, value in buffers["classic"].items():
         np.testing.assert_allclose(buffers["portable"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
