@@ -341,6 +341,7 @@ def test_the_browsers_graphs_read_the_frozen_arrays_from_parameters_bin_and_comp
     model = CausalLM(_without_dropout(FAMILIES["llama"]()), mask=True)
     manifest = generate(model, _example(), tmp_path / "llama", loss=loss_from_name("model"), lora=Lora(4),
                         optimizer=AdamW(), base="int8", verify=False)  # fmt: skip
+    assert manifest.frozen_file is not None
     bundle = tmp_path / "bundle"
     description = make_bundle(tmp_path / "llama", bundle)
     layout = description["portable"]
@@ -353,9 +354,9 @@ def test_the_browsers_graphs_read_the_frozen_arrays_from_parameters_bin_and_comp
     feeds.update({t["name"]: weights[t["offset"] : t["offset"] + int(np.prod(t["shape"]))].reshape(t["shape"])
                   for t in description["weights"]["tensors"]})  # fmt: skip
     size = description["weights"]["size"]
-    feeds.update({"odt.lr": np.float32(1e-3), "odt.lr_corrected": np.float32(1e-3), "odt.lr_decay": np.float32(0.0),
-                  "odt.momentum0": np.full(size, 0.1, np.float32), "odt.momentum1": np.full(size, 0.2, np.float32)})
-    feeds = {name: np.asarray(value) for name, value in feeds.items()}
+    rates = {"odt.lr": 1e-3, "odt.lr_corrected": 1e-3, "odt.lr_decay": 0.0}
+    feeds.update({name: np.array(rate, np.float32) for name, rate in rates.items()})
+    feeds.update({"odt.momentum0": np.full(size, 0.1, np.float32), "odt.momentum1": np.full(size, 0.2, np.float32)})
     options = ort.SessionOptions()
     options.log_severity_level = 3
     assert set(layout["browser"]) == {"training", "step"}
@@ -375,7 +376,6 @@ def test_the_browsers_graphs_read_the_frozen_arrays_from_parameters_bin_and_comp
         for plain, web in zip(*outputs):
             np.testing.assert_array_equal(plain, web)
         assert description["files"][name]["sha256"] and not (bundle / name.replace(".onnx", ".ort")).exists()
-    assert manifest.frozen_file is not None
 
 
 STOCK_LOADS = r"""
