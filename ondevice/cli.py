@@ -182,6 +182,12 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         "0-15 %% slower steps)",
     )
     p.add_argument(
+        "--stream-weights",
+        action="store_true",
+        help="lower peak memory where the artifacts keep a frozen.bin (Linux, portable engine): its pages leave RSS "
+        "while steps run and are read again from the page cache (SmolLM2 int8 LoRA: 378 -> 296 MiB)",
+    )
+    p.add_argument(
         "--bucket",
         action="store_true",
         help="text: put commands of similar length in the same optimizer steps, so each batch pads less",
@@ -385,7 +391,7 @@ def _run_train(args: argparse.Namespace) -> int:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
     # Without --val nothing evaluates: the eval graph's session is not loaded (less memory on a device).
     options = {"threads": args.threads, "lean_memory": args.lean_memory, "evaluation": bool(args.val),
-               "engine": args.engine}  # fmt: skip
+               "engine": args.engine, "stream_weights": args.stream_weights}  # fmt: skip
     trainer = (
         _load_checkpoint(args.directory, Path(_checkpoint_file(args.checkpoint)), **options)
         if args.resume

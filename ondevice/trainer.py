@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Mapping
@@ -97,6 +97,7 @@ class Trainer:
         lean_memory: bool | None = None,
         evaluation: bool = True,
         engine: str = "auto",
+        stream_weights: bool = False,
     ) -> Trainer:
         """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming.
 
@@ -108,6 +109,9 @@ class Trainer:
         ``lean_memory`` trades some speed for a lower peak (ORT's memory arena off; see
         :func:`ondevice.session.session_options` for what it measured); by default it follows
         the memory planner's choice recorded in the manifest (off without a plan).
+        ``stream_weights`` keeps the frozen weights (``frozen.bin``) out of RSS while steps run: their
+        pages are unmapped every 50 ms and mapped again from the page cache when read (Linux, portable
+        engine; on the classic one they leave between steps only: see :mod:`ondevice.frozen`).
         ``evaluation=False`` skips the eval graph's session (on the digits model 15 to 28 % of a
         load in one-offs, and most of the time it takes to free a trainer) for training-only work
         such as a federated train task; such a trainer refuses :meth:`evaluate`,
@@ -129,8 +133,10 @@ class Trainer:
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
+        if not isinstance(stream_weights, bool):
+            raise ConfigError(f"stream_weights must be True or False, got {stream_weights!r}.")
         options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation}
-        frozen = FrozenWeights(directory, manifest)  # one mapping of frozen.bin for every session
+        frozen = FrozenWeights(directory, manifest, stream=stream_weights)  # one mapping of frozen.bin, every session
         options["frozen"] = frozen.values
         try:
             if checkpoint is None:
@@ -193,7 +199,8 @@ class Trainer:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
-        fetched = self._session.eval_step(self._trimmed(feeds))
+        with self._streaming():
+            fetched = self._session.eval_step(self._trimmed(feeds))
         self._release_rows()
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
@@ -210,7 +217,8 @@ class Trainer:
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
-        fetched = self._session.train_step(self._trimmed(feeds), whole=whole)
+        with self._streaming():
+            fetched = self._session.train_step(self._trimmed(feeds), whole=whole)
         self._release_rows()
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
@@ -221,6 +229,10 @@ class Trainer:
             for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
                 self._session.set_parameter(name, value)
         return loss, fetched, finite
+
+    def _streaming(self) -> AbstractContextManager[None]:
+        """Where the trainer streams its frozen weights, the pages a run reads leave RSS as it runs."""
+        return self._frozen.streaming() if self._frozen is not None else nullcontext()
 
     def _release_rows(self) -> None:
         if self._frozen is not None:  # the lookup tables' rows this step read leave RSS (ondevice.frozen)
@@ -420,7 +432,8 @@ class Trainer:
         parts = batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0)
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
-                fetched = self._session.eval_step(self._trimmed(list(batch.values())))
+                with self._streaming():
+                    fetched = self._session.eval_step(self._trimmed(list(batch.values())))
                 self._release_rows()
                 count = meter.weight(batch, len(next(iter(batch.values()))))
                 held = None if scores is None else fetched[scores]
@@ -446,7 +459,8 @@ class Trainer:
         with progress_bar(total=math.ceil(size / batch_size), disable=not progress) as bar:
             for start in range(0, size, batch_size):
                 feeds = [array[start : start + batch_size] for array in checked.values()]  # untrimmed: outputs
-                fetched = self._session.eval_step(feeds + self._placeholder_labels(feeds))  # keep their width
+                with self._streaming():
+                    fetched = self._session.eval_step(feeds + self._placeholder_labels(feeds))  # keep widths
                 self._release_rows()
                 parts.append(fetched[1 : 1 + len(self._train_names)])
                 bar.update(1)
