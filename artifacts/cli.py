@@ -180,7 +180,8 @@ def _run(args: argparse.Namespace) -> int:
     if manifest.plan is not None:
         from .planner import Plan, format_plan, small_set
 
-        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory", "micro_batch_size")
+        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory", "stream_weights", "engine",
+                "micro_batch_size")  # fmt: skip
         planned = Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})
         print(format_plan(planned))
         small = small_set(planned) and getattr(args, "adapter_rate", False)

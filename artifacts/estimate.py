@@ -54,6 +54,8 @@ class Footprint:
     constant_saved: float
     forward_per_row: float = 0.0
     forward_constant: float = 0.0
+    frozen: int = 0
+    """the frozen weights' bytes within ``fixed``: streamed (``ondevice.frozen``), a step holds few of them"""
 
     def at(self, rows: int) -> int:
         own = ACTIVATION_FACTOR * (max(self.constant_saved, 0.0) + self.per_row * rows)
@@ -91,7 +93,7 @@ def footprint(
     fixed = BASE_BYTES + frozen_bytes + 16 * trained + 4 * looked_up
     one, two = (_saved_bytes(adapted, example, trainable, rows, recompute) for rows in (1, 2))
     whole_one, whole_two = (_saved_bytes(adapted, example, set(names), rows, recompute) for rows in (1, 2))
-    return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two)
+    return Footprint(fixed, two - one, 2 * one - two, whole_two - whole_one, 2 * whole_one - whole_two, frozen_bytes)
 
 
 def reachable_parameters(model: nn.Module, example: Mapping[str, torch.Tensor]) -> set[str]:

@@ -8,7 +8,9 @@ order, are built (unverified) and MEASURED: a fresh torch-free process does what
 tokenizer, train steps, validation, a checkpoint save), and its peak RSS is read from the kernel. Each is measured first
 at the largest micro-batch its estimate fits (the runtime trains the same effective batch with
 gradient accumulation, so activations shrink and the result is the same), then at smaller ones
-while it is over. The first candidate that fits is chosen, with the micro-batch that fit.
+while it is over, each time also without ORT's arena and (artifacts with a ``frozen.bin``) on the
+portable engine with streamed weights. The first candidate that fits is chosen, with the micro-batch
+and the way that fit.
 Estimates only order and prune the work; a choice always rests on a measurement.
 
 Order: everything, then LoRA (largest rank first), then the last-N sets and biases (largest
@@ -82,6 +84,11 @@ class Candidate:
     def estimate(self, rows: int) -> int:
         return self.footprint.at(rows)
 
+    def streamed(self, rows: int) -> int:
+        """The estimate without the frozen weights, which a streamed step does not hold: the least it may
+        measure, so what prunes and where the micro-batches start."""
+        return self.footprint.at(rows) - self.footprint.frozen
+
 
 @dataclass
 class Plan:
@@ -91,6 +98,11 @@ class Plan:
     rows: list[dict[str, Any]] = field(default_factory=list)
     lean_memory: bool = False
     """The choice fits only with ORT's memory arena off: the runtime then loads it that way."""
+    stream_weights: bool = False
+    """The choice fits only with its frozen weights streamed: the runtime then streams them."""
+    engine: str | None = None
+    """The engine the choice was measured on when that matters (streamed weights: portable); the runtime's
+    ``engine="auto"`` then takes it."""
     micro_batch_size: int | None = None
     """The chosen micro-batch: ``Trainer.fit`` accumulates ``batch_size / micro_batch_size`` of them per
     optimizer step unless told otherwise (None: the whole batch fits)."""
@@ -198,7 +210,7 @@ def plan(
             if result.chosen is not None:
                 row["fits"] = None  # earlier ones were measured first; this one was not needed
                 continue
-            if candidate.estimate(1) > 1.25 * budget:  # over even in micro-batches of one row
+            if candidate.streamed(1) > 1.25 * budget:  # over even in micro-batches of one row, even streamed
                 row["fits"] = False
                 row["note"] = "estimate over budget, not measured"
                 continue
@@ -209,10 +221,11 @@ def plan(
                 row["trainable"] = manifest.trainable_size
                 row["note"] = f"{candidate.trainable - manifest.trainable_size:,} parameters do not reach the loss"
             sizes = _micro_batches(batch_size)
-            start = next((m for m in sizes if candidate.estimate(m) <= budget), 1)  # skip what the estimate rules out
+            start = next((m for m in sizes if candidate.streamed(m) <= budget), 1)  # skip what the estimate rules out
             over: dict[str, int] = {}  # micro-batch -> measured peak, for those that did not fit
             for micro in sizes[sizes.index(start) :]:
-                measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget)
+                measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget,
+                                streamable=bool(manifest.frozen_file and manifest.portable_files))  # fmt: skip
                 if measured["fits"] or micro == 1:
                     break
                 over[str(micro)] = measured["peak_rss"]
@@ -220,6 +233,7 @@ def plan(
             row.update(measured, micro_batch_size=micro, **({"over_at": over} if over else {}))
             if progress:
                 lean = " with lean memory" if row.get("lean_memory") else ""
+                lean += " with streamed weights (portable engine)" if row.get("stream_weights") else ""
                 split = row["micro_batch_size"] < batch_size
                 micro = f" in micro-batches of {row['micro_batch_size']}" if split else ""
                 verdict = f"fits{micro}{lean}" if row["fits"] else "over, even in micro-batches of 1"
@@ -227,6 +241,8 @@ def plan(
             if row["fits"]:
                 result.chosen = candidate.name
                 result.lean_memory = bool(row.get("lean_memory"))
+                result.stream_weights = bool(row.get("stream_weights"))
+                result.engine = row.get("engine")
                 result.micro_batch_size = row["micro_batch_size"] if row["micro_batch_size"] < batch_size else None
                 result.rows[-1]["options"] = {k: _plain(v) for k, v in candidate.options.items()}
     finally:
@@ -255,26 +271,44 @@ def _micro_batches(batch_size: int) -> list[int]:
     return sizes
 
 
-def _fit(directory: Path, batch: Path, steps: int, budget: int) -> dict[str, Any]:
-    """One measurement at one micro-batch, and again without ORT's arena when that alone is over.
+_MODES = ({}, {"lean_memory": True})
+"""How each micro-batch is measured, in turn while over budget: as loaded by default, then without ORT's arena."""
+_STREAMED = ({"engine": "portable", "stream_weights": True},
+             {"engine": "portable", "stream_weights": True, "lean_memory": True})  # fmt: skip
+"""Then, for artifacts with a ``frozen.bin`` and portable graphs: the frozen weights streamed
+(``ondevice.frozen``), on the portable engine (the classic engine holds Python's lock through a step,
+so its pages cannot leave while the step runs)."""
+
+
+def _fit(directory: Path, batch: Path, steps: int, budget: int, streamable: bool) -> dict[str, Any]:
+    """One measurement at one micro-batch, and again in each of :data:`_MODES` (and with ``streamable``,
+    :data:`_STREAMED`) while over. The row keeps the first measurement's figures, each later mode's
+    peak (``peak_rss_lean``, ``peak_rss_streamed``, ``peak_rss_streamed_lean``) and, when a later mode
+    fits, that one's figures and options.
 
     A peak within the budget is measured once more in another fresh process and the larger one
     counts: without the arena, peaks of one batch spread by up to 9 % between processes here (MiniLM
     LoRA at 2 x 64: 157 to 171 MB), and a plan must hold when the device measures it again."""
-    measured: dict[str, Any] = {**_peak(directory, batch, steps, budget, lean=False), "lean_memory": False}
-    if not measured["fits"]:  # the arena's doubling chunks may be all that is over: try without it
-        lean = _peak(directory, batch, steps, budget, lean=True)
-        measured["peak_rss_lean"] = lean["peak_rss"]
-        if lean["fits"]:
-            measured.update(lean, lean_memory=True, peak_rss_arena=measured["peak_rss"])
+    measured: dict[str, Any] = {}
+    for options in _MODES + (_STREAMED if streamable else ()):
+        found = _peak(directory, batch, steps, budget, options)
+        if not measured:
+            measured = {**found, "lean_memory": False}
+        else:
+            key = "peak_rss" + ("_streamed" if options.get("stream_weights") else "")
+            measured[key + ("_lean" if options.get("lean_memory") else "")] = found["peak_rss"]
+            if found["fits"]:
+                measured.update(found, **options, peak_rss_arena=measured["peak_rss"])
+        if found["fits"]:
+            break
     return measured
 
 
-def _peak(directory: Path, batch: Path, steps: int, budget: int, *, lean: bool) -> dict[str, Any]:
-    first = measure(directory, batch, steps, lean_memory=lean)
+def _peak(directory: Path, batch: Path, steps: int, budget: int, options: Mapping[str, Any]) -> dict[str, Any]:
+    first = measure(directory, batch, steps, **options)
     if first["peak_rss"] > budget:
         return {**first, "fits": False}
-    second = measure(directory, batch, steps, lean_memory=lean)
+    second = measure(directory, batch, steps, **options)
     worse = max(first, second, key=lambda m: m["peak_rss"])
     return {**worse, "fits": worse["peak_rss"] <= budget}
 
@@ -300,9 +334,19 @@ def chosen_changes(result: Plan) -> dict[str, Any]:
     return {"lora": None, "trainable": (), "train_last": None, "bias_only": False, **options}
 
 
-def measure(directory: Path, batch: Path, steps: int = 4, *, lean_memory: bool = False) -> dict[str, float]:
+def measure(
+    directory: Path,
+    batch: Path,
+    steps: int = 4,
+    *,
+    lean_memory: bool = False,
+    stream_weights: bool = False,
+    engine: str = "auto",
+) -> dict[str, float]:
     """Peak RSS (bytes) and median step time (ms) of training ``directory`` in a fresh process."""
     lean = ["--lean-memory"] if lean_memory else []
+    lean += ["--stream-weights"] if stream_weights else []
+    lean += ["--engine", engine]
     done = subprocess.run(
         [sys.executable, "-m", "ondevice.measure", str(directory), "--data", str(batch), "--steps", str(steps), *lean],
         capture_output=True,
@@ -349,6 +393,7 @@ def _batch(manifest: Any, example: Mapping[str, torch.Tensor], size: int, path: 
 
 def format_plan(result: Plan) -> str:
     lean = " (lean memory: ORT's arena off)" if result.lean_memory else ""
+    lean += " (streamed weights, portable engine)" if result.stream_weights else ""
     micro = f", in micro-batches of {result.micro_batch_size}" if result.micro_batch_size else ""
     lines = [f"memory plan: budget {_mb(result.budget)}, batch size {result.batch_size}{micro}{lean}",
              f"   {'candidate':<22} {'trainable':>12}  {'micro':>5}  {'estimate':>9}  {'train':>9}  {'+ val':>9}  "
@@ -359,6 +404,7 @@ def format_plan(result: Plan) -> str:
         step = f"{row['step_ms']:8.1f}" if "step_ms" in row else f"{'-':>8}"
         size = str(row.get("micro_batch_size", "-"))
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits")] + (" (lean)" if row.get("lean_memory") else "")
+        fits += " (streamed)" if row.get("stream_weights") else ""
         mark = "  <- chosen" if row["candidate"] == result.chosen else ""
         lines.append(
             f"   {row['candidate']:<22} {row['trainable']:>12,}  {size:>5}  {_mb(row['estimate']):>9}  "
@@ -371,6 +417,9 @@ def format_plan(result: Plan) -> str:
                      "`odt train --val` does (odt evaluate and predict load no more); the plan fits + val")  # fmt: skip
     if any("peak_rss_lean" in row for row in result.rows):
         notes.append("   over-budget rows were measured again without ORT's arena (lean memory)")
+    if any("peak_rss_streamed" in row for row in result.rows):
+        notes.append("   and then on the portable engine with streamed weights (odt train --stream-weights), with the "
+                     "arena and without")  # fmt: skip
     return "\n".join(lines + notes)
 
 

@@ -19,8 +19,8 @@ Streamed weights (``Trainer.load(stream_weights=True)``, ``odt train --stream-we
 every frozen page, and each page it read stays mapped, so a step's peak RSS holds the whole file
 (SmolLM2 on an int8 base: 131 of its 378 MiB). While a step runs, a thread unmaps the file's pages every
 :data:`STREAM_INTERVAL` seconds; ORT's next read of a page maps it again from the page cache (a minor
-fault, no copy). The process then holds only the pages of the last interval: SmolLM2's peak fell to
-296 MiB, the step about 5 % slower (``benchmarks/results/finetune.md``). The pages stay in the system's
+fault, no copy). The process then holds only the pages of the last interval (SmolLM2's peak: see
+``docs/pretrained.md``). The pages stay in the system's
 page cache, which a system short of memory may drop and read again from storage. Linux only
 (``madvise``); elsewhere it changes nothing. The thread needs Python's lock: the portable engine's
 sessions release it while they run, the classic engine's training API holds it for a whole step, so
@@ -52,9 +52,11 @@ __all__ = ["FrozenWeights", "SCALE_SUFFIX", "BLOCK_VALUES", "STREAM_INTERVAL", "
 
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 
-STREAM_INTERVAL = 0.05
-"""Seconds between two unmappings of the frozen file while a step streams its weights (SmolLM2, int8 base,
-portable engine, one-off: 50 ms gave a peak of 296 MiB against 378 MiB not streamed)."""
+STREAM_INTERVAL = 0.01
+"""Seconds between two unmappings of the frozen file while a step streams its weights. SmolLM2, int8 base,
+portable engine, probes of one process each: not streamed 378 MiB; every 50 ms 284 and 290 MiB, 10 ms 258
+and 258, 5 ms 255 and 255, at step times within each other's noise (a page faults in once per read either
+way). A step shorter than this holds the whole file at its end, as without streaming."""
 
 SCALE_SUFFIX = "::scale"
 """An int8 matrix ``W`` of an int8 base (``odt generate --base int8``) has its per-row scales in ``W::scale``."""

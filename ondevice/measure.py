@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=EXAMPLES,
                         help=f"rows of data held as odt train holds them (default {EXAMPLES:,})")  # fmt: skip
     parser.add_argument("--lean-memory", action="store_true", help="ORT's memory arena off (Trainer.load)")
+    parser.add_argument("--stream-weights", action="store_true", help="frozen.bin streamed (Trainer.load)")
+    parser.add_argument("--engine", default="auto", help="the engine that trains (Trainer.load; default auto)")
     args = parser.parse_args(argv)
 
     import tempfile
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from .data import load_npz
     from .trainer import Trainer
 
-    trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory)
+    trainer = Trainer.load(args.directory, threads=args.threads, lean_memory=args.lean_memory,
+                           stream_weights=args.stream_weights, engine=args.engine)  # fmt: skip
     batch = load_npz(args.data)
     rows = len(next(iter(batch.values())))
     with tempfile.TemporaryDirectory(prefix="odt-measure-") as tmp:

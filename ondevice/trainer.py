@@ -97,7 +97,7 @@ class Trainer:
         lean_memory: bool | None = None,
         evaluation: bool = True,
         engine: str = "auto",
-        stream_weights: bool = False,
+        stream_weights: bool | None = None,
     ) -> Trainer:
         """Open an artifact directory (manifest, hashes and ORT version checked), optionally resuming.
 
@@ -110,8 +110,9 @@ class Trainer:
         :func:`ondevice.session.session_options` for what it measured); by default it follows
         the memory planner's choice recorded in the manifest (off without a plan).
         ``stream_weights`` keeps the frozen weights (``frozen.bin``) out of RSS while steps run: their
-        pages are unmapped every 50 ms and mapped again from the page cache when read (Linux, portable
-        engine; on the classic one they leave between steps only: see :mod:`ondevice.frozen`).
+        pages are unmapped every 10 ms and mapped again from the page cache when read (Linux, portable
+        engine; on the classic one they leave between steps only: see :mod:`ondevice.frozen`). By
+        default it follows the memory plan, as ``engine="auto"`` takes the engine the plan measured.
         ``evaluation=False`` skips the eval graph's session (on the digits model 15 to 28 % of a
         load in one-offs, and most of the time it takes to free a trainer) for training-only work
         such as a federated train task; such a trainer refuses :meth:`evaluate`,
@@ -123,6 +124,8 @@ class Trainer:
         manifest = Manifest.load(directory)
         in_use = shared(directory / ARTIFACTS_LOCK, f"artifacts {directory}",
                         "odt generate --force is replacing them: wait for it to finish")  # fmt: skip
+        if engine == "auto" and (manifest.plan or {}).get("engine"):
+            engine = manifest.plan["engine"]  # the engine the memory plan was measured on
         engine = resolve(engine, manifest)
         made_with = str(manifest.versions.get("onnxruntime", ""))
         if engine == "classic" and made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:
@@ -133,8 +136,10 @@ class Trainer:
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
             lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
+        if stream_weights is None:
+            stream_weights = bool((manifest.plan or {}).get("stream_weights", False))
         if not isinstance(stream_weights, bool):
-            raise ConfigError(f"stream_weights must be True or False, got {stream_weights!r}.")
+            raise ConfigError(f"stream_weights must be True, False or None, got {stream_weights!r}.")
         options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation}
         frozen = FrozenWeights(directory, manifest, stream=stream_weights)  # one mapping of frozen.bin, every session
         options["frozen"] = frozen.values

@@ -71,6 +71,34 @@ def test_a_budget_nothing_fits_names_the_smallest_measurement(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def _frozen_body() -> nn.Module:
+    torch.manual_seed(0)  # six frozen 2048 x 2048 layers: 101 MB that a streamed step does not hold
+    layers: list[nn.Module] = [nn.Linear(256, 2048), nn.Tanh()]
+    for _ in range(6):
+        layers += [nn.Linear(2048, 2048), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(2048, 10))
+
+
+def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path):
+    """A budget the head fits only streamed: the planner measures the portable engine with streamed
+    weights after the arena and lean memory, records both, and Trainer.load follows the plan."""
+    generate(_frozen_body(), EXAMPLE, tmp_path / "head", verify=False, train_last=1)
+    plain = min(_peak(tmp_path / "head", tmp_path, batch=256, lean_memory=lean) for lean in (False, True))
+    streamed = measure(tmp_path / "head", tmp_path / "batch.npz", stream_weights=True, engine="portable")["peak_rss"]
+    assert plain > streamed + 50e6, (plain, streamed)  # the frozen pages are what the stream takes off
+    budget = int((plain + streamed) / 2)
+
+    manifest = generate(_frozen_body(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=256)
+    plan = manifest.plan
+    assert plan["stream_weights"] is True and plan["engine"] == "portable" and plan["micro_batch_size"] is None
+    chosen = next(row for row in plan["rows"] if row["candidate"] == plan["chosen"])
+    assert chosen["trainable"] == 2048 * 10 + 10  # the head: nothing bigger fits even streamed
+    assert chosen["peak_rss"] <= budget < min(chosen["peak_rss_arena"], chosen["peak_rss_lean"])
+    trainer = Trainer.load(tmp_path / "planned")
+    assert trainer.engine == "portable" and trainer._frozen.stream
+    assert Trainer.load(tmp_path / "planned", engine="classic", stream_weights=False).engine == "classic"  # asked
+
+
 def _wide() -> nn.Module:
     torch.manual_seed(0)  # few weights (2.2M), wide activations: a batch of 1024 holds ~34 MB per hidden tensor
     return nn.Sequential(nn.Linear(256, 8192), nn.ReLU(), nn.Linear(8192, 10))
