@@ -7,6 +7,10 @@ Every side runs in fresh processes that take turns (round by round): each loads 
 warm-up step, then times ``STEPS`` optimizer steps and reports the median and its peak RSS (VmHWM). The
 speed ratio is the median over rounds of (PEFT's step time / the SDK's) within a round. The tokens are
 the benchmark's chat commands (``benchmarks.smollm2``) run together into rows of 64, every token counted.
+
+"streamed" sides stream the frozen weights (``Trainer.load(stream_weights=True)``, ``ondevice.frozen``).
+``python -m benchmarks._smollm2_budget WORK`` runs only them, beside the portable engine's plain sides
+and PEFT, into ``benchmarks/results/smollm2_streamed.{json,md}``.
 """
 
 from __future__ import annotations

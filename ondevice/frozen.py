@@ -20,11 +20,11 @@ every frozen page, and each page it read stays mapped, so a step's peak RSS hold
 (SmolLM2 on an int8 base: 131 of its 378 MiB). While a step runs, a thread unmaps the file's pages every
 :data:`STREAM_INTERVAL` seconds; ORT's next read of a page maps it again from the page cache (a minor
 fault, no copy). The process then holds only the pages of the last interval (SmolLM2's peak: see
-``docs/pretrained.md``). The pages stay in the system's
-page cache, which a system short of memory may drop and read again from storage. Linux only
-(``madvise``); elsewhere it changes nothing. The thread needs Python's lock: the portable engine's
-sessions release it while they run, the classic engine's training API holds it for a whole step, so
-there the pages leave between steps only (SmolLM2's classic peak stayed at 401 MiB).
+``docs/pretrained.md``). The pages stay in the system's page cache, which a system short of memory
+may drop and read again from storage. Linux only (``madvise``); elsewhere it changes nothing. The
+thread needs Python's lock: the portable engine's sessions release it while they run, the classic
+engine's training API holds it for a whole step, so there the pages leave between steps only
+(SmolLM2's classic peak stayed at 401 MiB).
 """
 
 from __future__ import annotations

@@ -124,8 +124,12 @@ class Trainer:
         manifest = Manifest.load(directory)
         in_use = shared(directory / ARTIFACTS_LOCK, f"artifacts {directory}",
                         "odt generate --force is replacing them: wait for it to finish")  # fmt: skip
-        if engine == "auto" and (manifest.plan or {}).get("engine"):
-            engine = manifest.plan["engine"]  # the engine the memory plan was measured on
+        planned = (manifest.plan or {}).get("engine")
+        if engine == "auto" and planned is not None:  # the engine the memory plan was measured on
+            if planned not in ("classic", "portable"):
+                raise ManifestError(f"the manifest's plan names engine {planned!r}; expected classic or portable. "
+                                    "Regenerate the artifacts.")  # fmt: skip
+            engine = planned
         engine = resolve(engine, manifest)
         made_with = str(manifest.versions.get("onnxruntime", ""))
         if engine == "classic" and made_with.split(".")[:2] != ORT_VERSION.split(".")[:2]:

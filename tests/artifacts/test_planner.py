@@ -9,7 +9,7 @@ from torch import nn
 
 from artifacts import OptionError, SelectionError, generate
 from artifacts.planner import measure, parse_size
-from ondevice import Manifest, Trainer
+from ondevice import Manifest, ManifestError, Trainer
 
 
 def _model() -> nn.Module:
@@ -97,6 +97,10 @@ def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path
     trainer = Trainer.load(tmp_path / "planned")
     assert trainer.engine == "portable" and trainer._frozen.stream
     assert Trainer.load(tmp_path / "planned", engine="classic", stream_weights=False).engine == "classic"  # asked
+    path = tmp_path / "planned" / "manifest.json"
+    path.write_text(path.read_text().replace('"engine": "portable"', '"engine": "gpu"'))  # a hostile plan
+    with pytest.raises(ManifestError, match="plan names engine 'gpu'; expected classic or portable"):
+        Trainer.load(tmp_path / "planned")
 
 
 def _wide() -> nn.Module:
