@@ -344,11 +344,10 @@ def measure(
     engine: str = "auto",
 ) -> dict[str, float]:
     """Peak RSS (bytes) and median step time (ms) of training ``directory`` in a fresh process."""
-    lean = ["--lean-memory"] if lean_memory else []
-    lean += ["--stream-weights"] if stream_weights else []
-    lean += ["--engine", engine]
+    flags = ["--engine", engine, *(["--lean-memory"] if lean_memory else []),
+             *(["--stream-weights"] if stream_weights else [])]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "ondevice.measure", str(directory), "--data", str(batch), "--steps", str(steps), *lean],
+        [sys.executable, "-m", "ondevice.measure", str(directory), "--data", str(batch), "--steps", str(steps), *flags],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},

@@ -155,11 +155,7 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     generate_s, generate_peak = generated[artifacts.name]
     _run(SAVE_HF, str(folder))
     quality = recipe(artifacts, work)
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    adapter = manifest["adapters"][0]
-    rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
-    np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
-    batch = str(work / "smollm2-batch.npz")
+    manifest, batch, peft = _batch_and_peft(work, artifacts, folder)
     stock = str(stock_python())  # the portable engine on the newest stock onnxruntime, as on a device
     sides = {f"SDK {engine}{' lean' if lean else ''}": (SDK, stock if engine == "portable" else sys.executable,
                                                         str(artifacts), engine, "lean" if lean else "arena", batch,
@@ -169,14 +165,26 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
         SDK, stock if engine == "portable" else sys.executable, str(recomputed), engine, "lean" if lean else "arena",
         batch, str(STEPS)) for engine, lean in (("classic", False), ("classic", True), ("portable", True))}  # fmt: skip
     sides |= streamed_sides(artifacts, recomputed, batch, stock)
-    sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
-                               str(adapter["scale"] * rank))  # fmt: skip
-    rows = race(sides, rounds)
-    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
+    sides["PyTorch + PEFT"] = peft
     return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
             "generate_recompute_s": generated[recomputed.name][0],
-            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": trainable,
-            "tokens": [MICRO, TOKENS], "rows": rows}  # fmt: skip
+            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": _trainable(manifest),
+            "tokens": [MICRO, TOKENS], "rows": race(sides, rounds)}  # fmt: skip
+
+
+def _batch_and_peft(work: Path, artifacts: Path, folder: Path) -> tuple[dict[str, Any], str, tuple[str, ...]]:
+    """The artifacts' manifest, the token rows' file, and PyTorch + PEFT's side on the same LoRA (rank, alpha)."""
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    adapter = manifest["adapters"][0]
+    rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
+    np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
+    batch = str(work / "smollm2-batch.npz")
+    return manifest, batch, (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
+                             str(adapter["scale"] * rank))  # fmt: skip
+
+
+def _trainable(manifest: dict[str, Any]) -> int:
+    return sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
 
 
 def streamed_sides(artifacts: Path, recomputed: Path, batch: str, stock: str) -> dict[str, tuple[str, ...]]:
@@ -250,19 +258,14 @@ def streamed(work: Path, rounds: int = 3) -> dict[str, Any]:
                 "--base", "int8", *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
     if not folder.exists():
         _run(SAVE_HF, str(folder))
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    adapter = manifest["adapters"][0]
-    rank = next(p["shape"][0] for p in manifest["trainable"] if p["name"] == adapter["a"])
-    np.savez(work / "smollm2-batch.npz", **token_rows(artifacts / "tokenizer.json"))
-    batch, stock = str(work / "smollm2-batch.npz"), str(stock_python())
+    manifest, batch, peft = _batch_and_peft(work, artifacts, folder)
+    stock = str(stock_python())
     sides = {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}": (
         SDK, stock, str(directory), "portable", "lean" if lean else "arena", batch, str(STEPS))
         for directory, lean in ((artifacts, False), (recomputed, False))}  # fmt: skip
     sides |= streamed_sides(artifacts, recomputed, batch, stock)
-    sides["PyTorch + PEFT"] = (PEFT, sys.executable, str(folder), batch, str(STEPS), str(rank),
-                               str(adapter["scale"] * rank))  # fmt: skip
-    trainable = sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "trainable": trainable,
+    sides["PyTorch + PEFT"] = peft
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "trainable": _trainable(manifest),
             "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "tokens": [MICRO, TOKENS],
             "rows": race(sides, rounds)}  # fmt: skip
 

@@ -152,26 +152,29 @@ class FrozenWeights:
             _madvise(self._whole, _MADV_DONTNEED)
 
     @contextlib.contextmanager
-    def streaming(self) -> Iterator[None]:
-        """Within the block, with ``stream`` on, unmap the file every :data:`STREAM_INTERVAL` seconds, and
-        once more at its end (see the module docstring). The mapping outlives the thread: it is joined here."""
-        if not (self.stream and self._whole):
-            yield
-            return
-        done = threading.Event()
+    def reading(self) -> Iterator[None]:
+        """Around one run of a session: with ``stream`` on, a thread unmaps the whole file every
+        :data:`STREAM_INTERVAL` seconds while the run reads it (see the module docstring). Afterwards
+        what the run read leaves RSS: the whole file when streamed, else the lookup tables' rows. The
+        thread is joined here, so it never outlives the mapping."""
+        done, thread = threading.Event(), None
+        if self.stream and self._whole:
 
-        def unmap() -> None:
-            while not done.wait(STREAM_INTERVAL):
-                self.release()
+            def unmap() -> None:
+                while not done.wait(STREAM_INTERVAL):
+                    self.release()
 
-        thread = threading.Thread(target=unmap, name="odt-stream-weights", daemon=True)
-        thread.start()
+            thread = threading.Thread(target=unmap, name="odt-stream-weights", daemon=True)
+            thread.start()
         try:
             yield
         finally:
             done.set()
-            thread.join()
-            self.release()
+            if thread is None:
+                self.release_rows()
+            else:
+                thread.join()
+                self.release()
 
 
 def _drop_cached(path: Path, ranges: list[tuple[int, int]]) -> None:

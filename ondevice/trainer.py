@@ -208,9 +208,8 @@ class Trainer:
         """Loss and outputs of the eval graph (dropout off, running statistics) on ``batch``."""
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
-        with self._streaming():
+        with self._reading():
             fetched = self._session.eval_step(self._trimmed(feeds))
-        self._release_rows()
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
     def _whole_steps(self, accumulate: int) -> bool:
@@ -226,9 +225,8 @@ class Trainer:
         # ORT's Dropout draws from a process-wide generator: seed it from (seed, step, micro) so
         # masks, and so a resumed run, are reproducible.
         set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
-        with self._streaming():
+        with self._reading():
             fetched = self._session.train_step(self._trimmed(feeds), whole=whole)
-        self._release_rows()
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
@@ -239,13 +237,9 @@ class Trainer:
                 self._session.set_parameter(name, value)
         return loss, fetched, finite
 
-    def _streaming(self) -> AbstractContextManager[None]:
-        """Where the trainer streams its frozen weights, the pages a run reads leave RSS as it runs."""
-        return self._frozen.streaming() if self._frozen is not None else nullcontext()
-
-    def _release_rows(self) -> None:
-        if self._frozen is not None:  # the lookup tables' rows this step read leave RSS (ondevice.frozen)
-            self._frozen.release_rows()
+    def _reading(self) -> AbstractContextManager[None]:
+        """Around a session's run: the frozen pages it reads leave RSS (``FrozenWeights.reading``)."""
+        return self._frozen.reading() if self._frozen is not None else nullcontext()
 
     def _trimmed(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
         return feeds if self._trim is None else trim_padding(feeds, self._trim)
@@ -441,9 +435,8 @@ class Trainer:
         parts = batches(checked, min(batch_size, size), shuffle=False, seed=0, epoch=0)
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
-                with self._streaming():
+                with self._reading():
                     fetched = self._session.eval_step(self._trimmed(list(batch.values())))
-                self._release_rows()
                 count = meter.weight(batch, len(next(iter(batch.values()))))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
@@ -468,9 +461,8 @@ class Trainer:
         with progress_bar(total=math.ceil(size / batch_size), disable=not progress) as bar:
             for start in range(0, size, batch_size):
                 feeds = [array[start : start + batch_size] for array in checked.values()]  # untrimmed: outputs
-                with self._streaming():
+                with self._reading():
                     fetched = self._session.eval_step(feeds + self._placeholder_labels(feeds))  # keep widths
-                self._release_rows()
                 parts.append(fetched[1 : 1 + len(self._train_names)])
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._train_names)}

@@ -220,8 +220,8 @@ def test_streaming_unmaps_the_pages_while_a_run_is_still_going(frozen_body):
     frozen = Trainer.load(out, engine="portable", stream_weights=True)._frozen
     address, length = frozen._whole[0]
     weights = np.frombuffer((ctypes.c_char * length).from_address(address), np.uint8)
-    with frozen.streaming():
-        assert int(weights[:: mmap.PAGESIZE].sum(dtype=np.int64)) >= 0  # every page read, as a step reads them
+    with frozen.reading():
+        weights[:: mmap.PAGESIZE].sum(dtype=np.int64)  # every page read, as a step reads them
         for _ in range(600):  # what the thread does every 10 ms; waited for, up to 60 s on a busy machine
             if _resident_pages(address, length) == 0:
                 break
