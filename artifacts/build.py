@@ -22,8 +22,8 @@ from .export import (
     export_onnx,
     torch_module,
 )
-from .int8_base import dequantized_base
 from .lora import add_adapters, with_targets
+from .narrow_base import dequantized_base
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .recurrent import unroll_recurrent

@@ -105,10 +105,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "last-N modules, biases, everything",
     )
     t.add_argument("--batch-size", type=int, default=16, help="batch size the memory plan is measured at (default 16)")
-    t.add_argument("--base", choices=["float32", "int8"], default="float32",
+    t.add_argument("--base", choices=["float32", "float16", "int8"], default="float32",
                    help="how the frozen weights are stored: int8 keeps every frozen matrix read by products and "
-                   "lookups as int8 rows with a scale per row (a quarter of the memory), widened just before "
-                   "each product; verification compares PyTorch with the same dequantized weights")  # fmt: skip
+                   "lookups as int8 rows with a scale per row (a quarter of the memory), float16 as float16 (a "
+                   "half; widened faster by stock onnxruntime, the portable engine); either is widened just "
+                   "before each product, and verification compares PyTorch with the same widened weights")  # fmt: skip
     t.add_argument("--recompute", action="store_true",
                    help="recompute each repeated layer in the backward instead of keeping its activations "
                    "(gradient checkpointing): about one layer's activations alive, for a second forward per "

@@ -2,7 +2,7 @@
 
 peak = BASE_BYTES                           Python, numpy, ONNX Runtime, a session's fixed cost
      + 4 bytes x frozen weights read whole   (frozen embedding tables are paged in by the row: ~0;
-                                             1 byte for the matrices of an int8 base)
+                                             1 or 2 bytes for the matrices of an int8 or float16 base)
      + 16 bytes x trainable weights           weight, gradient, AdamW's two moments
      + 4 bytes x trainable embedding tables   the dense gradient of a lookup
      + the larger of ACTIVATION_FACTOR x what PyTorch saves for the candidate's backward
@@ -67,12 +67,13 @@ def footprint(
     model: nn.Module,
     example: Mapping[str, torch.Tensor],
     options: Mapping[str, Any],
-    int8: bool = False,
+    base: str = "float32",
     recompute: bool = False,
 ) -> Footprint:
     """The estimate of training ``model`` with ``options`` (generate's trainable-set options:
-    ``lora`` + ``trainable``, ``train_last``, ``bias_only``; none: everything trains); ``int8``: the
-    frozen matrices are an int8 base (1 byte a value); ``recompute``: repeated layers are recomputed."""
+    ``lora`` + ``trainable``, ``train_last``, ``bias_only``; none: everything trains); ``base``: how the
+    frozen matrices are stored (``--base``: int8 1 byte a value, float16 2); ``recompute``: repeated layers
+    are recomputed."""
     lora: Lora | None = options.get("lora")
     adapted = add_adapters(model, lora, seed=0)[0] if lora is not None else copy.deepcopy(model)
     names = [n for n, _ in adapted.named_parameters()]
@@ -87,7 +88,8 @@ def footprint(
     tables = {f"{m}.weight".lstrip(".") for m, module in adapted.named_modules() if isinstance(module, nn.Embedding)}
     params = dict(adapted.named_parameters())
     frozen = {n: p for n, p in params.items() if n not in trainable and n not in tables}
-    frozen_bytes = sum((1 if int8 and p.dim() == 2 else 4) * p.numel() for p in frozen.values())
+    narrow = {"int8": 1, "float16": 2}.get(base, 4)
+    frozen_bytes = sum((narrow if p.dim() == 2 else 4) * p.numel() for p in frozen.values())
     trained = sum(params[n].numel() for n in trainable)
     looked_up = sum(params[n].numel() for n in tables & trainable)
     fixed = BASE_BYTES + frozen_bytes + 16 * trained + 4 * looked_up

@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
 from ondevice.session import C
 
-from .int8_base import quantizable, quantize_rows, widen_in_graph
+from .narrow_base import NARROW, quantizable, quantize_rows, widen_in_graph
 
 __all__ = ["FROZEN_FILE", "externalize_frozen", "lookup_tables"]
 
@@ -37,22 +37,24 @@ def externalize_frozen(
     frozen: Sequence[str],
     buffers: Sequence[str],
     initializers: Mapping[str, onnx.TensorProto],
-    int8: bool = False,
-) -> tuple[dict[str, int], dict[str, int]]:
+    base: str = "float32",
+) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Move the float32 tensors of ``frozen`` (but not ``buffers``, which the train step updates)
-    from ORT's checkpoint into ``frozen.bin`` and rewrite the checkpoint without them. With ``int8``,
-    every frozen matrix the graphs read only in products and row lookups is stored as int8 rows with
-    a scale per row and widened in the graphs (:mod:`artifacts.int8_base`).
+    from ORT's checkpoint into ``frozen.bin`` and rewrite the checkpoint without them. With ``base``
+    ``"int8"`` or ``"float16"``, every frozen matrix the graphs read only in products and row lookups is
+    stored as int8 rows with a scale per row, or as float16, and widened in the graphs
+    (:mod:`artifacts.narrow_base`).
 
-    Returns (name -> offset, int8 name -> offset of its scales), offsets in 4-byte words (the
-    tensors tile the file in ``frozen`` order, an int8 matrix padded to whole words and followed by
-    its scales); empty dicts when nothing moved.
+    Returns (name -> offset, int8 name -> offset of its scales, float16 names), offsets in 4-byte words
+    (the tensors tile the file in ``frozen`` order, an int8 or float16 matrix padded to whole words, an
+    int8 one followed by its scales); empty when nothing moved.
     """
     moving = [n for n in frozen if n not in buffers and initializers[n].data_type == onnx.TensorProto.FLOAT]
     if not moving:
-        return {}, {}
+        return {}, {}, []
     models = {graph: onnx.load(work / graph, load_external_data=False) for graph in _GRAPHS}
-    quantized = set(quantizable(models.values(), {n: initializers[n].dims for n in moving})) if int8 else set()
+    narrow = base in NARROW
+    quantized = set(quantizable(models.values(), {n: initializers[n].dims for n in moving})) if narrow else set()
     offsets: dict[str, int] = {}
     scales: dict[str, int] = {}
     added: list[onnx.TensorProto] = []
@@ -62,37 +64,40 @@ def externalize_frozen(
             array = np.ascontiguousarray(numpy_helper.to_array(initializers[name]), dtype="<f4")
             offsets[name] = position
             if name in quantized:
-                q, scale = quantize_rows(array)
-                padded = -q.size % 4
+                q, scale = quantize_rows(array) if base == "int8" else (array.astype("<f2"), None)
+                padded = -q.nbytes % 4
                 out.write(q.tobytes() + bytes(padded))
-                scales[name] = position + (q.size + padded) // 4
-                out.write(scale.astype("<f4").tobytes())
-                added += [_external(name, onnx.TensorProto.INT8, array.shape, position, q.size),
-                          _external(name + SCALE_SUFFIX, onnx.TensorProto.FLOAT, scale.shape, scales[name],
-                                    4 * scale.size)]  # fmt: skip
+                position += (q.nbytes + padded) // 4
+                added.append(_external(name, NARROW[base], array.shape, offsets[name], q.nbytes))
+                if scale is not None:
+                    scales[name] = position
+                    out.write(scale.astype("<f4").tobytes())
+                    added.append(_external(name + SCALE_SUFFIX, onnx.TensorProto.FLOAT, scale.shape, position,
+                                           4 * scale.size))  # fmt: skip
+                    position += scale.size
                 blocks = row_blocks(q.shape)
-                width = q.shape[1]
-                added += [_external(block_name(name, a), onnx.TensorProto.INT8, (b - a, width), position,
-                                    (b - a) * width, skip=a * width) for a, b in blocks if len(blocks) > 1]  # fmt: skip
-                position = scales[name] + scale.size
+                row = q.itemsize * q.shape[1]
+                added += [_external(block_name(name, a), NARROW[base], (b - a, q.shape[1]), offsets[name],
+                                    (b - a) * row, skip=a * row) for a, b in blocks if len(blocks) > 1]  # fmt: skip
             else:
                 out.write(array.tobytes())
                 added.append(_external(name, onnx.TensorProto.FLOAT, array.shape, position, 4 * array.size))
                 position += array.size
     rows = {n: tuple(int(d) for d in initializers[n].dims) for n in quantized}
+    half = [n for n in moving if n in quantized and base == "float16"]
     for graph, model in models.items():
         inputs = [i for i in model.graph.input if i.name not in offsets]
         del model.graph.input[:]
         model.graph.input.extend(inputs)
         model.graph.initializer.extend(added)
         if rows:
-            widen_in_graph(model, rows)
+            widen_in_graph(model, rows, half)
         onnx.save(model, work / graph)
     trained = [initializers[n].SerializeToString() for n in trainable]
     rest = [initializers[n].SerializeToString() for n in frozen if n not in offsets]
     (work / "checkpoint").unlink()
     C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
-    return offsets, scales
+    return offsets, scales, half
 
 
 def _external(name: str, dtype: int, shape: Sequence[int], words: int, length: int, skip: int = 0) -> onnx.TensorProto:

@@ -231,11 +231,11 @@ def _build(
     order = _parameter_order(work / "training_model.onnx")
     if spec.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
-        offsets, scales = {}, {}
+        offsets, scales, half = {}, {}, []
     else:
         in_order = [n for n in order if n in set(frozen)]
-        offsets, scales = externalize_frozen(work, trainable, in_order, list(updates), initializers,
-                                             int8=spec.base == "int8")  # fmt: skip
+        offsets, scales, half = externalize_frozen(work, trainable, in_order, list(updates), initializers,
+                                                   base=spec.base)  # fmt: skip
     variants = {} if spec.ort_format else _write_variants(work, context)
     tokenizer = _attach_tokenizer(spec.tokenizer, input_names, work)
 
@@ -276,7 +276,8 @@ def _build(
         index_limits=_index_limits(original, input_names),
         hf_config=o.hf_config,
         frozen_file={"file": FROZEN_FILE, "offsets": offsets, "lookups": lookup_tables(work, list(offsets)),
-                     **({"int8": scales, "block_values": ondevice.frozen.BLOCK_VALUES} if scales else {})}
+                     **({"int8": scales} if scales else {}), **({"float16": half} if half else {}),
+                     **({"block_values": ondevice.frozen.BLOCK_VALUES} if scales or half else {})}
         if offsets
         else None,
         variants=variants,

@@ -118,7 +118,7 @@ def candidates(
     lora: Lora | None,
     ranks: Sequence[int],
     head: Sequence[str],
-    int8: bool = False,
+    base: str = "float32",
     recompute: bool = False,
 ) -> list[Candidate]:
     """Trainable sets of ``model`` with their sizes and estimates, in the order the planner tries them.
@@ -129,7 +129,7 @@ def candidates(
     owners = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
 
     def candidate(name: str, options: Mapping[str, Any], trainable: int, layers: str = "") -> Candidate:
-        return Candidate(name, options, trainable, footprint(model, example, options, int8, recompute), layers)
+        return Candidate(name, options, trainable, footprint(model, example, options, base, recompute), layers)
 
     unused = sum(p.numel() for n, p in model.named_parameters() if n not in reachable)
     everything = [candidate("everything", {}, total, f"{unused:,} parameters do not reach the loss" if unused else "")]
@@ -186,7 +186,7 @@ def plan(
     batch_size = spec.batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
-    head, int8 = spec.trainable, spec.base == "int8"
+    head, base = spec.trainable, spec.base
     result = Plan(budget=budget, batch_size=batch_size)
     longest = longest_inputs(example_inputs, spec)  # what the device feeds at worst: estimated and measured
     if spec.lora_from is not None:  # the adapter fixes what trains (its rank, targets, saved modules): plan the rest
@@ -194,11 +194,11 @@ def plan(
 
         fixed, start = read_peft(spec.lora_from)
         head = (*head, *(m for m in saved_modules(start) if m not in head))
-        adapted = candidates(model, longest, fixed, [fixed.rank], head, int8, spec.recompute)
+        adapted = candidates(model, longest, fixed, [fixed.rank], head, base, spec.recompute)
         found = [replace(c, options={**c.options, "lora": fixed}, name=f"{c.name} (from the adapter)")
                  for c in adapted if "lora" in c.options]  # fmt: skip
     else:
-        found = candidates(model, longest, spec.lora or Lora(), ranks, head, int8, spec.recompute)
+        found = candidates(model, longest, spec.lora or Lora(), ranks, head, base, spec.recompute)
     base = spec.but(input_names=None, memory_budget=None, verify=False, decoder=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))

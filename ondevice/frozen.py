@@ -47,8 +47,8 @@ from .session import OrtValue
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-__all__ = ["FrozenWeights", "SCALE_SUFFIX", "BLOCK_VALUES", "STREAM_INTERVAL", "block_name", "dequantize_rows",
-           "row_blocks", "stored_arrays"]
+__all__ = ["FrozenWeights", "HALF", "SCALE_SUFFIX", "BLOCK_VALUES", "STREAM_INTERVAL", "block_name", "dequantize_rows",
+           "narrow_matrices", "row_blocks", "stored_arrays", "widened"]
 
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 
@@ -61,9 +61,12 @@ way). A step shorter than this holds the whole file at its end, as without strea
 SCALE_SUFFIX = "::scale"
 """An int8 matrix ``W`` of an int8 base (``odt generate --base int8``) has its per-row scales in ``W::scale``."""
 
+HALF = "float16"
+"""``frozen_file``'s key listing the matrices of a float16 base (``odt generate --base float16``)."""
+
 
 BLOCK_VALUES = 1 << 19
-"""An int8 matrix of more than 4 x this many values (8 MiB in float32) is widened a block of rows of about
+"""An int8 or float16 matrix of more than 4 x this many values (8 MiB in float32) is widened a block of rows of about
 this many values (2 MiB) at a time, each block its own tensor (a view of the matrix's rows in ``frozen.bin``,
 named by :func:`block_name`). On a SmolLM2-shaped model (a tied 49,152 x 576 embedding) a step's peak fell
 by 8 MB from blocks of 2^21 values at the same speed, and by 36 MB from blocks of 2^23. Smaller matrices
@@ -71,7 +74,7 @@ stay whole: blocking SmolLM2's 576 x 1,536 projections too added 7,000 nodes to 
 
 
 def row_blocks(shape: tuple[int, ...], limit: int | None = None) -> list[tuple[int, int]]:
-    """The (start, stop) row blocks of an int8 matrix of ``shape``: one block unless it has more than
+    """The (start, stop) row blocks of an int8 or float16 matrix of ``shape``: one block unless it has more than
     4 x ``limit`` values (default :data:`BLOCK_VALUES`; artifacts record theirs as ``frozen_file.block_values``)."""
     limit = BLOCK_VALUES if limit is None else limit
     rows, columns = shape
@@ -88,27 +91,44 @@ def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale.astype(np.float32)[:, None]
 
 
+def narrow_matrices(manifest: Manifest) -> set[str]:
+    """The frozen matrices stored narrower than float32 (an int8 or a float16 base), widened in the graphs."""
+    stored = manifest.frozen_file or {}
+    return {*stored.get("int8", {}), *stored.get(HALF, ())}
+
+
 def stored_arrays(data: np.ndarray, manifest: Manifest) -> dict[str, np.ndarray]:
     """Every tensor of ``frozen.bin`` (``data``: its bytes as uint8) by graph name, as views: float32
-    tensors, and for an int8 base each matrix as int8 plus its scales (``name + SCALE_SUFFIX``) and,
-    for a large one, its row blocks (:func:`row_blocks`).
-    Offsets count 4-byte words; an int8 matrix is padded to whole words and its scales follow it."""
+    tensors; for an int8 base each matrix as int8 plus its scales (``name + SCALE_SUFFIX``), for a float16
+    base each matrix as float16; and for a large int8 or float16 matrix its row blocks (:func:`row_blocks`).
+    Offsets count 4-byte words; an int8 or float16 matrix is padded to whole words (int8 scales follow)."""
     stored = manifest.frozen_file or {}
     shapes = {p.name: p.shape for p in manifest.frozen}
-    int8 = stored.get("int8", {})
+    int8, half = stored.get("int8", {}), set(stored.get(HALF, ()))
     arrays: dict[str, np.ndarray] = {}
     for name, offset in stored.get("offsets", {}).items():
         shape, start = shapes[name], 4 * int(offset)
         count = math.prod(shape)
-        if name in int8:
-            arrays[name] = data[start : start + count].view(np.int8).reshape(shape)
+        if name in int8 or name in half:
+            dtype = np.dtype(np.int8 if name in int8 else "<f2")
+            arrays[name] = data[start : start + dtype.itemsize * count].view(dtype).reshape(shape)
             blocks = row_blocks(shape, stored.get("block_values"))
             arrays.update({block_name(name, a): arrays[name][a:b] for a, b in blocks} if len(blocks) > 1 else {})
-            scales = 4 * int(int8[name])
-            arrays[name + SCALE_SUFFIX] = data[scales : scales + 4 * shape[0]].view(np.float32)
+            if name in int8:
+                scales = 4 * int(int8[name])
+                arrays[name + SCALE_SUFFIX] = data[scales : scales + 4 * shape[0]].view(np.float32)
         else:
             arrays[name] = data[start : start + 4 * count].view(np.float32).reshape(shape)
     return arrays
+
+
+def widened(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """Stored tensor ``name`` of ``arrays`` (:func:`stored_arrays`) as the float32
+    values the graphs compute with: an int8 matrix dequantized, a float16 one widened, float32 copied."""
+    value = arrays[name]
+    if value.dtype == np.int8:
+        return dequantize_rows(value, arrays[name + SCALE_SUFFIX])
+    return np.array(value, np.float32)
 
 
 class FrozenWeights:

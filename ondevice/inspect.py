@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection
 
 from .manifest import Manifest
 
 __all__ = ["summarize", "describe"]
 
 
-def _int8(manifest: Manifest) -> Mapping[str, int]:
-    """The frozen matrices stored in int8 (``odt generate --base int8``)."""
-    return (manifest.frozen_file or {}).get("int8", {})
+def _stored(manifest: Manifest, base: str) -> Collection[str]:
+    """The frozen matrices stored in ``base`` (``odt generate --base int8`` or ``--base float16``)."""
+    return (manifest.frozen_file or {}).get(base, ())
 
 
 def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -34,7 +34,8 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "trainable_share": trainable / (trainable + frozen) if trainable + frozen else 0.0,
             "trainable_tensors": len(manifest.trainable),
             "frozen_tensors": len(manifest.frozen),
-            "frozen_int8": sum(p.size for p in manifest.frozen if p.name in _int8(manifest)),
+            **{f"frozen_{base}": sum(p.size for p in manifest.frozen if p.name in _stored(manifest, base))
+               for base in ("int8", "float16")},
         },
         "loss": {"kind": manifest.loss.kind, **manifest.loss.options},
         "optimizer": {"kind": manifest.optimizer.kind, "lr": manifest.optimizer.lr, **manifest.optimizer.options},
@@ -121,7 +122,8 @@ def describe(summary: dict[str, Any]) -> str:
         "outputs:  loss; " + "; ".join(_shape(t) for t in summary["outputs"]),
         f"params:   {p['trainable']:,} trainable ({p['trainable_bytes'] / 1024:.1f} KiB, "
         f"{100 * p['trainable_share']:.1f}% of {p['trainable'] + p['frozen']:,}) in {p['trainable_tensors']} tensors; "
-        f"{p['frozen']:,} frozen" + (f" ({p['frozen_int8']:,} of them in int8)" if p["frozen_int8"] else ""),
+        f"{p['frozen']:,} frozen" + "".join(f" ({p[f'frozen_{b}']:,} of them in {b})" for b in ("int8", "float16")
+                                           if p[f"frozen_{b}"]),
         f"loss:     {summary['loss']['kind']} ({options(summary['loss'])})",
         f"optimizer: {summary['optimizer']['kind']} ({options(summary['optimizer'])})",
         "versions: " + ", ".join(f"{k} {val}" for k, val in summary["versions"].items()),

@@ -241,16 +241,22 @@ def _frozen_file(value: Any, files: dict[str, Any], frozen: dict[str, tuple[int,
         return
     if value["file"] not in files:
         _fail("frozen_file.file", "a file listed in files", value["file"])
-    offsets, int8 = value["offsets"], value.get("int8", {})
+    offsets, int8, half = value["offsets"], value.get("int8", {}), value.get("float16", [])
     if not set(int8) <= set(offsets):
         _fail("frozen_file.int8", "tensors in frozen_file.offsets", sorted(set(int8) - set(offsets)))
-    expected = 0  # in 4-byte words: a float32 tensor, or int8 rows padded to whole words and then their scales
+    if not isinstance(half, list) or not set(half) <= set(offsets) - set(int8):
+        _fail("frozen_file.float16", "a list of tensors in frozen_file.offsets, none of them int8", half)
+    expected = 0  # in 4-byte words: a float32 tensor, float16 or int8 rows padded to whole words (int8: then scales)
     for name, offset in offsets.items():
         if name not in frozen:
             _fail(f"frozen_file.offsets[{name!r}]", "a frozen parameter", name)
         if offset != expected:
             _fail(f"frozen_file.offsets[{name!r}]", f"{expected} (the tensors tile the file in order)", offset)
         expected += math.prod(frozen[name])
+        if name in half:
+            if len(frozen[name]) != 2:
+                _fail(f"frozen_file.float16[{name!r}]", "a matrix (float16 rows)", frozen[name])
+            expected = offset + -(-math.prod(frozen[name]) // 2)
         if name in int8:
             if len(frozen[name]) != 2:
                 _fail(f"frozen_file.int8[{name!r}]", "a matrix (int8 rows)", frozen[name])

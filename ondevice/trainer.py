@@ -25,7 +25,7 @@ from .errors import (
     WeightsError,
 )
 from .files import sha256_file
-from .frozen import SCALE_SUFFIX, FrozenWeights, dequantize_rows, stored_arrays
+from .frozen import SCALE_SUFFIX, FrozenWeights, dequantize_rows, narrow_matrices, stored_arrays, widened
 from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
@@ -516,10 +516,7 @@ class Trainer:
         stored = self.manifest.frozen_file
         if stored is not None and name in stored["offsets"]:
             data = np.memmap(self.directory / stored["file"], np.uint8, "r")
-            arrays = stored_arrays(data, self.manifest)
-            if name in stored.get("int8", {}):  # an int8 base: the values the step graph computes from it
-                return dequantize_rows(arrays[name], arrays[name + SCALE_SUFFIX])
-            return np.array(arrays[name])
+            return widened(stored_arrays(data, self.manifest), name)  # a narrow base: the values the graphs use
         value = self._session.get_parameter(name)
         if value.dtype == np.int8:  # a bundle carries an int8 base in its checkpoint, with the scales beside it
             return dequantize_rows(value, self._session.get_parameter(name + SCALE_SUFFIX))
@@ -619,9 +616,9 @@ class Trainer:
                                 "(`odt generate --task causal-lm`) complete prompts.")  # fmt: skip
         self.manifest.check_files(self.directory, names=(decoder.file, tokenizer.file))
         # The frozen weights no adapter changes are the trainer's own mapping of frozen.bin: shared, not copied.
-        # The decoder computes in float32: an int8 base's matrices are widened into it (LazyWeights).
-        int8 = set((self.manifest.frozen_file or {}).get("int8", {}))
-        folded = {a.weight for a in self.manifest.adapters} | int8 | {n + SCALE_SUFFIX for n in int8}
+        # The decoder computes in float32: an int8 or float16 base's matrices are widened into it (LazyWeights).
+        narrow = narrow_matrices(self.manifest)
+        folded = {a.weight for a in self.manifest.adapters} | narrow | {n + SCALE_SUFFIX for n in narrow}
         shared = {n: v for n, v in (self._frozen.values if self._frozen else {}).items() if n not in folded}
         model = decoder_model(self.directory, decoder, LazyWeights(self), shared).SerializeToString()
         options = session_options(threads)

@@ -156,8 +156,10 @@ def test_the_estimate_counts_weights_optimizer_state_and_saved_activations():
     head = footprint(model, ids, {"train_last": 1})
     frozen = 256 * 4096 + 4096  # the embedding table is paged in by the row: not counted
     assert head.fixed == BASE_BYTES + 4 * frozen + 16 * (4096 * 10 + 10)
-    int8 = footprint(model, ids, {"train_last": 1}, int8=True)  # an int8 base: a byte per matrix value
+    int8 = footprint(model, ids, {"train_last": 1}, base="int8")  # an int8 base: a byte per matrix value
     assert int8.fixed == head.fixed - 3 * 256 * 4096 and int8.per_row == head.per_row
+    half = footprint(model, ids, {"train_last": 1}, base="float16")  # a float16 base: two
+    assert half.fixed == head.fixed - 2 * 256 * 4096 and half.per_row == head.per_row
     assert head.per_row == 4 * 4096  # the last Linear keeps its input (the ReLU's output) for the weight gradient
     everything = footprint(model, ids, {})
     assert everything.fixed == BASE_BYTES + 16 * sum(p.numel() for p in model.parameters()) + 4 * 1000 * 256
