@@ -15,9 +15,10 @@ embedding: 113 MB in float32) is widened and multiplied in blocks of rows. Looku
 widen only the rows they read.
 
 Which to choose: int8 is the smaller file; float16 widens faster where ONNX Runtime converts float16
-on all its threads (stock onnxruntime 1.32: SmolLM2's portable step 1.16x as fast as on int8, while
-``DequantizeLinear`` runs on one thread), and keeps more of the weights' precision. onnxruntime-training
-1.19.2 converts float16 slowly, so on the classic engine int8 is the faster base.
+on all its threads (stock onnxruntime 1.32, whose ``DequantizeLinear`` runs on one: SmolLM2's portable
+step 1.14x as fast as on int8, trainers of both alternating in one process), and keeps more of the
+weights' precision. onnxruntime-training 1.19.2 converts float16 slowly, so on the classic engine
+int8 is the faster base.
 
 The values are ``float(q) * scale`` (what ONNX's ``DequantizeLinear`` computes) or the float16 value, so
 the graph computes exactly what PyTorch computes with the widened weights (:func:`dequantized_base`),
@@ -54,7 +55,7 @@ __all__ = ["NARROW", "quantize_rows", "dequantize_rows", "quantizable", "widen_i
 
 _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
 """(operator, input position) where a frozen matrix may be read as the second factor of a product."""
-_PREFIX = "odt.int8"
+_PREFIX = "odt.narrow"
 """Names of the nodes this module adds start with it."""
 NARROW = {"int8": onnx.TensorProto.INT8, "float16": onnx.TensorProto.FLOAT16}
 """The narrow bases (``--base``) and the type each stores its matrices in."""
@@ -128,7 +129,7 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], 
             nodes.append(node)
             continue
         count += 1
-        base = f"{weight}::int8/{count}"
+        base = f"{weight}::widened/{count}"
         if node.op_type == "Gather":
             nodes.extend(_lookup(node, weight, base, weight in half))
             continue
