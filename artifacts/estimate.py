@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .lora import Lora, add_adapters
+from .narrow_base import NARROW
 from .passes.recompute import LAYER_NAME
 from .selection import select_trainable
 
@@ -88,7 +89,7 @@ def footprint(
     tables = {f"{m}.weight".lstrip(".") for m, module in adapted.named_modules() if isinstance(module, nn.Embedding)}
     params = dict(adapted.named_parameters())
     frozen = {n: p for n, p in params.items() if n not in trainable and n not in tables}
-    narrow = {"int8": 1, "float16": 2}.get(base, 4)
+    narrow = NARROW[base].itemsize if base in NARROW else 4
     frozen_bytes = sum((narrow if p.dim() == 2 else 4) * p.numel() for p in frozen.values())
     trained = sum(params[n].numel() for n in trainable)
     looked_up = sum(params[n].numel() for n in tables & trainable)

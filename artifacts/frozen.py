@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
 from ondevice.session import C
@@ -64,11 +64,12 @@ def externalize_frozen(
             array = np.ascontiguousarray(numpy_helper.to_array(initializers[name]), dtype="<f4")
             offsets[name] = position
             if name in quantized:
-                q, scale = quantize_rows(array) if base == "int8" else (array.astype("<f2"), None)
+                q, scale = quantize_rows(array) if base == "int8" else (array.astype(NARROW[base]), None)
+                dtype = helper.np_dtype_to_tensor_dtype(q.dtype)
                 padded = -q.nbytes % 4
                 out.write(q.tobytes() + bytes(padded))
                 position += (q.nbytes + padded) // 4
-                added.append(_external(name, NARROW[base], array.shape, offsets[name], q.nbytes))
+                added.append(_external(name, dtype, array.shape, offsets[name], q.nbytes))
                 if scale is not None:
                     scales[name] = position
                     out.write(scale.astype("<f4").tobytes())
@@ -77,7 +78,7 @@ def externalize_frozen(
                     position += scale.size
                 blocks = row_blocks(q.shape)
                 row = q.itemsize * q.shape[1]
-                added += [_external(block_name(name, a), NARROW[base], (b - a, q.shape[1]), offsets[name],
+                added += [_external(block_name(name, a), dtype, (b - a, q.shape[1]), offsets[name],
                                     (b - a) * row, skip=a * row) for a, b in blocks if len(blocks) > 1]  # fmt: skip
             else:
                 out.write(array.tobytes())

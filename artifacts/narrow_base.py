@@ -57,7 +57,7 @@ _PRODUCTS = {("Gemm", 1), ("MatMul", 1)}
 """(operator, input position) where a frozen matrix may be read as the second factor of a product."""
 _PREFIX = "odt.narrow"
 """Names of the nodes this module adds start with it."""
-NARROW = {"int8": onnx.TensorProto.INT8, "float16": onnx.TensorProto.FLOAT16}
+NARROW = {"int8": np.dtype(np.int8), "float16": np.dtype("<f2")}
 """The narrow bases (``--base``) and the type each stores its matrices in."""
 
 

@@ -186,7 +186,7 @@ def plan(
     batch_size = spec.batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
-    head, base = spec.trainable, spec.base
+    head = spec.trainable
     result = Plan(budget=budget, batch_size=batch_size)
     longest = longest_inputs(example_inputs, spec)  # what the device feeds at worst: estimated and measured
     if spec.lora_from is not None:  # the adapter fixes what trains (its rank, targets, saved modules): plan the rest
@@ -194,11 +194,11 @@ def plan(
 
         fixed, start = read_peft(spec.lora_from)
         head = (*head, *(m for m in saved_modules(start) if m not in head))
-        adapted = candidates(model, longest, fixed, [fixed.rank], head, base, spec.recompute)
+        adapted = candidates(model, longest, fixed, [fixed.rank], head, spec.base, spec.recompute)
         found = [replace(c, options={**c.options, "lora": fixed}, name=f"{c.name} (from the adapter)")
                  for c in adapted if "lora" in c.options]  # fmt: skip
     else:
-        found = candidates(model, longest, spec.lora or Lora(), ranks, head, base, spec.recompute)
+        found = candidates(model, longest, spec.lora or Lora(), ranks, head, spec.base, spec.recompute)
     base = spec.but(input_names=None, memory_budget=None, verify=False, decoder=False, lora=None, lora_from=None,
                     trainable=(), train_last=None, bias_only=False)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="odt-plan-"))

