@@ -10,8 +10,10 @@ the benchmark's chat commands (``benchmarks.smollm2``) run together into rows of
 
 "streamed" sides stream the frozen weights (``Trainer.load(stream_weights=True)``, ``ondevice.frozen``);
 "float16 base" sides run artifacts generated with ``--base float16`` (``artifacts.narrow_base``).
-``python -m benchmarks._smollm2_budget WORK`` runs the portable engine's sides alone (plain and streamed,
-int8 and float16) beside PEFT, into ``benchmarks/results/smollm2_streamed.{json,md}``.
+``python -m benchmarks._smollm2_budget WORK [streamed] [together]`` runs the portable engine's sides alone (plain
+and streamed, int8 and float16) beside PEFT in fresh processes (``streamed``), then the streamed sides' speed in one
+process with PEFT (``together``), into ``benchmarks/results/smollm2_streamed.{json,md}`` (both parts by default; one
+part alone keeps the other's stored run).
 """
 
 from __future__ import annotations
@@ -49,9 +51,8 @@ print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mb": peak * 1024
                   "onnxruntime": trainer.ort_version}))
 """
 
-PEFT = """
-import json, statistics, sys, time
-import numpy as np, torch
+PEFT_MODEL = """
+import torch
 from transformers import AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
 folder, batch, steps, rank, alpha = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
@@ -63,20 +64,60 @@ model = get_peft_model(model, config)
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
 rows = len(data["ids"])
-times = []
-for step in range(steps + 1):
-    start = time.perf_counter()
+
+def peft_step():
     for row in range(rows):  # micro-batches of one, as the SDK takes them
         part = slice(row, row + 1)
         loss = model(input_ids=data["ids"][part], attention_mask=data["mask"][part], labels=data["labels"][part]).loss
         (loss / rows).backward()
     optimizer.step()
     optimizer.zero_grad()
+"""
+"""PyTorch + PEFT's model and optimizer step on the SDK's recipe (arguments: HF folder, token rows, steps, rank,
+alpha)."""
+
+PEFT = (
+    "import json, statistics, sys, time\nimport numpy as np\n"
+    + PEFT_MODEL
+    + """
+times = []
+for step in range(steps + 1):
+    start = time.perf_counter()
+    peft_step()
     times.append(time.perf_counter() - start)
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mb": peak * 1024 / 1e6,
                   "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
 """
+)
+
+TOGETHER = (
+    """
+import json, statistics, sys, time
+import numpy as np, onnxruntime
+assert onnxruntime.__file__.startswith(sys.prefix), onnxruntime.__file__  # stock onnxruntime, not the training build
+sys.path.append(sys.argv[6])  # torch, transformers and peft from the workstation's environment, behind it
+"""
+    + PEFT_MODEL
+    + """
+from ondevice import Trainer
+rounds, directories, arrays = int(sys.argv[7]), dict(zip(sys.argv[8::2], sys.argv[9::2])), dict(np.load(batch))
+sides = {"PyTorch + PEFT": peft_step}
+for side, directory in directories.items():
+    trainer = Trainer.load(directory, engine="portable", threads=2, evaluation=False, stream_weights=True)
+    sides[side] = lambda trainer=trainer: trainer.fit(arrays, epochs=trainer.epoch + 1, batch_size=1, accumulate=rows,
+                                                     shuffle=False, progress=False)
+times = {side: [] for side in sides}
+for _ in range(rounds):
+    for side, step in sides.items():
+        step()  # the warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times[side].append((time.perf_counter() - start) / steps)
+print(json.dumps({"onnxruntime": onnxruntime.__version__, "times": times}))
+"""
+)
 
 SAVE_HF = """
 import sys, torch
@@ -238,11 +279,61 @@ def race(sides: dict[str, tuple[str, ...]], rounds: int) -> list[dict[str, Any]]
     return rows
 
 
+def together(work: Path, rounds: int = 9) -> dict[str, Any]:
+    """Speed alone, in one process: PyTorch + PEFT and the streamed float16 and int8 sides take turns, round by
+    round (a warm-up step, then ``STEPS`` timed), so each ratio compares steps taken within seconds of each other
+    (fresh processes on these machines differ by up to a third). Stock onnxruntime with torch, transformers and peft
+    from the workstation's environment behind it on ``sys.path``."""
+    import sysconfig
+
+    from benchmarks.engines import stock_python
+
+    artifacts, _, half, folder = _directories(work)
+    _, batch, (_, _, _, _, _, rank, alpha) = _batch_and_peft(work, artifacts, folder)
+    sides = {"SDK portable, float16 base, streamed": half, "SDK portable, streamed": artifacts}
+    pairs = [str(x) for side, directory in sides.items() for x in (side, directory)]
+    measured = _run(TOGETHER, str(folder), batch, str(STEPS), rank, alpha, sysconfig.get_path("purelib"), str(rounds),
+                    *pairs, python=str(stock_python()))  # fmt: skip
+    times = measured["times"]
+    peft = times["PyTorch + PEFT"]
+    rows = []
+    for side, t in times.items():
+        rows.append({"side": side, "step_s": statistics.median(t), "rounds": t})
+        if side != "PyTorch + PEFT":
+            ratios = [p / s for p, s in zip(peft, t)]
+            rows[-1] |= {"speed_vs_peft": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+    return {"date": time.strftime("%Y-%m-%d"), "onnxruntime": measured["onnxruntime"], "rounds": rounds, "rows": rows}
+
+
+def together_table(result: dict[str, Any]) -> list[str]:
+    """The markdown lines of :func:`together`'s run."""
+    lines = [
+        "",
+        f"Speed alone, run of {result['date']}: the sides in one process taking turns ({result['rounds']} "
+        f"rounds of a warm-up step and {STEPS} timed; onnxruntime {result['onnxruntime']}, {THREADS} threads "
+        "each): each round's ratio compares steps taken within seconds of each other.",
+        "",
+        "| side | s / optimizer step | speed vs PEFT (median of rounds) | rounds' range |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        speed, spread = (
+            ("-", "-")
+            if "speed_vs_peft" not in r
+            else (f"{r['speed_vs_peft']:.2f}x", f"{r['range'][0]:.2f}-{r['range'][1]:.2f}x")
+        )
+        lines.append(f"| {r['side']} | {r['step_s']:.2f} | {speed} | {spread} |")
+    return lines
+
+
 def budget_table(result: dict[str, Any], ran: str = "") -> list[str]:
     """The markdown lines of part D (``ran``: when, if not with the rest)."""
     peft = next(r for r in result["rows"] if r["side"] == "PyTorch + PEFT")
-    half = "" if "frozen_bytes_float16" not in result else \
-        f"; \"float16 base\": in float16, {result['frozen_bytes_float16'] / 2**20:.0f} MiB"  # runs before it had none
+    half = (
+        ""
+        if "frozen_bytes_float16" not in result
+        else f'; "float16 base": in float16, {result["frozen_bytes_float16"] / 2**20:.0f} MiB'
+    )  # runs before it had none
     lines = ["", f"SmolLM2-135M-Instruct on a phone's budget ({result['machine']['cpu']}, {THREADS} threads): LoRA r8 "
              "on q_proj/v_proj "
              f"({result['trainable']:,} values), an optimizer step of {result['tokens'][0]} x {result['tokens'][1]} "
@@ -296,9 +387,14 @@ def streamed(work: Path, rounds: int = 5) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = streamed(Path(sys.argv[1]))
-    (ROOT / "benchmarks/results/smollm2_streamed.json").write_text(json.dumps(result, indent=1) + "\n")
+    work, parts = Path(sys.argv[1]), sys.argv[2:] or ["streamed", "together"]
+    path = ROOT / "benchmarks/results/smollm2_streamed.json"
+    result = streamed(work) if "streamed" in parts else json.loads(path.read_text())
+    if "together" in parts:
+        result["together"] = together(work)
+    path.write_text(json.dumps(result, indent=1) + "\n")
     lines = budget_table(result)
     ran = f"Run of {result['date']}; fresh processes taking turns"
     lines[1] = lines[1].replace("Fresh processes taking turns", ran)
+    lines += together_table(result["together"]) if "together" in result else []
     (ROOT / "benchmarks/results/smollm2_streamed.md").write_text("\n".join(lines).strip() + "\n")
