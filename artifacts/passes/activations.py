@@ -13,6 +13,8 @@ from typing import Callable
 import onnx
 from onnx import helper
 
+from ._nodes import inferred_graph
+
 __all__ = ["REWRITABLE", "rewrite_activations"]
 
 _F = onnx.TensorProto.FLOAT
@@ -161,8 +163,8 @@ def rewrite_activations(model: onnx.ModelProto, live: Callable[[onnx.NodeProto],
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int | str]]:
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = inferred_graph(model)
     return {
         v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
-        for v in (*inferred.graph.value_info, *inferred.graph.input)
+        for v in (*inferred.value_info, *inferred.input)
     }

@@ -7,7 +7,7 @@ import math
 import onnx
 from onnx import helper
 
-from ._nodes import attributes
+from ._nodes import attributes, inferred_graph
 
 __all__ = ["average_pool_to_conv"]
 
@@ -18,11 +18,9 @@ def average_pool_to_conv(model: onnx.ModelProto) -> int:
     ORT 1.19.2's CPU AveragePoolGrad dies with SIGFPE (measured, any kernel size); Conv's
     gradient works. Exact for ceil_mode=0 with count_include_pad=1 or no padding.
     """
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {
-        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
-        for v in (*inferred.graph.value_info, *inferred.graph.input)
-    }
+    inferred = inferred_graph(model)
+    values = (*inferred.value_info, *inferred.input)
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
     count = 0
     for node in model.graph.node:
         if node.op_type != "AveragePool":

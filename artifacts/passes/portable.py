@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 
 from ondevice.engines.contract import gradient_output
 
-from ._nodes import attributes, zero_after
+from ._nodes import attributes, inferred_graph, zero_after
 
 __all__ = ["FUNCTIONS", "LOWERINGS", "lower_accumulators", "lower_operators", "unportable", "RUNS_ON_STOCK"]
 
@@ -99,10 +99,10 @@ class _GraphFacts:
 
     def __init__(self, model: onnx.ModelProto) -> None:
         graph = model.graph
-        self.constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.data_location != 1}
+        self.constants = {i.name: i for i in graph.initializer if i.data_location != 1}  # read when a lowering asks
         self.used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
         try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+            inferred = inferred_graph(model)
         except Exception:  # noqa: BLE001 - ranks are a help; a lowering that needs one declines without
             inferred = graph
         values = [v for v in (*inferred.input, *inferred.value_info, *inferred.output)
@@ -135,7 +135,7 @@ class _Builder:
             return numpy_helper.to_array(self.constants[name])
         if name not in self._known:
             raise _Unlowerable(f"{name!r} is not a constant")
-        return self._known[name]
+        return numpy_helper.to_array(self._known[name])
 
     def known(self, name: str) -> np.ndarray | None:
         """``name``'s value when it is a constant, else None."""

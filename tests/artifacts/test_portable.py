@@ -282,3 +282,35 @@ def test_every_benchmark_model_trains_alike_on_both_engines(name, tmp_path):
     np.testing.assert_allclose(losses["portable"], losses["classic"], rtol=1e-5, atol=5e-5 * first)
     for key, value in buffers["classic"].items():
         np.testing.assert_allclose(buffers["portable"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_shape_inference_without_the_weights_finds_what_inference_with_them_finds():
+    """The passes infer shapes on the graph with each large initializer's values left out (SmolLM2's weights were
+    copied three times per inference). A Reshape's target is read by value, so small constants stay."""
+    from onnx import numpy_helper
+
+    from artifacts.passes._nodes import inferred_graph
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((64, 96), np.float32), "w"),
+               numpy_helper.from_array(rng.standard_normal((1000, 64), np.float32), "table"),
+               numpy_helper.from_array(np.array([0, 8, 12], np.int64), "target")]  # fmt: skip
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("MatMul", ["rows", "w"], ["h"]),
+             helper.make_node("Reshape", ["h", "target"], ["heads"]),
+             helper.make_node("Transpose", ["heads"], ["out"], perm=[1, 0, 2])]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], weights)  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+
+    def shapes(inferred: onnx.GraphProto) -> dict[str, list]:
+        return {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+                for v in (*inferred.value_info, *inferred.output)}  # fmt: skip
+
+    light = inferred_graph(model)
+    assert shapes(light) == shapes(onnx.shape_inference.infer_shapes(model).graph)
+    assert shapes(light)["heads"] == ["batch", 8, 12] and shapes(light)["out"] == [8, "batch", 12]
+    carried = {t.name: t.ByteSize() for t in light.initializer}
+    assert carried["w"] < 64 and carried["table"] < 64  # name, type and dims only
+    assert model.SerializeToString() == before  # the model itself is left as it was
