@@ -129,6 +129,7 @@ def _saved_bytes(
         parameter.requires_grad_(name in trainable)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, tuple[int, str]] = {}  # storage -> (bytes, the repeated layer that saved it, or "")
+    held: list[torch.UntypedStorage] = []
     inputs: dict[str, int] = {}  # repeated layer -> the bytes of its input
     inside: list[str] = []
 
@@ -137,8 +138,9 @@ def _saved_bytes(
         if storage.data_ptr() not in weights:
             known = storages.get(storage.data_ptr(), (0, ""))
             storages[storage.data_ptr()] = (max(known[0], storage.nbytes()), known[1] or "".join(inside[:1]))
-        # Keep nothing: a saved output packed as itself holds its own grad_fn, a cycle through C++ that
-        # Python's collector cannot see, and it kept the model's copy alive (about 600 MB per SmolLM2 candidate).
+            held.append(storage)  # alive until the count is done, as for a backward: no address is reused
+        # The graph keeps nothing: a saved output packed as itself holds its own grad_fn, a cycle through C++
+        # that Python's collector cannot see, and it kept the model's copy alive (600 MB per SmolLM2 candidate).
 
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("the memory estimate's forward is only counted: nothing runs its backward")
