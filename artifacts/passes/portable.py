@@ -99,7 +99,8 @@ class _GraphFacts:
 
     def __init__(self, model: onnx.ModelProto) -> None:
         graph = model.graph
-        self.constants = {i.name: i for i in graph.initializer if i.data_location != 1}  # read when a lowering asks
+        self._initializers = {i.name: i for i in graph.initializer if i.data_location != 1}
+        self._values: dict[str, np.ndarray] = {}  # each initializer's value, read once when a lowering asks
         self.used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
         try:
             inferred = inferred_graph(model)
@@ -111,6 +112,12 @@ class _GraphFacts:
         self.dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
                      for v in values}  # fmt: skip
 
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of the initializer ``name`` (None when there is none)."""
+        if name not in self._values and name in self._initializers:
+            self._values[name] = numpy_helper.to_array(self._initializers[name])
+        return self._values.get(name)
+
 
 class _Builder:
     """Names and constants for one lowered node."""
@@ -118,7 +125,7 @@ class _Builder:
     def __init__(self, node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], opset: int,
                  graph: _GraphFacts) -> None:  # fmt: skip
         self.node, self.constants, self.opset = node, constants, opset
-        self.ranks, self.dims, self.used, self._known = graph.ranks, graph.dims, graph.used, graph.constants
+        self.ranks, self.dims, self.used, self._graph = graph.ranks, graph.dims, graph.used, graph
         self.per_row: set[str] = set()
         """inputs a lowering knows hold one value per row (a norm's statistics), whatever shape inference knew"""
         self.prefix = (node.name or node.output[0]) + ".portable"
@@ -133,9 +140,10 @@ class _Builder:
     def constant_value(self, name: str) -> np.ndarray:
         if name in self.constants:
             return numpy_helper.to_array(self.constants[name])
-        if name not in self._known:
+        value = self._graph.constant(name)
+        if value is None:
             raise _Unlowerable(f"{name!r} is not a constant")
-        return numpy_helper.to_array(self._known[name])
+        return value
 
     def known(self, name: str) -> np.ndarray | None:
         """``name``'s value when it is a constant, else None."""
