@@ -282,8 +282,8 @@ def race(sides: dict[str, tuple[str, ...]], rounds: int) -> list[dict[str, Any]]
 def together(work: Path, rounds: int = 9) -> dict[str, Any]:
     """Speed alone, in one process: PyTorch + PEFT and the streamed float16 and int8 sides take turns, round by
     round (a warm-up step, then ``STEPS`` timed), so each ratio compares steps taken within seconds of each other
-    (fresh processes on these machines differ by up to a third). Stock onnxruntime with torch, transformers and peft
-    from the workstation's environment behind it on ``sys.path``."""
+    (fresh processes of one side took 1.06 to 1.67 s a step on this Xeon). Stock onnxruntime with torch,
+    transformers and peft from the workstation's environment behind it on ``sys.path``."""
     import sysconfig
 
     from benchmarks.engines import stock_python
