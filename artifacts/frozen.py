@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ondevice._ort_checkpoint import CheckpointData, write_checkpoint
 from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
 from ondevice.session import C
 
@@ -97,7 +98,12 @@ def externalize_frozen(
     trained = [initializers[n].SerializeToString() for n in trainable]
     rest = [initializers[n].SerializeToString() for n in frozen if n not in offsets]
     (work / "checkpoint").unlink()
-    C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
+    if hasattr(C, "save_checkpoint"):
+        C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
+    else:  # stock onnxruntime: the same layout, written by the runtime's own writer
+        (work / "checkpoint").write_bytes(write_checkpoint(CheckpointData(
+            trainable={n: numpy_helper.to_array(initializers[n]) for n in trainable},
+            frozen={n: numpy_helper.to_array(initializers[n]) for n in frozen if n not in offsets})))
     return offsets, scales, half
 
 

@@ -40,6 +40,7 @@ from .decoder import Decoder
 from .errors import (
     ArtifactError,
     InputSpecError,
+    OptionError,
     OutputExistsError,
     SelectionError,
     VerificationError,
@@ -51,7 +52,8 @@ from .export import (
     reaching,
 )
 from .frozen import FROZEN_FILE, externalize_frozen, lookup_tables
-from .portable import write_portable
+from .gradients import training_build, write_graphs
+from .portable import check_portable_loads, write_portable
 from .selection import select_trainable
 from .spec import Spec
 from .verify import format_table
@@ -215,20 +217,20 @@ def _build(
 
     output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
-    run_ort_generator(
-        onnx_model,
-        trainable,
-        frozen,
-        loss,
-        loss_output,
-        optimizer,
-        extra + list(updates.values()),
-        work,
-        describe=lambda node: "{!r} ({})".format(*source.describe(node)),
-    )
+    describe = lambda node: "{!r} ({})".format(*source.describe(node))  # noqa: E731
+    classic = training_build()
+    if classic:  # ORT's own builder writes the classic graphs; the portable ones are lowered from them
+        run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()),
+                          work, describe=describe)  # fmt: skip
+    else:  # the generator's own builder: the same graph form, published as the portable engine's only
+        write_graphs(onnx_model, trainable, frozen, loss, loss_output, extra + list(updates.values()), work,
+                     describe=describe)  # fmt: skip
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     order = _parameter_order(work / "training_model.onnx")
+    if spec.ort_format and not classic:
+        raise OptionError("ort_format=True converts the classic graphs with ONNX Runtime's training build, which is "
+                          "not installed here; leave it off (the portable engine's graphs need no conversion).")
     if spec.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
         offsets, scales, half = {}, {}, []
@@ -236,7 +238,7 @@ def _build(
         in_order = [n for n in order if n in set(frozen)]
         offsets, scales, half = externalize_frozen(work, trainable, in_order, list(updates), initializers,
                                                    base=spec.base)  # fmt: skip
-    variants = {} if spec.ort_format else _write_variants(work, context)
+    variants = {} if spec.ort_format or not classic else _write_variants(work, context)
     tokenizer = _attach_tokenizer(spec.tokenizer, input_names, work)
 
     shapes = {n: tuple(int(d) for d in t.dims) for n, t in initializers.items()}
@@ -296,7 +298,10 @@ def _build(
         raise InputSpecError(
             f"{len(manifest.labels)} class labels given, but the classifier has {manifest.num_classes} outputs."
         )
-    check_loads(work, manifest)
+    if classic:
+        check_loads(work, manifest)
+    else:
+        check_portable_loads(work, manifest, portable)
     return manifest, outputs.index(loss_output), original
 
 

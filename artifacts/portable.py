@@ -19,15 +19,17 @@ from ondevice.engines.contract import (
     ort_copy_name,
 )
 from ondevice.engines.step_graph import fuse_step
+from ondevice.manifest import Manifest
 
 from . import passes
+from .errors import ExportError, UnsupportedOperatorError
 from ._ort_build import frozen_as_inputs_ort
 from .frozen import FROZEN_FILE
 from .optimizers import SGD, AdamW
 from .passes.finite import FINITE_CHECK
 from .portable_optimizer import build_optimizer_graph
 
-__all__ = ["write_portable", "unportable_reason"]
+__all__ = ["write_portable", "unportable_reason", "check_portable_loads"]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +96,24 @@ def write_portable(
             if graph in graphs and frozen_as_inputs_ort(work / graphs[graph], work / ort_copy_name(graphs[graph])):
                 entry[key] = ort_copy_name(graphs[graph])
     return entry
+
+
+def check_portable_loads(work: Path, manifest: Manifest, entry: dict[str, str]) -> None:
+    """Open the portable engine once, the way a trainer does (``open_engine``): artifacts made without the
+    training build have no other engine, so a model that does not lower, or graphs stock ONNX Runtime
+    refuses, stop here."""
+    from ondevice.engines import open_engine
+    from ondevice.session import ort_error_message
+
+    if "unsupported" in entry:
+        raise UnsupportedOperatorError(f"{entry['unsupported']}, and without ONNX Runtime's training build the "
+                                       "portable engine is the only one. Freeze the layers it names (--freeze).")
+    try:
+        engine = open_engine(work, manifest, "portable", work / "checkpoint", threads=1, lean_memory=False,
+                             with_eval=True)  # fmt: skip
+    except Exception as exc:
+        raise ExportError(f"the generated portable graphs do not load in ONNX Runtime: {ort_error_message(exc)}") from exc
+    size = engine.get_flat().size
+    if size != manifest.trainable_size:
+        raise ExportError(f"the portable engine's parameter vector holds {size} values, the manifest "
+                          f"{manifest.trainable_size}.")

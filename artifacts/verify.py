@@ -17,7 +17,8 @@ import torch
 from onnx import helper
 from torch import nn
 
-from ondevice.engines.classic import OrtTraining
+from ondevice.engines import open_engine
+from ondevice.engines.contract import PORTABLE_OPTIMIZER, PORTABLE_TRAINING, gradient_output
 from ondevice.manifest import Manifest, Verification, VerificationRow
 from ondevice.session import TRAINING_GRAPH, ort_error_message, training_graph
 
@@ -53,6 +54,40 @@ class Tolerances:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ToleranceError(f"{name} must be a finite number >= 0, got {value!r}.")
+
+
+class _Run:
+    """One engine over an artifact directory (or its twin), opened as a trainer opens it (``open_engine``):
+    ``graph``'s file names the engine, ``training_model.portable*`` the portable one, else the classic one."""
+
+    def __init__(self, directory: Path, manifest: Manifest, graph: str) -> None:
+        self.portable = graph.startswith(PORTABLE_TRAINING.removesuffix(".onnx"))
+        if self.portable:  # this graph alone, never the fused step (it holds the same graph and the update)
+            manifest = replace(manifest, portable={"training": graph, "optimizer": PORTABLE_OPTIMIZER})
+        self.engine = open_engine(directory, manifest, "portable" if self.portable else "classic",
+                                  directory / "checkpoint", threads=None, lean_memory=False, with_eval=True,
+                                  graph=graph)  # fmt: skip
+        if self.portable:
+            grads = {gradient_output(p.name) for p in manifest.trainable}
+            outputs = onnx.load(directory / graph, load_external_data=False).graph.output
+            self.names = [o.name for o in outputs if o.name not in grads]
+        else:
+            self.names = list(self.engine.output_names())  # type: ignore[attr-defined]
+
+    def gradient(self, name: str) -> np.ndarray | None:
+        if self.portable:
+            view = self.engine.gradient_view(name)
+            return None if view is None else np.array(view)
+        return self.engine.get_gradient(name)  # type: ignore[attr-defined]
+
+
+def engine_graphs(manifest: Manifest) -> list[str]:
+    """The training graphs verification runs: per engine the manifest lists, the plain graph and the variant
+    this ONNX Runtime loads."""
+    graphs = [TRAINING_GRAPH, training_graph(manifest.variants)] if "classic" in manifest.engines else []
+    if "portable" in manifest.engines:
+        graphs += [PORTABLE_TRAINING, training_graph(manifest.portable_variants, PORTABLE_TRAINING)]
+    return list(dict.fromkeys(graphs))
 
 
 def compare(item: str, ort: np.ndarray, ref: np.ndarray, tol: Tolerances) -> VerificationRow:
@@ -181,7 +216,7 @@ def _retry_at_kinks(
     feeds = [t.detach().numpy() for t in example] + list(targets)
     kinks, inputs = [], {}
     for graph in sorted(graphs):
-        found, arrays = _kinks(directory, graph, feeds)
+        found, arrays = _kinks(directory, manifest, graph, feeds)
         kinks += found
         inputs.update(arrays)
     if not kinks:
@@ -215,7 +250,8 @@ def _nearby(example: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor] | 
     ]
 
 
-def _kinks(directory: Path, graph: str, feeds: list[np.ndarray]) -> tuple[list[Kink], dict[str, np.ndarray]]:
+def _kinks(directory: Path, manifest: Manifest, graph: str, feeds: list[np.ndarray]
+           ) -> tuple[list[Kink], dict[str, np.ndarray]]:  # fmt: skip
     """Inputs at a kink in the forward of ``graph`` (its twin with dropout off) on ``feeds``, and
     every piecewise node's input by node name."""
     with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
@@ -229,8 +265,8 @@ def _kinks(directory: Path, graph: str, feeds: list[np.ndarray]) -> tuple[list[K
         training.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
                                      for n in names if n not in known)  # fmt: skip
         onnx.save(training, twin / graph)
-        session = OrtTraining(twin, graph=graph, with_optimizer=False)
-        by_name = dict(zip(session.output_names(), session.train_step(feeds)))
+        run = _Run(twin, manifest, graph)
+        by_name = dict(zip(run.names, run.engine.train_step(feeds)))
     arrays = {node.name: np.asarray(by_name[node.input[0]]) for node, _ in nodes}
     return near_kinks(nodes, [arrays[node.name] for node, _ in nodes]), arrays
 
@@ -319,8 +355,8 @@ def verify_artifacts(
     """
     feeds = [t.detach().numpy() for t in example] + list(targets)
     target = torch.from_numpy(targets[0]) if targets else None
-    rows = _compare_eval(directory, manifest, model, example, feeds, target, loss, loss_index, tol)
-    graphs = dict.fromkeys([TRAINING_GRAPH, training_graph(manifest.variants)])  # and the variant this ORT loads
+    graphs = engine_graphs(manifest)
+    rows = _compare_eval(directory, manifest, model, example, feeds, target, loss, loss_index, tol, graphs[0])
     for graph in graphs:
         with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
             twin, dropouts = dropout_free_twin(directory, Path(tmp), graph)
@@ -351,8 +387,9 @@ def _compare_eval(
     loss: Loss,
     loss_index: int,
     tol: Tolerances,
+    graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    ort = OrtTraining(directory, with_optimizer=False).eval_step(feeds)
+    ort = _Run(directory, manifest, graph).engine.eval_step(feeds)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():
         outputs = _outputs(reference(*example))
@@ -384,12 +421,13 @@ def _compare_train(
     tol: Tolerances,
     graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    session = OrtTraining(directory, graph=graph)
+    run = _Run(directory, manifest, graph)
+    session = run.engine
     session.set_learning_rate(optimizer.lr)
     fetched = session.train_step(feeds)
-    gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+    gradients = {p.name: run.gradient(p.name) for p in manifest.trainable}
     session.optimizer_step()
-    stepped = {p.name: session.get_parameter(p.name) for p in manifest.trainable}
+    stepped = {p.name: np.array(session.get_parameter(p.name)) for p in manifest.trainable}
 
     with replayed_dropout(None, ()):
         outputs, ref_loss, trained, state = _reference_step(model, manifest, example, target, loss, loss_index)
@@ -421,10 +459,10 @@ def _compare_train_with_dropout(
     masks: Sequence[tuple[str, str]],
 ) -> list[VerificationRow]:
     """The train step with every Dropout drawing its own mask, PyTorch replaying those masks."""
-    session = OrtTraining(directory, graph=graph, with_optimizer=False)
-    fetched = session.train_step(feeds)
-    by_output = dict(zip(session.output_names(), fetched))
-    gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+    run = _Run(directory, manifest, graph)
+    fetched = run.engine.train_step(feeds)
+    by_output = dict(zip(run.names, fetched))
+    gradients = {p.name: run.gradient(p.name) for p in manifest.trainable}
     drawn = [np.asarray(by_output[output], dtype=bool) for _, output in masks]
     with replayed_dropout(drawn, [node for node, _ in masks]):
         outputs, ref_loss, trained, state = _reference_step(model, manifest, example, target, loss, loss_index)
@@ -520,9 +558,14 @@ def _mask_twin(directory: Path, tmp: Path, graph: str = TRAINING_GRAPH) -> tuple
 
 
 def _link_the_rest(directory: Path, tmp: Path) -> None:
-    for name in ("eval_model.onnx", "optimizer_model.onnx", "checkpoint", FROZEN_FILE):
+    # hard links where the file system allows them: stock ONNX Runtime refuses external data (frozen.bin)
+    # reached through a symbolic link
+    for name in ("eval_model.onnx", "optimizer_model.onnx", PORTABLE_OPTIMIZER, "checkpoint", FROZEN_FILE):
         if (directory / name).exists():
-            os.symlink((directory / name).resolve(), tmp / name)
+            try:
+                os.link((directory / name).resolve(), tmp / name)
+            except OSError:
+                os.symlink((directory / name).resolve(), tmp / name)
 
 
 def format_table(verification: Verification) -> str:

@@ -21,6 +21,9 @@ from .schema import validate_manifest
 PORTABLE_VARIANTS = ("nchwc",)
 """The kinds of variant training graph the manifest's ``portable`` entry may name beside its two graphs."""
 
+CLASSIC_OPTIMIZER = "optimizer_model.onnx"
+"""The classic engine's optimizer graph, which only ONNX Runtime's training build can write."""
+
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
@@ -292,8 +295,10 @@ class Manifest:
 
     @property
     def engines(self) -> tuple[str, ...]:
-        """The engines these artifacts carry graphs for."""
-        return ("classic", "portable") if self.portable_files else ("classic",)
+        """The engines these artifacts carry graphs for: the classic one where ORT's training build wrote its
+        optimizer graph (artifacts generated without it carry the portable graphs only)."""
+        classic = ("classic",) if CLASSIC_OPTIMIZER in self.files or not self.files else ()
+        return (*classic, "portable") if self.portable_files else classic
 
     @property
     def frozen_size(self) -> int:

@@ -196,6 +196,9 @@ def validate_manifest(data: dict[str, Any]) -> None:
     for kind, name in (data.get("portable") or {}).items():  # the schema allows graph files and "unsupported"
         if kind != "unsupported" and name not in files:
             _fail(f"portable.{kind}", "a file listed in files", name)
+    if "optimizer_model.onnx" not in files and "training" not in (data.get("portable") or {}):
+        _fail("files", "optimizer_model.onnx (the classic engine's) or portable graphs (artifacts generated "
+              "without the training build)", sorted(files))
     decoder = data.get("decoder")
     if decoder is not None and decoder["file"] not in files:
         _fail("decoder.file", "a file listed in files", decoder["file"])

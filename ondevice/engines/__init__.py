@@ -67,7 +67,13 @@ def resolve(engine: str, manifest: Manifest) -> str:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
     installed = installed_engines()
     if engine == "auto":
-        engine = "classic" if "classic" in installed else "portable"
+        engine = "classic" if "classic" in installed and "classic" in manifest.engines else "portable"
+    if engine == "classic" and "classic" not in manifest.engines:
+        raise EngineError(
+            "these artifacts carry no classic graphs: they were generated without ONNX Runtime's training build, "
+            "which alone writes them. Use engine 'portable' (--engine portable, any ONNX Runtime), or regenerate "
+            "them where onnxruntime-training 1.19.2 is installed."
+        )
     if engine == "classic" and "classic" not in installed:
         raise EngineError(
             "the classic engine needs ONNX Runtime's training build (onnxruntime-training 1.19.2), and this "

@@ -1,0 +1,172 @@
+"""Reverse-mode differentiation of an ONNX forward graph into ORT's training-graph form."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import onnx
+from onnx import helper
+
+from ..errors import UnsupportedOperatorError
+from ._emit import MS, Emitter, graph_facts
+from .loss_graphs import LossGraph
+from .rules import NOT_DIFFERENTIABLE, RULES
+
+__all__ = ["differentiate", "eval_graph", "training_forward", "ACCUMULATOR", "BUFFER_SUFFIX", "RESET"]
+
+ACCUMULATOR = "InPlaceAccumulatorV2"
+BUFFER_SUFFIX = "_grad.accumulation.buffer"
+RESET = "lazy_reset_grad"
+FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+
+
+def training_forward(model: onnx.ModelProto) -> None:
+    """The forward as ORT's builder trains it, in place: a training-mode BatchNormalization becomes
+    ``BatchNormInternal``, which also returns the batch mean and inverse deviation its gradient reads."""
+    for node in model.graph.node:
+        mode = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if node.op_type == "BatchNormalization" and mode:
+            node.op_type, node.domain = "BatchNormInternal", MS
+            while len(node.output) < 3:
+                node.output.append("")
+            node.output.extend([f"{node.name or node.output[0]}.saved_mean", f"{node.name or node.output[0]}.saved_inv_std"])
+
+
+def differentiate(
+    model: onnx.ModelProto,
+    loss: LossGraph,
+    trainable: Sequence[str],
+    frozen: Sequence[str],
+    extra_outputs: Sequence[str],
+    describe: Callable[[str], str] = lambda node: node,
+) -> onnx.ModelProto:
+    """The training graph of ``model`` (a forward graph whose ``loss`` nodes are appended): parameters
+    as inputs, the loss and ``extra_outputs`` as outputs, and each trainable parameter's gradient added
+    into its accumulation buffer (``InPlaceAccumulatorV2``, reset by ``lazy_reset_grad``), as ONNX
+    Runtime's ``generate_artifacts`` writes it. An operator with no gradient rule on the way from a
+    trainable parameter to the loss raises :class:`UnsupportedOperatorError` naming it and its layer."""
+    model = copy.deepcopy(model)
+    training_forward(model)
+    graph = model.graph
+    shapes, types, constants = graph_facts(model)
+    shapes.update(loss.shapes)
+    for name in loss.shapes:
+        types.setdefault(name, onnx.TensorProto.FLOAT)
+    taken = {n for node in graph.node for n in (*node.input, *node.output)} | {i.name for i in graph.initializer}
+    taken |= {i.name for i in graph.input}
+    e = Emitter(shapes, types, constants, _opset(model), taken)
+
+    requires = _requiring(graph.node, set(trainable), types)
+    useful = _reaching(graph.node, loss.output)
+    seed = e.name(f"{loss.output}_grad")
+    e.initializers.append(helper.make_tensor(seed, onnx.TensorProto.FLOAT, [], [1.0]))
+    grads: dict[str, list[str]] = {loss.output: [seed]}
+
+    def total(tensor: str) -> str | None:
+        parts = grads.get(tensor)
+        if not parts:
+            return None
+        if len(parts) > 1:
+            grads[tensor] = [e.op("Sum", parts, [e.name(f"{tensor}_grad")])[0]]
+        return grads[tensor][0]
+
+    for node in reversed(list(graph.node)):
+        need = [bool(i) and i in requires and i in useful for i in node.input]
+        if not any(need) or not any(o in grads for o in node.output):
+            continue
+        rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx", MS) else None
+        if rule is None or node.op_type in NOT_DIFFERENTIABLE:
+            raise UnsupportedOperatorError(
+                f"layer {describe(node.name)} exports as ONNX {node.op_type}, which the generator cannot "
+                "differentiate. Freeze the parameters before it (--freeze) or replace the layer."
+            )
+        e.node_name = f"{node.name or node.output[0]}_Grad"
+        try:
+            found = rule(e, node, [total(o) for o in node.output], need)
+        except (NotImplementedError, ValueError) as exc:
+            raise UnsupportedOperatorError(
+                f"layer {describe(node.name)}: the gradient of its ONNX {node.op_type} needs {exc}, which the "
+                "generator does not handle. Freeze the parameters before it (--freeze) or replace the layer."
+            ) from None
+        for name, grad, wanted in zip(node.input, found, need):
+            if wanted and grad is not None:
+                grads.setdefault(name, []).append(grad)
+
+    _move_parameters_to_inputs(graph, [*trainable, *frozen])
+    graph.input.append(helper.make_tensor_value_info(RESET, onnx.TensorProto.BOOL, [1]))
+    del graph.output[:]
+    values = {v.name: v for v in (*model.graph.value_info, *model.graph.input)}
+    graph.output.append(helper.make_tensor_value_info(loss.output, onnx.TensorProto.FLOAT, []))
+    graph.output.extend(_output_info(name, values, shapes, types) for name in extra_outputs)
+    e.node_name = "odt_accumulate"
+    for parameter in trainable:
+        grad = total(parameter)
+        if grad is None:
+            raise UnsupportedOperatorError(f"parameter {parameter!r} gets no gradient from the loss.")
+        buffer, flag = parameter + BUFFER_SUFFIX, f"{parameter}_grad.accumulation.out"
+        graph.input.append(helper.make_tensor_value_info(buffer, onnx.TensorProto.FLOAT, shapes[parameter]))
+        e.op(ACCUMULATOR, [buffer, grad, RESET], [flag], domain=MS)
+        graph.output.append(helper.make_tensor_value_info(flag, onnx.TensorProto.BOOL, [1]))
+    graph.node.extend(e.nodes)
+    graph.initializer.extend(e.initializers)
+    _declare_domains(model)
+    return model
+
+
+def eval_graph(model: onnx.ModelProto, parameters: Sequence[str], outputs: Sequence[str]) -> onnx.ModelProto:
+    """The eval graph: the forward with its loss, parameters as inputs, ``outputs`` out (ORT's form)."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    shapes, types, _ = graph_facts(model)
+    values = {v.name: v for v in (*graph.value_info, *graph.input)}
+    _move_parameters_to_inputs(graph, parameters)
+    del graph.output[:]
+    graph.output.extend(_output_info(name, values, shapes, types) for name in outputs)
+    return model
+
+
+def _output_info(name: str, values: dict, shapes: dict, types: dict) -> onnx.ValueInfoProto:
+    if name in values:
+        return copy.deepcopy(values[name])
+    return helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), shapes.get(name))
+
+
+def _move_parameters_to_inputs(graph: onnx.GraphProto, parameters: Sequence[str]) -> None:
+    """Parameters become graph inputs, in the given order (ORT's builder reads them from the checkpoint)."""
+    wanted = set(parameters)
+    found = {t.name: t for t in graph.initializer if t.name in wanted}
+    kept = [t for t in graph.initializer if t.name not in wanted]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for name in parameters:
+        if name in found:
+            graph.input.append(helper.make_tensor_value_info(name, found[name].data_type, list(found[name].dims)))
+
+
+def _requiring(nodes: Sequence[onnx.NodeProto], trainable: set[str], types: dict[str, int]) -> set[str]:
+    """Tensors that depend on a trainable parameter through differentiable operators."""
+    requires = set(trainable)
+    for node in nodes:
+        if node.op_type in NOT_DIFFERENTIABLE or not any(i in requires for i in node.input):
+            continue
+        requires.update(o for o in node.output if o and types.get(o, onnx.TensorProto.FLOAT) in FLOATS)
+    return requires
+
+
+def _reaching(nodes: Sequence[onnx.NodeProto], loss: str) -> set[str]:
+    """Tensors the loss depends on."""
+    useful = {loss}
+    for node in reversed(list(nodes)):
+        if any(o in useful for o in node.output):
+            useful.update(i for i in node.input if i)
+    return useful
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+
+def _declare_domains(model: onnx.ModelProto) -> None:
+    if not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
