@@ -21,12 +21,15 @@ def graph_facts(model: onnx.ModelProto) -> tuple[dict[str, Dims], dict[str, int]
     shape inference on a copy without the weights' values."""
     graph = model.graph
     if not graph.value_info:
-        stub = onnx.ModelProto()
-        stub.CopyFrom(model)
-        del stub.graph.initializer[:]
+        stub = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import)  # no weights copied
+        stub.graph.node.extend(graph.node)
+        stub.graph.input.extend(graph.input)
+        stub.graph.output.extend(graph.output)
+        large = [t for t in graph.initializer if int(np.prod(t.dims)) > 1024]  # weights: their shapes suffice
+        stub.graph.initializer.extend(t for t in graph.initializer if int(np.prod(t.dims)) <= 1024)  # shapes, axes
         stub.graph.input.extend(
             helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-            for t in graph.initializer
+            for t in large
             if t.name not in {i.name for i in graph.input}
         )
         try:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import copy
 from typing import Callable, Sequence
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import UnsupportedOperatorError
 from ._emit import MS, Emitter, graph_facts
 from .loss_graphs import LossGraph
 from .rules import NOT_DIFFERENTIABLE, RULES
+
+RANDOM = frozenset({"Dropout", "Bernoulli", "Multinomial"})
 
 __all__ = ["differentiate", "eval_graph", "training_forward", "ACCUMULATOR", "BUFFER_SUFFIX", "RESET"]
 
@@ -48,6 +51,8 @@ def differentiate(
     trainable parameter to the loss raises :class:`UnsupportedOperatorError` naming it and its layer."""
     model = copy.deepcopy(model)
     training_forward(model)
+    _constants_to_initializers(model.graph)
+    _fold_constants(model, {*trainable, *frozen})
     graph = model.graph
     shapes, types, constants = graph_facts(model)
     shapes.update(loss.shapes)
@@ -130,6 +135,62 @@ def _output_info(name: str, values: dict, shapes: dict, types: dict) -> onnx.Val
     if name in values:
         return copy.deepcopy(values[name])
     return helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), shapes.get(name))
+
+
+def _constants_to_initializers(graph: onnx.GraphProto) -> None:
+    """``Constant`` nodes become initializers, as in ORT's training graphs: the lowerings read constant
+    inputs (a Slice's steps, say) from initializers."""
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensor = copy.deepcopy(node.attribute[0].t)
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+        else:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+FOLDED_MAX = 64
+"""Constant subgraphs are computed at build time when every value they make has at most this many elements
+(the index arithmetic exporters write: Unsqueeze and Concat of constants feeding a Slice)."""
+
+
+def _fold_constants(model: onnx.ModelProto, parameters: set[str]) -> None:
+    """Compute the small constant subgraphs (nodes whose inputs are all small initializers, parameters
+    excepted), as ORT's constant folding does before its builder: the lowerings read a Slice's starts,
+    ends and steps as initializers."""
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    known = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+             if t.name not in parameters and int(np.prod(t.dims)) <= FOLDED_MAX
+             and t.data_location != onnx.TensorProto.EXTERNAL}  # fmt: skip
+    opsets = list(model.opset_import)
+    kept = []
+    for node in graph.node:
+        inputs = [i for i in node.input if i]
+        foldable = node.domain in ("", "ai.onnx") and node.op_type not in RANDOM and inputs and all(
+            i in known for i in inputs) and not node.op_type.startswith("Random")  # fmt: skip
+        values = None
+        if foldable:
+            single = helper.make_model(helper.make_graph([node], "fold", [], [
+                helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output],
+                [numpy_helper.from_array(known[i], i) for i in inputs]), opset_imports=opsets)  # fmt: skip
+            try:
+                values = ReferenceEvaluator(single).run(None, {})
+            except Exception:  # an operator the reference runtime lacks: the node stays
+                values = None
+        if values is None or any(np.asarray(v).size > FOLDED_MAX for v in values):
+            kept.append(node)
+            continue
+        for name, value in zip(node.output, values):
+            value = np.asarray(value)
+            known[name] = value
+            graph.initializer.append(numpy_helper.from_array(value, name))
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def _move_parameters_to_inputs(graph: onnx.GraphProto, parameters: Sequence[str]) -> None:

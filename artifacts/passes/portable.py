@@ -209,7 +209,7 @@ def _out(node: onnx.NodeProto, index: int) -> str | None:
 
 def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # ORT's DropoutGrad: dX = dY * mask * (1 / (1 - ratio)) in training mode, else dY (ratio 0.5 by default).
-    # A constant ratio gives a constant divisor, and a constant mode no Where (nodes fewer on small models'
+    # A constant mode needs no Where (nodes fewer on small models'
     # steps, where each costs: the exported model's mode and ratio are constants).
     node = b.node
     dy, mask = node.input[0], node.input[1]
@@ -223,8 +223,10 @@ def _dropout_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     # Where, not a product with the mask as floats: a Cast of the mask reads no gradient, so ORT's priority order
     # would run it in the forward and keep a float copy of every mask (four times its bytes) until the backward
     masked = b.op("Where", [mask, dy, b.const(0.0)])
-    if fixed is not None:  # a division by the constant 1 - ratio: what ORT makes of the formula below (DivMulFusion)
-        dropped = b.op("Div", [masked, b.const(np.asarray(one - np.float32(fixed), np.float32))])
+    if fixed is not None:  # a division by 1 - ratio: what ORT makes of the formula below (DivMulFusion). The
+        # divisor is computed from the ratio (the same float32 as a constant): verification's dropout-free twin
+        # zeroes the ratio input, which then reaches the gradient as it does the forward
+        dropped = b.op("Div", [masked, b.op("Sub", [b.const(one), ratio])])
     else:
         dropped = b.op("Mul", [masked, b.op("Div", [b.const(1.0), b.op("Sub", [b.const(1.0), ratio])])])
     if mode is not None and training is None:
