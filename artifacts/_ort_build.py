@@ -13,7 +13,7 @@ from typing import Callable
 
 import onnx
 
-from ondevice.engines.classic import OrtTraining
+from ondevice.engines import open_engine
 from ondevice.manifest import Manifest
 from ondevice.ort_format import convert_to_ort_format as to_ort_format
 from ondevice.ort_format import native_stderr_silenced
@@ -132,7 +132,8 @@ def frozen_as_inputs_ort(source: Path, target: Path) -> bool:
 def check_loads(work: Path, manifest: Manifest) -> None:
     """Create the ORT session once: kernels missing at load time (ConvTransposeGrad) show up here."""
     try:
-        session = OrtTraining(work)
+        session = open_engine(work, manifest, "classic", work / "checkpoint", threads=None, lean_memory=False,
+                              with_eval=True)  # fmt: skip
     except Exception as exc:
         message = ort_error_message(exc)
         if "Grad" in message:
@@ -141,9 +142,9 @@ def check_loads(work: Path, manifest: Manifest) -> None:
                 "Freeze that layer (--freeze) or replace it."
             ) from exc
         raise ExportError(f"the generated artifacts do not load in ONNX Runtime: {message}") from exc
-    size = session.module.get_parameters_size(True)
+    size = session.module.get_parameters_size(True)  # type: ignore[attr-defined]
     if size != manifest.trainable_size:
         raise ExportError(f"ORT's parameter buffer holds {size} values, the manifest {manifest.trainable_size}.")
-    feeds = session.input_names(True)
+    feeds = session.input_names(True)  # type: ignore[attr-defined]
     if tuple(feeds) != manifest.feed_names:
         raise ExportError(f"training graph inputs {feeds} differ from the manifest's {list(manifest.feed_names)}.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,7 +20,7 @@ import onnx
 import torch
 from onnx import helper
 
-from ondevice.engines.classic import OrtTraining
+from ondevice.engines.contract import PORTABLE_TRAINING
 from ondevice.manifest import BATCH, Manifest, Verification
 from ondevice.session import ort_error_message
 
@@ -30,7 +31,17 @@ from .losses import Loss
 from .optimizers import SGD, AdamW, ReferenceOptimizer
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
 from .spec import TORCH_ONLY, Spec
-from .verify import Tolerances, axis_sizes, compare, dropout_free_twin, likely_causes, make_targets, merge_reports
+from .verify import (
+    GraphRun,
+    Tolerances,
+    axis_sizes,
+    compare,
+    dropout_free_twin,
+    engine_graphs,
+    likely_causes,
+    make_targets,
+    merge_reports,
+)
 
 __all__ = ["generate_from_onnx", "onnx_example"]
 
@@ -221,20 +232,40 @@ def _prove(
     reference = _Reference(original, [p.name for p in manifest.trainable])
     outputs = reference.outputs(feeds, None)
     ref_loss = reference.loss(outputs, loss, loss_index, targets)
-    ort = OrtTraining(work, with_optimizer=False).eval_step(feeds + targets)
+    graphs = [g for g in engine_graphs(manifest) if g in ("training_model.onnx", PORTABLE_TRAINING)]
+    ort = GraphRun(work, manifest, graphs[0]).engine.eval_step(feeds + targets)
     rows = [compare("eval loss", ort[0], np.float32(ref_loss), tol)]
     by_name = dict(zip(reference.output_names, outputs))
     rows += [compare(f"eval {s.name}", v, by_name[s.name], tol) for s, v in zip(manifest.outputs, ort[1:])]
+    dropouts = 0
+    for graph in graphs:  # every engine the manifest lists
+        tag = "" if graph == graphs[0] else f"{graph}: "
+        graph_rows, dropouts = _prove_step(work, manifest, graph, reference, feeds, targets, ref_loss, loss, loss_index,
+                                           optimizer, tol, fd_tol, seed)  # fmt: skip
+        rows += [replace(row, item=tag + row.item) for row in graph_rows]
+    report = Verification(
+        passed=all(r.passed for r in rows),
+        rows=tuple(rows),
+        note="reference: ONNX Runtime inference of the original model; gradients by central finite differences"
+        + (f"; train step checked with {dropouts} Dropout(s) off" if dropouts else ""),
+    )
+    return report
 
-    with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:  # the train step with every Dropout off
-        twin, dropouts = dropout_free_twin(work, Path(tmp))
-        session = OrtTraining(twin)
+
+def _prove_step(work, manifest, graph, reference, feeds, targets, ref_loss, loss, loss_index, optimizer, tol, fd_tol,
+                seed):  # type: ignore[no-untyped-def]  # fmt: skip
+    """One engine's train step (``graph``) with every Dropout off: loss, gradients by finite differences, the step."""
+    with tempfile.TemporaryDirectory(prefix="odt-verify-") as tmp:
+        twin, dropouts = dropout_free_twin(work, Path(tmp), graph)
+        run = GraphRun(twin, manifest, graph)
+        session = run.engine
         session.set_learning_rate(optimizer.lr)
         fetched = session.train_step(feeds + targets)
-        gradients = {p.name: session.get_gradient(p.name) for p in manifest.trainable}
+        gradients = {p.name: run.gradient(p.name) for p in manifest.trainable}
         session.optimizer_step()
-        stepped = {p.name: session.get_parameter(p.name) for p in manifest.trainable}
-    rows.append(compare("train loss", fetched[0], np.float32(ref_loss), tol))
+        stepped = {p.name: np.array(session.get_parameter(p.name)) for p in manifest.trainable}
+        del run, session
+    rows = [compare("train loss", fetched[0], np.float32(ref_loss), tol)]
     rng = np.random.default_rng(seed)
     weights = reference.weights()
     for spec in manifest.trainable:
@@ -263,13 +294,7 @@ def _prove(
     rows += [
         compare(f"step {s.name}", stepped[s.name], p.detach().numpy(), tol) for s, p in zip(manifest.trainable, params)
     ]
-    report = Verification(
-        passed=all(r.passed for r in rows),
-        rows=tuple(rows),
-        note="reference: ONNX Runtime inference of the original model; gradients by central finite differences"
-        + (f"; train step checked with {dropouts} Dropout(s) off" if dropouts else ""),
-    )
-    return report
+    return rows, dropouts
 
 
 class _Reference:

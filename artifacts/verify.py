@@ -38,6 +38,8 @@ __all__ = [
     "verify_batches",
     "merge_reports",
     "dropout_free_twin",
+    "GraphRun",
+    "engine_graphs",
     "format_table",
 ]
 
@@ -56,7 +58,7 @@ class Tolerances:
                 raise ToleranceError(f"{name} must be a finite number >= 0, got {value!r}.")
 
 
-class _Run:
+class GraphRun:
     """One engine over an artifact directory (or its twin), opened as a trainer opens it (``open_engine``):
     ``graph``'s file names the engine, ``training_model.portable*`` the portable one, else the classic one."""
 
@@ -265,7 +267,7 @@ def _kinks(directory: Path, manifest: Manifest, graph: str, feeds: list[np.ndarr
         training.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
                                      for n in names if n not in known)  # fmt: skip
         onnx.save(training, twin / graph)
-        run = _Run(twin, manifest, graph)
+        run = GraphRun(twin, manifest, graph)
         by_name = dict(zip(run.names, run.engine.train_step(feeds)))
     arrays = {node.name: np.asarray(by_name[node.input[0]]) for node, _ in nodes}
     return near_kinks(nodes, [arrays[node.name] for node, _ in nodes]), arrays
@@ -389,7 +391,7 @@ def _compare_eval(
     tol: Tolerances,
     graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    ort = _Run(directory, manifest, graph).engine.eval_step(feeds)
+    ort = GraphRun(directory, manifest, graph).engine.eval_step(feeds)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():
         outputs = _outputs(reference(*example))
@@ -421,7 +423,7 @@ def _compare_train(
     tol: Tolerances,
     graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    run = _Run(directory, manifest, graph)
+    run = GraphRun(directory, manifest, graph)
     session = run.engine
     session.set_learning_rate(optimizer.lr)
     fetched = session.train_step(feeds)
@@ -459,7 +461,7 @@ def _compare_train_with_dropout(
     masks: Sequence[tuple[str, str]],
 ) -> list[VerificationRow]:
     """The train step with every Dropout drawing its own mask, PyTorch replaying those masks."""
-    run = _Run(directory, manifest, graph)
+    run = GraphRun(directory, manifest, graph)
     fetched = run.engine.train_step(feeds)
     by_output = dict(zip(run.names, fetched))
     gradients = {p.name: run.gradient(p.name) for p in manifest.trainable}

@@ -114,7 +114,8 @@ def make_bundle(
 
         # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
         portable = manifest.portable_files
-        graphs = ("training_model.onnx", "eval_model.onnx", *(portable[:1] if portable else ()))
+        classic = "classic" in manifest.engines  # artifacts made without the training build carry no classic graphs
+        graphs = (*(("training_model.onnx",) if classic else ()), "eval_model.onnx", *(portable[:1] if portable else ()))
         # reads the checkpoint's tensors and frozen.bin's alike; needed only to write them out again
         trainer = Trainer.load(source, evaluation=False) if portable or manifest.frozen_file else None
         frozen = {} if trainer is None else frozen_arrays(source, manifest, trainer)
@@ -135,11 +136,12 @@ def make_bundle(
             layout = _write_parameters(trainer, manifest, frozen, work / PARAMETERS, work / portable[0])
         del trainer, frozen
 
-        training = onnx.load(work / "training_model.onnx")
-        expose_loss_scale(training, manifest.loss_output, list(manifest.feed_names))
-        onnx.save(training, work / "training_model.onnx")
-        optimizer = onnx.load(source / "optimizer_model.onnx")
-        onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
+        if classic:  # onnxruntime-web's and ORT Mobile's training builds (1.19.2)
+            training = onnx.load(work / "training_model.onnx")
+            expose_loss_scale(training, manifest.loss_output, list(manifest.feed_names))
+            onnx.save(training, work / "training_model.onnx")
+            optimizer = onnx.load(source / "optimizer_model.onnx")
+            onnx.save(bake_learning_rate(optimizer, **rate), work / "optimizer_model.onnx")
         try:
             convert_to_ort_format(work)
         except RuntimeError as exc:

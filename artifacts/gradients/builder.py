@@ -69,11 +69,14 @@ def differentiate(
     grads: dict[str, list[str]] = {loss.output: [seed]}
 
     def total(tensor: str) -> str | None:
+        """The gradient of ``tensor``, named ``{tensor}_grad`` as ORT names it (the recompute pass finds a
+        layer's backward by that name): the sum of its parts, or the one part (an Identity, which ONNX
+        Runtime removes when it loads the graph)."""
         parts = grads.get(tensor)
         if not parts:
             return None
-        if len(parts) > 1:
-            grads[tensor] = [e.op("Sum", parts, [e.name(f"{tensor}_grad")])[0]]
+        if len(parts) > 1 or parts[0] != f"{tensor}_grad":
+            grads[tensor] = [e.op("Sum" if len(parts) > 1 else "Identity", parts, [e.name(f"{tensor}_grad")])[0]]
         return grads[tensor][0]
 
     for node in reversed(list(graph.node)):

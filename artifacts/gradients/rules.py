@@ -422,8 +422,10 @@ def _batchnorm(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]
 
 @rule("SoftmaxCrossEntropyLoss")
 def _softmax_cross_entropy(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
-    if len(node.output) < 2 or not node.output[1]:
-        raise NotImplementedError("SoftmaxCrossEntropyLoss without its log_prob output")
+    if len(node.output) < 2 or not node.output[1]:  # the gradient reads the log-probabilities: ask the node for them
+        while len(node.output) < 2:
+            node.output.append("")
+        node.output[1] = e.name(f"{node.output[0]}.log_prob")
     inputs = [dy[0], node.output[1], *node.input[1:]]
     return [e.one("SoftmaxCrossEntropyLossGrad", *inputs, domain=MS, **_copy_attrs(node)), None, None]
 

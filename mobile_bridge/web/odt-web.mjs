@@ -535,7 +535,8 @@ export class OdtClient {
     if ((await sha256Hex(schemaBytes)) !== schemaEntry.sha256) throw new BundleError(`${SCHEMA_FILE} was altered (sha256 differs)`);
     checkDescription(description, JSON.parse(new TextDecoder().decode(schemaBytes)));
     let engine;
-    if (typeof ort.TrainingSession === "function") engine = await ClassicEngine.open(ort, base, description, headers);
+    const classic = Boolean(description.files["optimizer_model.onnx"]); // generated without the training build: none
+    if (typeof ort.TrainingSession === "function" && classic) engine = await ClassicEngine.open(ort, base, description, headers);
     else if (description.portable) {
       const gpu = executionProvider === "webgpu" && (await globalThis.navigator?.gpu?.requestAdapter?.()) != null;
       engine = await PortableEngine.open(ort, base, description, headers, gpu ? "webgpu" : "wasm");
