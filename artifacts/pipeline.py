@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import shutil
@@ -53,6 +52,7 @@ from .export import (
 )
 from .frozen import FROZEN_FILE, externalize_frozen, lookup_tables
 from .gradients import training_build, write_graphs
+from .passes._nodes import light_model
 from .portable import check_portable_loads, write_portable
 from .selection import select_trainable
 from .spec import Spec
@@ -186,7 +186,7 @@ def _build(
     spec = o.spec
     loss, optimizer, opset = spec.loss, spec.optimizer, spec.opset
     onnx_model, outputs = source.graph, source.outputs
-    original = copy.deepcopy(onnx_model)
+    original = light_model(onnx_model)  # the exported graph's structure and shapes, not a second copy of its weights
     context = passes.Context(opset=opset, recompute=spec.recompute)
     passes.run_stage("export", onnx_model, context)
     initializers = {i.name: i for i in onnx_model.graph.initializer}
@@ -223,8 +223,10 @@ def _build(
         run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()),
                           work, describe=describe)  # fmt: skip
     else:  # the generator's own builder: the same graph form, published as the portable engine's only
+        moved = set() if spec.ort_format else {n for n in frozen if n not in updates and  # frozen.bin takes them
+                                               initializers[n].data_type == onnx.TensorProto.FLOAT}  # fmt: skip
         write_graphs(onnx_model, trainable, frozen, loss, loss_output, extra + list(updates.values()), work,
-                     describe=describe)  # fmt: skip
+                     describe=describe, stored=[n for n in frozen if n not in moved])  # fmt: skip
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     order = _parameter_order(work / "training_model.onnx")

@@ -22,8 +22,8 @@ from ondevice.engines.step_graph import fuse_step
 from ondevice.manifest import Manifest
 
 from . import passes
-from .errors import ExportError, UnsupportedOperatorError
 from ._ort_build import frozen_as_inputs_ort
+from .errors import ExportError, UnsupportedOperatorError
 from .frozen import FROZEN_FILE
 from .optimizers import SGD, AdamW
 from .passes.finite import FINITE_CHECK
@@ -112,7 +112,8 @@ def check_portable_loads(work: Path, manifest: Manifest, entry: dict[str, str]) 
         engine = open_engine(work, manifest, "portable", work / "checkpoint", threads=1, lean_memory=False,
                              with_eval=True)  # fmt: skip
     except Exception as exc:
-        raise ExportError(f"the generated portable graphs do not load in ONNX Runtime: {ort_error_message(exc)}") from exc
+        message = ort_error_message(exc)
+        raise ExportError(f"the generated portable graphs do not load in ONNX Runtime: {message}") from exc
     size = engine.get_flat().size
     if size != manifest.trainable_size:
         raise ExportError(f"the portable engine's parameter vector holds {size} values, the manifest "

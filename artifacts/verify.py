@@ -219,7 +219,8 @@ def _retry_at_kinks(
     kinks, inputs = [], {}
     for graph in sorted(graphs):
         found, arrays = _kinks(directory, manifest, graph, feeds)
-        kinks += found
+        seen = {(k.node, k.item, k.index) for k in kinks}  # one forward node in each engine's graph: counted once
+        kinks += [k for k in found if (k.node, k.item, k.index) not in seen]
         inputs.update(arrays)
     if not kinks:
         return report, ""

@@ -115,7 +115,8 @@ def make_bundle(
         # the portable graphs run on current ONNX Runtimes (onnxruntime-web 1.30, ORT Mobile): parameters are inputs
         portable = manifest.portable_files
         classic = "classic" in manifest.engines  # artifacts made without the training build carry no classic graphs
-        graphs = (*(("training_model.onnx",) if classic else ()), "eval_model.onnx", *(portable[:1] if portable else ()))
+        graphs = (*(("training_model.onnx",) if classic else ()), "eval_model.onnx",
+                  *(portable[:1] if portable else ()))
         # reads the checkpoint's tensors and frozen.bin's alike; needed only to write them out again
         trainer = Trainer.load(source, evaluation=False) if portable or manifest.frozen_file else None
         frozen = {} if trainer is None else frozen_arrays(source, manifest, trainer)

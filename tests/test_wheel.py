@@ -5,8 +5,8 @@ environments OUTSIDE the repository, and run the digits flow from an empty direc
   train/evaluate/export/predict on the artifacts the workstation made, `odt generate` says which
   extra it needs;
 - the same environment plus ``[federated]``: a Flower simulation writes its report and plot;
-- ``[all]`` (the training build, the classic engine): generate, train, evaluate, export, predict,
-  fl simulate, keygen, bundle, and
+- ``[all]`` (stock onnxruntime: the generator's own gradient builder, the portable engine, no training build):
+  generate, train, evaluate, export, predict, fl simulate, keygen, bundle, and
   `bridge serve` answering ``/web/`` with the browser client and the onnxruntime-web files.
 Versions come from requirements/lock.txt (as constraints), like `make`.
 """
@@ -59,7 +59,12 @@ def _venv(path: Path, wheel: Path, extra: str) -> tuple[Path, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = f"{path / 'bin'}{os.pathsep}{env['PATH']}"
     install = [str(path / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
-    _run([*install, "-c", str(ROOT / "requirements" / "lock.txt"), f"{wheel}{extra}"], path, env)
+    # stock onnxruntime at the device lock's version (requirements/lock.txt pins the training build instead)
+    runtime = next(line for line in (ROOT / "requirements" / "device-lock.txt").read_text().splitlines()
+                   if line.startswith("onnxruntime=="))  # fmt: skip
+    (path / "runtime.txt").write_text(runtime + "\n")
+    _run([*install, "-c", str(ROOT / "requirements" / "lock.txt"), "-c", str(path / "runtime.txt"), f"{wheel}{extra}"],
+         path, env)  # fmt: skip
     return path / "bin", env
 
 
@@ -79,8 +84,10 @@ def test_all_extra_runs_the_digits_flow_from_an_empty_directory(wheel, tmp_path)
 
     out = _run([odt, "generate", "--model", "model.py:build", "--input", "input:32x64:float32", "--out", "art"],
                work, env)  # fmt: skip
-    assert "verification: PASS" in out
+    assert "verification: PASS" in out and "training_model.portable.onnx: grad 3.weight" in out, out
     assert oct((work / "art" / "manifest.json").stat().st_mode & 0o777) == "0o644"
+    made = json.loads(_run([odt, "inspect", "art", "--json"], work, env))
+    assert made["engines"]["carried"] == ["portable"] and not (work / "art" / "optimizer_model.onnx").exists()
     _run([odt, "train", "art", "--data", "data/train.npz", "--epochs", "3", "--checkpoint", "ck"], work, env)
     metrics = json.loads(_run([odt, "evaluate", "art", "--data", "data/test.npz", "--checkpoint", "ck", "--json"],
                               work, env))  # fmt: skip

@@ -11,7 +11,6 @@ portable graphs they produce are published when the training build is absent.
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,7 +21,7 @@ from onnx import numpy_helper
 from ondevice._ort_checkpoint import CheckpointData, write_checkpoint
 
 from ..losses import Loss
-from .builder import differentiate, eval_graph
+from .builder import differentiate, eval_graph, without_parameters
 from .loss_graphs import attach_loss, loss_graph
 from .rules import RULES
 
@@ -45,19 +44,24 @@ def write_graphs(
     extra_outputs: Sequence[str],
     work: Path,
     describe: Callable[[str], str] = lambda node: node,
+    stored: Sequence[str] | None = None,
 ) -> None:
-    """Write ``training_model.onnx``, ``eval_model.onnx`` and ``checkpoint`` for ``forward`` into ``work``."""
-    model = copy.deepcopy(forward)
+    """Write ``training_model.onnx``, ``eval_model.onnx`` and ``checkpoint`` for ``forward`` into ``work``; the
+    checkpoint holds the trainable tensors and the frozen ones in ``stored`` (default: all of them)."""
+    model, parameters = without_parameters(forward, [*trainable, *frozen])  # the graphs read them as inputs
     attached = loss_graph(loss, model, loss_output)
     attach_loss(model, attached)
+    model.graph.input.extend(parameters)  # after the feeds and the target, as ORT orders them
     outputs = [o for o in extra_outputs if o != attached.output]
-    training = differentiate(model, attached, trainable, frozen, outputs, describe)
-    onnx.save(training, work / "training_model.onnx")
-    evaluation = eval_graph(model, [*trainable, *frozen], [attached.output, *outputs])
-    onnx.save(evaluation, work / "eval_model.onnx")
+    onnx.save(differentiate(model, attached, trainable, frozen, outputs, describe), work / "training_model.onnx")
+    onnx.save(eval_graph(model, [attached.output, *outputs]), work / "eval_model.onnx")
+    del model
     values = {t.name: t for t in forward.graph.initializer}
-    state = CheckpointData(trainable={n: numpy_helper.to_array(values[n]) for n in trainable},
-                           frozen={n: numpy_helper.to_array(values[n]) for n in frozen if n in values})  # fmt: skip
+    kept = set(frozen if stored is None else stored)
+    state = CheckpointData(
+        trainable={n: numpy_helper.to_array(values[n]) for n in trainable},
+        frozen={n: numpy_helper.to_array(values[n]) for n in frozen if n in values and n in kept},
+    )
     partial = work / "checkpoint.partial"
     partial.write_bytes(write_checkpoint(state))
     os.replace(partial, work / "checkpoint")

@@ -16,7 +16,8 @@ from .rules import NOT_DIFFERENTIABLE, RULES
 
 RANDOM = frozenset({"Dropout", "Bernoulli", "Multinomial"})
 
-__all__ = ["differentiate", "eval_graph", "training_forward", "ACCUMULATOR", "BUFFER_SUFFIX", "RESET"]
+__all__ = ["differentiate", "eval_graph", "without_parameters", "training_forward", "ACCUMULATOR", "BUFFER_SUFFIX",
+           "RESET"]
 
 ACCUMULATOR = "InPlaceAccumulatorV2"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
@@ -33,7 +34,8 @@ def training_forward(model: onnx.ModelProto) -> None:
             node.op_type, node.domain = "BatchNormInternal", MS
             while len(node.output) < 3:
                 node.output.append("")
-            node.output.extend([f"{node.name or node.output[0]}.saved_mean", f"{node.name or node.output[0]}.saved_inv_std"])
+            base = node.name or node.output[0]
+            node.output.extend([f"{base}.saved_mean", f"{base}.saved_inv_std"])
 
 
 def differentiate(
@@ -101,7 +103,6 @@ def differentiate(
             if wanted and grad is not None:
                 grads.setdefault(name, []).append(grad)
 
-    _move_parameters_to_inputs(graph, [*trainable, *frozen])
     graph.input.append(helper.make_tensor_value_info(RESET, onnx.TensorProto.BOOL, [1]))
     del graph.output[:]
     values = {v.name: v for v in (*model.graph.value_info, *model.graph.input)}
@@ -122,13 +123,12 @@ def differentiate(
     return model
 
 
-def eval_graph(model: onnx.ModelProto, parameters: Sequence[str], outputs: Sequence[str]) -> onnx.ModelProto:
-    """The eval graph: the forward with its loss, parameters as inputs, ``outputs`` out (ORT's form)."""
+def eval_graph(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """The eval graph: the forward with its loss (parameters already inputs), ``outputs`` out (ORT's form)."""
     model = copy.deepcopy(model)
     graph = model.graph
     shapes, types, _ = graph_facts(model)
     values = {v.name: v for v in (*graph.value_info, *graph.input)}
-    _move_parameters_to_inputs(graph, parameters)
     del graph.output[:]
     graph.output.extend(_output_info(name, values, shapes, types) for name in outputs)
     return model
@@ -196,16 +196,24 @@ def _fold_constants(model: onnx.ModelProto, parameters: set[str]) -> None:
     graph.node.extend(kept)
 
 
-def _move_parameters_to_inputs(graph: onnx.GraphProto, parameters: Sequence[str]) -> None:
-    """Parameters become graph inputs, in the given order (ORT's builder reads them from the checkpoint)."""
+def without_parameters(model: onnx.ModelProto, parameters: Sequence[str]) -> tuple[onnx.ModelProto, list]:
+    """A copy of ``model`` without the ``parameters``' initializers (no weight is copied), and their graph-input
+    declarations in the given order: ORT's training and eval graphs read parameters as inputs."""
     wanted = set(parameters)
-    found = {t.name: t for t in graph.initializer if t.name in wanted}
-    kept = [t for t in graph.initializer if t.name not in wanted]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    for name in parameters:
-        if name in found:
-            graph.input.append(helper.make_tensor_value_info(name, found[name].data_type, list(found[name].dims)))
+    source = model.graph
+    skeleton = onnx.ModelProto(ir_version=model.ir_version, producer_name=model.producer_name,
+                               producer_version=model.producer_version)  # fmt: skip
+    skeleton.opset_import.extend(model.opset_import)
+    graph = skeleton.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    graph.initializer.extend(t for t in source.initializer if t.name not in wanted)
+    found = {t.name: (t.data_type, list(t.dims)) for t in source.initializer if t.name in wanted}
+    inputs = [helper.make_tensor_value_info(name, *found[name]) for name in parameters if name in found]
+    return skeleton, inputs
 
 
 def _requiring(nodes: Sequence[onnx.NodeProto], trainable: set[str], types: dict[str, int]) -> set[str]:

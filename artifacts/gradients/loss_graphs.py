@@ -55,8 +55,9 @@ def loss_graph(loss: Loss, model: onnx.ModelProto, output: str) -> LossGraph:
             inputs.append(f"{name}.class_weight")
             inits.append(numpy_helper.from_array(np.asarray(weight, np.float32), f"{name}.class_weight"))
         ignore = getattr(loss, "ignore_index", None)
+        ignored = {} if ignore is None else {"ignore_index": ignore}
         node = helper.make_node("SoftmaxCrossEntropyLoss", inputs, [name, f"{name}.log_prob"], name=name,
-                                reduction=loss.reduction, **({} if ignore is None else {"ignore_index": ignore}))  # fmt: skip
+                                reduction=loss.reduction, **ignored)  # fmt: skip
         label = helper.make_tensor_value_info(target, onnx.TensorProto.INT64, dims[:-1])
         return LossGraph(name, (node,), tuple(inits), label, {name: [], f"{name}.log_prob": dims})
     value = helper.make_tensor_value_info(target, onnx.TensorProto.FLOAT, dims)

@@ -248,7 +248,10 @@ def _matmul(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -
         raise NotImplementedError("MatMul of vectors or of unknown rank")
     da = db = None
     if need[0]:
-        da = e.one("Gemm", g, b, transB=1) if ra == rb == 2 else e.sum_to(e.one("MatMul", g, _swap_last(e, b, rb)), a, y)
+        if ra == rb == 2:
+            da = e.one("Gemm", g, b, transB=1)
+        else:
+            da = e.sum_to(e.one("MatMul", g, _swap_last(e, b, rb)), a, y)
     if need[1]:
         if rb == 2 and ra >= 2:  # a weight: every row of every batch is one row of A, one product
             k, n = e.shapes[b]

@@ -228,8 +228,8 @@ REGISTRY: tuple[Pass, ...] = (
          "DropoutGrad is not in stock ORT",
          "Where(mask, dY, 0) * (1 / (1 - ratio)), the kernel's product in its order (a Cast of the mask would run "
          "in the forward and keep a float copy of it); dY where training_mode is false; "
-         "a constant ratio (an exported model's) becomes a division by the constant 1 - ratio (what ORT fuses the "
-         "formula to) and a constant mode needs no Where",
+         "with the ratio given (an exported model's), a division by 1 - ratio computed from it (what ORT fuses the "
+         "formula to; verification's dropout-free twin zeroes that input) and a constant mode needs no Where",
          "tests/artifacts/test_portable.py::test_each_lowering_matches_orts_training_kernel"),
     Pass("portable-dropout-masks", "portable", lambda m, c: keep_dropout_masks(m),
          "stock ORT's basic optimizer deletes a Dropout whose mask output is unused, even in training mode, so a "

@@ -7,7 +7,8 @@ import math
 import onnx
 from onnx import helper
 
-__all__ = ["attributes", "int_constant", "float_constant", "inferred_graph", "wait_constants", "zero_after"]
+__all__ = ["attributes", "int_constant", "float_constant", "inferred_graph", "light_model", "wait_constants",
+           "zero_after"]
 
 _VALUES_READ = 1024
 """Initializers of more values than this go to shape inference without them (a shape never depends on a
@@ -26,6 +27,13 @@ def inferred_graph(model: onnx.ModelProto) -> onnx.GraphProto:
     the result back: on 30 float32 matrices of 1,536 x 1,536 (270 MB) one call raised the process's peak
     by 1,270 MB and took 1.2 s. Here each initializer of more than :data:`_VALUES_READ` values goes in as
     its name, type and dims only: 6 MB and 0.01 s on the same graph."""
+    return onnx.shape_inference.infer_shapes(light_model(model)).graph
+
+
+def light_model(model: onnx.ModelProto, weights_as_inputs: bool = False) -> onnx.ModelProto:
+    """``model`` without its weights' values: each initializer of more than :data:`_VALUES_READ` values is its
+    name, type and dims only (or, with ``weights_as_inputs``, a graph input of that type and shape, for readers
+    that would read an initializer's values), the rest copied. For the graph's structure and shapes."""
     light = onnx.ModelProto(ir_version=model.ir_version)
     light.opset_import.extend(model.opset_import)
     light.functions.extend(model.functions)
@@ -34,11 +42,13 @@ def inferred_graph(model: onnx.ModelProto) -> onnx.GraphProto:
     for field in ("node", "input", "output", "value_info", "sparse_initializer"):
         getattr(graph, field).extend(getattr(source, field))
     for tensor in source.initializer:
-        if math.prod(tensor.dims) > _VALUES_READ:
-            graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
-        else:
+        if math.prod(tensor.dims) <= _VALUES_READ:
             graph.initializer.add().CopyFrom(tensor)
-    return onnx.shape_inference.infer_shapes(light).graph
+        elif weights_as_inputs:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    return light
 
 
 def int_constant(name: str, values: list[int]) -> onnx.NodeProto:

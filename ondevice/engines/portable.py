@@ -128,6 +128,8 @@ class PortableEngine:
         self._frozen = dict(frozen or {})  # one mapping of frozen.bin for all sessions (ondevice.frozen)
 
         order = execution_order(manifest)
+        shared = self._frozen  # not self: the session opener below is kept by the engine (no reference cycle, so an
+        # engine and its sessions go as soon as the last reference does, not at the next garbage collection)
         files = graph_files(manifest, graph, bool(self._frozen))
         self.graph = files.chosen
 
@@ -147,7 +149,7 @@ class PortableEngine:
             options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
             options.execution_order = order
             if name not in files.inputs_frozen:  # the copies read them as inputs, bound once
-                for frozen_name, value in self._frozen.items():
+                for frozen_name, value in shared.items():
                     options.add_initializer(frozen_name, value)
             return ort.InferenceSession(os.fspath(directory / name), options, providers=["CPUExecutionProvider"])
 

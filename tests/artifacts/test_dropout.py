@@ -116,7 +116,7 @@ def test_verification_with_dropout_on_fails_on_the_attention_dropout_as_it_was(t
         generate(FAMILIES["bert"][0](), _example(), tmp_path / "a")
     rows = failed.value.verification.rows
     wrong = [row.item for row in rows if not row.passed]
-    assert wrong and all(item.startswith(("dropout ", "training_model.nchwc.onnx: dropout ")) for item in wrong), wrong
+    assert wrong and all(item.split(": ")[-1].startswith("dropout ") for item in wrong), wrong  # any engine's graph
     assert "only the train step with dropout on fails" in str(failed.value)
     assert not (tmp_path / "a").exists()
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import artifacts.pipeline
-from artifacts import BCEWithLogits, CrossEntropy, L1, MSE, generate
+from artifacts import L1, MSE, BCEWithLogits, CrossEntropy, generate
 from artifacts.errors import UnsupportedOperatorError, VerificationError
 from artifacts.gradients import RULES
 from artifacts.gradients._emit import Emitter
@@ -222,13 +222,14 @@ def test_an_operator_without_a_rule_is_a_typed_error_naming_it_and_its_layer():
 def test_the_sum_over_broadcast_axes_found_when_the_graph_runs_equals_numpys(grad_shape, target_shape):
     e = Emitter({"g": [None] * len(grad_shape), "t": [None] * len(target_shape)}, {}, {}, 17, {"g", "t"})
     out = e._dynamic_sum_to("g", "t", "g")
-    graph = helper.make_graph(e.nodes, "sum", [helper.make_tensor_value_info("g", TensorProto.FLOAT, None),
-                                               helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], e.initializers)  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("g", "t")]
+    outputs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)]
+    graph = helper.make_graph(e.nodes, "sum", inputs, outputs, e.initializers)
     session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
                                    .SerializeToString(), providers=["CPUExecutionProvider"])  # fmt: skip
     g = np.random.default_rng(0).standard_normal(grad_shape).astype(np.float32)
     (found,) = session.run(None, {"g": g, "t": np.zeros(target_shape, np.float32)})
     lead = len(grad_shape) - len(target_shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(target_shape) if d == 1 and grad_shape[lead + i] != 1)
+    broadcast = [lead + i for i, d in enumerate(target_shape) if d == 1 and grad_shape[lead + i] != 1]
+    axes = (*range(lead), *broadcast)
     np.testing.assert_allclose(found, g.sum(axis=axes, keepdims=True).reshape(target_shape), rtol=1e-6)

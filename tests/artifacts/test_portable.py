@@ -179,9 +179,10 @@ def test_a_gradient_lowering_computes_nothing_before_its_gradient_exists(case):
 
 @pytest.mark.parametrize("training", [True, False])
 def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
-    """The exported model's ratio and training mode are constants: the lowering folds the scale and the mode
-    (a division by the constant 1 - ratio, no Sub, nothing reads them) and gives what it gives with them as inputs,
-    bit for bit (in training mode, the kernel's values too)."""
+    """The exported model's ratio and training mode are constants: the lowering folds the mode (nothing reads it)
+    and divides by 1 - ratio computed from the ratio (one Sub reads it), and gives what it gives with them as inputs,
+    bit for bit (in training mode, the kernel's values too). Verification's dropout-free twin zeroes the ratio: the
+    gradient then passes unscaled, as the twin's forward does."""
     rng = np.random.default_rng(3)
     inputs = {"dy": rng.standard_normal((6, 5)).astype(np.float32), "mask": rng.random((6, 5)) > 0.3}
     constants = {"ratio": np.array(0.3, np.float32), "training": np.array(training)}
@@ -194,11 +195,14 @@ def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
     folded.graph.input.extend(kept)
     folded.graph.initializer.extend(onnx.numpy_helper.from_array(v, n) for n, v in constants.items())
     assert lower_operators(folded, 17) == ["DropoutGrad"]
-    assert "Sub" not in {n.op_type for n in folded.graph.node}
-    assert not [n.op_type for n in folded.graph.node if {"ratio", "training"} & set(n.input)]
+    assert not [n.op_type for n in folded.graph.node if "training" in n.input]
+    assert [n.op_type for n in folded.graph.node if "ratio" in n.input] == (["Sub"] if training else [])
     np.testing.assert_array_equal(_run(folded, inputs)[0], _run(fed, {**inputs, **constants})[0])
     if training:
         np.testing.assert_array_equal(_run(folded, inputs)[0], kernel)
+        ratio = next(t for t in folded.graph.initializer if t.name == "ratio")
+        ratio.CopyFrom(onnx.numpy_helper.from_array(np.array(0.0, np.float32), "ratio"))  # the dropout-free twin
+        np.testing.assert_array_equal(_run(folded, inputs)[0], np.where(inputs["mask"], inputs["dy"], 0))
 
 
 def test_batchnorm_with_its_running_statistics_read_is_left_for_the_error():
