@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ondevice.manifest import Manifest
+from ondevice.session import return_freed_memory
 
 from ._edges import edge_batches, embedding_inputs
 from .decoder import export_decoder
@@ -79,6 +80,7 @@ def generate(
     """
     spec = spec.but(**changes)
     out_dir = check_output(out_dir, force)
+    return_freed_memory()  # the exports free copies of every weight: give them back (SmolLM2's peak 4.11 -> GB)
     _check_finite(model)
     decoder = export_decoder(model, spec.opset, spec.tolerances) if spec.decoder else None
     names, example = _examples(model, example_inputs, spec.input_names)
