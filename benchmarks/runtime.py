@@ -88,13 +88,12 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
 
     from benchmarks.compare import ratio_interval
     from ondevice import Trainer
-    from ondevice.engines.classic import OrtTraining
 
     trainer = Trainer.load(artifacts)
     # The raw loop drives the trainer's own ORT objects: one set of threads and one memory arena,
     # so the difference is the trainer's Python alone (two sessions' spinning thread pools on
     # two cores disturbed each other by more than the overhead being measured).
-    raw: OrtTraining = trainer._session
+    raw = trainer._session
     size = len(train["labels"])
     steps = EPOCHS * -(-size // BATCH)
     batch = {k: v[:BATCH] for k, v in train.items()}
@@ -151,10 +150,12 @@ def fetch_reading(artifacts: Path, train: dict) -> dict[str, float]:
     (how ORT's own Python API reads them) against indexing it (what ondevice.session does)."""
     import timeit
 
-    from ondevice.engines.classic import OrtTraining
+    from ondevice import Manifest
+    from ondevice.engines import open_engine
     from ondevice.session import C
 
-    session = OrtTraining(artifacts)
+    session = open_engine(artifacts, Manifest.load(artifacts), "classic", artifacts / "checkpoint", threads=None,
+                          lean_memory=False, with_eval=False)  # fmt: skip
     fetches = C.OrtValueVector()
     session.module.train_step([train["input"][:BATCH], train["labels"][:BATCH]], fetches)
     ways = {

@@ -71,6 +71,8 @@ class Emitter:
         self._consts: dict[tuple, str] = {}
         self._shape_of: dict[str, str] = {}
         self.node_name = "odt_grad"
+        self.parameters: set[str] = set()
+        """The graph's parameters (trainable and frozen): lookup tables among them keep ORT's GatherGrad."""
 
     def name(self, hint: str) -> str:
         base, index = hint, 0
@@ -145,6 +147,8 @@ class Emitter:
             if decided:
                 if not axes:
                     return grad
+                if axes == list(range(lead)):  # leading axes only (a bias): one ReduceSum, as ORT writes it
+                    return self.one("ReduceSum", grad, self.const(axes, np.int64), keepdims=0)
                 summed = self.one("ReduceSum", grad, self.const(axes, np.int64), keepdims=1)
                 return self.one("Reshape", summed, self.shape(target)) if lead else summed
         return self._dynamic_sum_to(grad, target, result)
@@ -152,10 +156,13 @@ class Emitter:
     def _dynamic_sum_to(self, grad: str, target: str, result: str) -> str:
         # axes where the target's padded shape is 1 and the gradient's is not, found when the graph runs
         out_rank, tgt_rank = self.rank(result), self.rank(target)
-        if out_rank is None or tgt_rank is None:
-            raise ValueError(f"the ranks of {target!r} and {result!r} are unknown")
         target_shape = self.shape(target)
-        if out_rank > tgt_rank:
+        if out_rank is None or tgt_rank is None:  # the ranks too: ones to pad with, as many as they differ by
+            missing = self.one("Sub", self.one("Size", self.shape(grad)), self.one("Size", target_shape))
+            ones = self.one("ConstantOfShape", self.one("Reshape", missing, self.const([1], np.int64)),
+                            value=numpy_helper.from_array(np.ones(1, np.int64)))  # fmt: skip
+            target_shape = self.one("Concat", ones, target_shape, axis=0)
+        elif out_rank > tgt_rank:
             target_shape = self.one("Concat", self.const([1] * (out_rank - tgt_rank), np.int64), target_shape, axis=0)
         ones = self.one("Equal", target_shape, self.const([1], np.int64))
         kept = self.one("Equal", self.shape(grad), self.const([1], np.int64))

@@ -63,6 +63,7 @@ def differentiate(
     taken = {n for node in graph.node for n in (*node.input, *node.output)} | {i.name for i in graph.initializer}
     taken |= {i.name for i in graph.input}
     e = Emitter(shapes, types, constants, _opset(model), taken)
+    e.parameters = {*trainable, *frozen}
 
     requires = _requiring(graph.node, set(trainable), types)
     useful = _reaching(graph.node, loss.output)

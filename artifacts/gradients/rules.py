@@ -102,6 +102,59 @@ def _sum(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> G
     return [e.sum_to(dy[0], x, node.output[0]) if n else None for x, n in zip(node.input, need)]
 
 
+@rule("Min", "Max")
+def _min_max(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
+    (g,), y = dy, node.output[0]  # to the input that is the result (the first one, on a tie, as PyTorch's
+    # minimum and maximum split a tie in half: ties are kinks, which verification retries)
+    if len(node.input) != 2:
+        raise NotImplementedError(f"{node.op_type} of {len(node.input)} inputs")
+    a, b = node.input
+    first = e.one("Equal", a, y)
+    half = e.one("Mul", g, e.const(0.5))
+    tie = e.one("Equal", a, b)
+    ga = e.one("Where", tie, half, e.one("Where", first, g, e.const(0.0)))
+    gb = e.one("Where", tie, half, e.one("Where", first, e.const(0.0), g))
+    return [e.sum_to(ga, a, y) if need[0] else None, e.sum_to(gb, b, y) if need[1] else None]
+
+
+@rule("Tile")
+def _tile(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
+    x, repeats = node.input
+    known, rank = e.value(repeats), e.rank(x)
+    if known is None and rank is None:
+        raise NotImplementedError("Tile with repeats computed in the graph over an input of unknown rank")
+    rank = len(known.reshape(-1)) if known is not None else rank
+    # dY as [r0, d0, r1, d1, ...] (the repeats as given, or read from the graph's tensor), summed over the repeats
+    dims = e.shape(x)
+
+    def entry(tensor: str, axis: int) -> str:
+        return e.one("Slice", tensor, e.const([axis], np.int64), e.const([axis + 1], np.int64))
+
+    parts = []
+    for axis in range(rank):
+        count = e.const([int(known.reshape(-1)[axis])], np.int64) if known is not None else entry(repeats, axis)
+        parts += [count, entry(dims, axis)]
+    split = e.one("Reshape", dy[0], e.one("Concat", *parts, axis=0))
+    summed = e.one("ReduceSum", split, e.const(list(range(0, 2 * rank, 2)), np.int64), keepdims=0)
+    return [summed, None]
+
+
+@rule("Pad")
+def _pad(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
+    mode = _attr(node, "mode", b"constant")
+    pads = e.value(node.input[1]) if len(node.input) > 1 else None
+    if mode not in (b"constant", "constant") or pads is None or (len(node.input) > 3 and node.input[3]):
+        raise NotImplementedError("Pad other than constant padding by constant amounts on every axis")
+    pads = [int(p) for p in pads.reshape(-1)]
+    rank = len(pads) // 2
+    if any(p < 0 for p in pads):
+        raise NotImplementedError("Pad with negative amounts")
+    starts, ends = pads[:rank], [-p if p else np.iinfo(np.int64).max for p in pads[rank:]]
+    cut = e.one("Slice", dy[0], e.const(starts, np.int64), e.const(ends, np.int64),
+                e.const(list(range(rank)), np.int64))  # fmt: skip
+    return [cut, *([None] * (len(node.input) - 1))]
+
+
 @rule("Neg")
 def _neg(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
     return [e.one("Neg", dy[0])]
@@ -298,7 +351,20 @@ def _slice(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) ->
 @rule("Gather")
 def _gather(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
     data, indices = node.input
-    return [e.one("GatherGrad", e.shape(data), indices, dy[0], domain=MS, axis=_attr(node, "axis", 0)), None]
+    axis, rank, picks = _attr(node, "axis", 0), e.rank(data), e.rank(indices)
+    if data in e.parameters or rank is None or picks is None or picks > 1:  # a lookup table: ORT's GatherGrad,
+        # which the lookup-grad and padding-rows passes rewrite
+        return [e.one("GatherGrad", e.shape(data), indices, dy[0], domain=MS, axis=axis), None]
+    # positions picked from an activation along ``axis``: dY added back there, in zeros of its shape
+    axis = axis + rank if axis < 0 else axis
+    g = dy[0] if picks == 1 else e.one("Unsqueeze", dy[0], e.const([axis], np.int64))
+    shape = [1] * rank
+    shape[axis] = -1
+    where = e.one("Reshape", e.one("Cast", indices, to=onnx.TensorProto.INT64), e.const(shape, np.int64))
+    wrapped = e.one("Where", e.one("Less", where, e.const(0, np.int64)),
+                    e.one("Add", where, e.one("Gather", e.shape(data), e.const(axis, np.int64))), where)  # fmt: skip
+    spread = e.one("Expand", wrapped, e.shape(g))
+    return [e.one("ScatterElements", e.zeros_like(data), spread, g, axis=axis, reduction="add"), None]
 
 
 @rule("GatherElements")
@@ -404,11 +470,24 @@ def _conv(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> 
 
 @rule("MaxPool")
 def _max_pool(e: Emitter, node: onnx.NodeProto, dy: Grads, need: Sequence[bool]) -> Grads:
-    if len(node.output) < 2 or not node.output[1]:  # ORT's builder reads the pooling's indices
+    from ..passes.maxpoolgrad import _plain_window
+
+    if len(node.output) < 2 or not node.output[1]:  # the gradient routes by the pooling's indices
         while len(node.output) < 2:
             node.output.append("")
         node.output[1] = e.name(f"{node.output[0]}.indices")
-    return [e.one("MaxPoolGrad", dy[0], node.output[1], domain=MS)]
+    x, indices = node.input[0], node.output[1]
+    sides = (e.shapes.get(x) or [])[2:]
+    if len(sides) == 2 and all(isinstance(s, int) and s and s % 2 == 0 for s in sides) and _plain_window(node):
+        return [e.one("MaxPoolGrad", dy[0], indices, domain=MS)]  # ORT's form: the max-pool-grad pass rewrites it
+    # any other window: dY added at the flat positions the indices name (ONNX's MaxPool indices count
+    # through batch and channels), in zeros of the input's size
+    flat = e.const([-1], np.int64)
+    zeros = e.one("ConstantOfShape", e.one("Reshape", e.one("Size", x), flat),
+                  value=onnx.numpy_helper.from_array(np.zeros(1, np.float32)))  # fmt: skip
+    added = e.one("ScatterElements", zeros, e.one("Reshape", indices, flat), e.one("Reshape", dy[0], flat), axis=0,
+                  reduction="add")  # fmt: skip
+    return [e.one("Reshape", added, e.shape(x))]
 
 
 @rule("BatchNormInternal")

@@ -99,6 +99,36 @@ class Recurrent(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
+class Shapes(nn.Module):
+    """Pad, Max (an element-wise maximum of trained tensors), Tile (repeat), Min (ELU, rewritten as a formula)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(6, 5)
+        self.head = nn.Linear(16, 3)
+        self.elu = nn.ELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.maximum(self.a(x), self.b(x))
+        h = nn.functional.pad(self.elu(h), (1, 2)).repeat(1, 2)
+        return self.head(h)
+
+
+class Pick(nn.Module):
+    """Gather of an activation (channels picked by a tensor of indices) after a 3x3 max pooling of stride 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(3, stride=1, padding=1)
+        self.register_buffer("order", torch.tensor([3, 0, -2]))
+        self.head = nn.Linear(3 * 5 * 5, 3)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.conv(image))[:, self.order].flatten(1))
+
+
 def _seeded(build):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     return build()
@@ -112,6 +142,8 @@ OPERATORS = [
     ("elementwise", Elementwise, {"x": (5, 6)}, None, None),
     ("convolution", _conv, {"image": (4, 2, 8, 8)}, None, None),
     ("recurrent", Recurrent, {"x": (3, 4, 5)}, None, None),
+    ("pad-max-tile-min", Shapes, {"x": (5, 6)}, None, None),
+    ("pick-maxpool", Pick, {"image": (4, 2, 5, 5)}, None, None),
     ("mse", lambda: nn.Linear(6, 3), {"x": (5, 6)}, MSE(), "float"),
     ("l1-sum", lambda: nn.Linear(6, 3), {"x": (5, 6)}, L1(reduction="sum"), "float"),
     ("bce-weighted", lambda: nn.Linear(6, 3), {"x": (5, 6)},
