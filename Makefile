@@ -92,6 +92,7 @@ check: $(STAMP)
 bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.generation
+	$(PY) -m benchmarks.gradient_builder --smollm2
 	$(PY) -m benchmarks.runtime
 	$(PY) -m benchmarks.cnn
 	$(PY) -m benchmarks.transformer

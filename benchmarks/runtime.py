@@ -93,7 +93,7 @@ def overhead(artifacts: Path, train: dict) -> dict[str, float]:
     # The raw loop drives the trainer's own ORT objects: one set of threads and one memory arena,
     # so the difference is the trainer's Python alone (two sessions' spinning thread pools on
     # two cores disturbed each other by more than the overhead being measured).
-    raw = trainer._session
+    raw = trainer._engine
     size = len(train["labels"])
     steps = EPOCHS * -(-size // BATCH)
     batch = {k: v[:BATCH] for k, v in train.items()}

@@ -67,10 +67,10 @@ class Trainer:
     0.97
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, session: Engine, manifest_sha: str) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, engine: Engine, manifest_sha: str) -> None:
         self.directory = directory
         self.manifest = manifest
-        self._session = session
+        self._engine = engine
         self._manifest_sha = manifest_sha
         self.epoch = 0
         self.step = 0
@@ -78,7 +78,7 @@ class Trainer:
         self.skipped_steps = 0
         self.schedule: Schedule | None = None
         self._lr = manifest.optimizer.lr
-        session.set_learning_rate(self._lr)
+        engine.set_learning_rate(self._lr)
         self._train_names = [o.name for o in manifest.outputs]
         self._buffers = [b.name for b in manifest.buffers]
         self._trim = padding_trimmer(manifest)  # texts: a batch drops the padding columns all its rows share
@@ -149,12 +149,12 @@ class Trainer:
         options["frozen"] = frozen.values
         try:
             if checkpoint is None:
-                session = open_engine(directory, manifest, engine, directory / "checkpoint", **options)
+                opened = open_engine(directory, manifest, engine, directory / "checkpoint", **options)
             else:
                 from ._checkpoint import unpacked
 
                 with unpacked(Path(checkpoint), sha) as (raw, _):  # size, sha256 and manifest checked first
-                    session = open_engine(directory, manifest, engine, raw, **options)
+                    opened = open_engine(directory, manifest, engine, raw, **options)
         except OndeviceError:
             raise
         except Exception as exc:
@@ -162,7 +162,7 @@ class Trainer:
             raise (CheckpointError if checkpoint else OndeviceError)(
                 f"ONNX Runtime cannot load the {what}: {ort_error_message(exc)}"
             ) from exc
-        trainer = cls(directory, manifest, session, sha)
+        trainer = cls(directory, manifest, opened, sha)
         trainer._frozen = frozen
         trainer._in_use = in_use  # held while the trainer lives: generate --force refuses to replace these artifacts
         if checkpoint is not None:
@@ -172,12 +172,12 @@ class Trainer:
     @property
     def engine(self) -> str:
         """The engine that trains: ``"classic"`` or ``"portable"``."""
-        return self._session.name
+        return self._engine.name
 
     @property
     def ort_version(self) -> str:
         """The ONNX Runtime version the engine runs on."""
-        return self._session.ort_version
+        return self._engine.ort_version
 
     @property
     def manifest_sha256(self) -> str:
@@ -193,7 +193,7 @@ class Trainer:
         if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
             raise ConfigError(f"learning rate must be positive and finite, got {lr!r}.")
         if lr != self._lr:
-            self._session.set_learning_rate(lr)
+            self._engine.set_learning_rate(lr)
             self._lr = lr
 
     # -- steps ---------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class Trainer:
         self._check_evaluation("eval_step")
         feeds = list(check_data(self.manifest, batch).values())
         with self._reading():
-            fetched = self._session.eval_step(self._trimmed(feeds))
+            fetched = self._engine.eval_step(self._trimmed(feeds))
         return StepResult(float(fetched[0]), dict(zip(self._train_names, fetched[1:])))
 
     def _whole_steps(self, accumulate: int) -> bool:
@@ -226,7 +226,7 @@ class Trainer:
         # masks, and so a resumed run, are reproducible.
         set_seed((self.seed * 1_000_003 + self.step * 1_009 + micro) % 2**31)
         with self._reading():
-            fetched = self._session.train_step(self._trimmed(feeds), whole=whole)
+            fetched = self._engine.train_step(self._trimmed(feeds), whole=whole)
         loss = float(fetched[0])
         if self.manifest.finite_check is not None:
             finite = math.isfinite(fetched[-1])
@@ -234,7 +234,7 @@ class Trainer:
             finite = math.isfinite(loss) and self._gradients_finite()
         if finite and self._buffers:
             for name, value in zip(self._buffers, fetched[1 + len(self._train_names) :]):
-                self._session.set_parameter(name, value)
+                self._engine.set_parameter(name, value)
         return loss, fetched, finite
 
     def _reading(self) -> AbstractContextManager[None]:
@@ -256,7 +256,7 @@ class Trainer:
         """
         if self._grad_views is not None:
             return self._grad_views
-        views = {i: self._session.gradient_view(p.name) for i, p in enumerate(self.manifest.trainable)}
+        views = {i: self._engine.gradient_view(p.name) for i, p in enumerate(self.manifest.trainable)}
         present = {i: v for i, v in views.items() if v is not None}
         if len(present) == len(views):
             self._grad_views = present
@@ -413,10 +413,10 @@ class Trainer:
                 mu, anchors = self._proximal
                 for index, grad in self._gradients().items():  # by index: a missing buffer shifts nothing
                     name = self.manifest.trainable[index].name
-                    grad += np.float32(mu) * (self._session.parameter_view(name) - anchors[index])
-            self._session.optimizer_step()
+                    grad += np.float32(mu) * (self._engine.parameter_view(name) - anchors[index])
+            self._engine.optimizer_step()
             self.step += 1
-        self._session.reset_grad()
+        self._engine.reset_grad()
 
     def evaluate(
         self, data: Mapping[str, np.ndarray], *, batch_size: int | None = None, progress: bool = False
@@ -436,7 +436,7 @@ class Trainer:
         with progress_bar(total=math.ceil(size / min(batch_size, size)), disable=not progress) as bar:
             for batch in parts:
                 with self._reading():
-                    fetched = self._session.eval_step(self._trimmed(list(batch.values())))
+                    fetched = self._engine.eval_step(self._trimmed(list(batch.values())))
                 count = meter.weight(batch, len(next(iter(batch.values()))))
                 held = None if scores is None else fetched[scores]
                 meter.add(float(fetched[0]), count, held, batch.get(meter.labels))
@@ -462,7 +462,7 @@ class Trainer:
             for start in range(0, size, batch_size):
                 feeds = [array[start : start + batch_size] for array in checked.values()]  # untrimmed: outputs
                 with self._reading():
-                    fetched = self._session.eval_step(feeds + self._placeholder_labels(feeds))  # keep widths
+                    fetched = self._engine.eval_step(feeds + self._placeholder_labels(feeds))  # keep widths
                 parts.append(fetched[1 : 1 + len(self._train_names)])
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._train_names)}
@@ -486,7 +486,7 @@ class Trainer:
         ]
 
     def _check_evaluation(self, what: str) -> None:
-        if not self._session.with_eval:
+        if not self._engine.with_eval:
             raise ConfigError(
                 f"{what} needs the eval graph, but this trainer was loaded with evaluation=False. "
                 f"Load it with Trainer.load({os.fspath(self.directory)!r}) to evaluate."
@@ -495,7 +495,7 @@ class Trainer:
     # -- weights -------------------------------------------------------------------------------
     def get_flat_weights(self) -> np.ndarray:
         """All trainable parameters as one float32 buffer in manifest order."""
-        return self._session.get_flat(trainable_only=True)
+        return self._engine.get_flat(trainable_only=True)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Trainable parameters by name, in manifest order."""
@@ -507,7 +507,7 @@ class Trainer:
         flat = flatten_weights(self.manifest, weights)
         if not np.isfinite(flat).all():
             raise WeightsError(f"weights hold {int(np.count_nonzero(~np.isfinite(flat)))} NaN/Inf values.")
-        self._session.set_flat(flat, trainable_only=True)
+        self._engine.set_flat(flat, trainable_only=True)
 
     def parameter(self, name: str) -> np.ndarray:
         """A copy of one parameter, trainable or frozen, by its manifest (``state_dict``) name."""
@@ -517,14 +517,14 @@ class Trainer:
         if stored is not None and name in stored["offsets"]:
             data = np.memmap(self.directory / stored["file"], np.uint8, "r")
             return widened(stored_arrays(data, self.manifest), name)  # a narrow base: the values the graphs use
-        value = self._session.get_parameter(name)
+        value = self._engine.get_parameter(name)
         if value.dtype == np.int8:  # a bundle carries an int8 base in its checkpoint, with the scales beside it
-            return dequantize_rows(value, self._session.get_parameter(name + SCALE_SUFFIX))
+            return dequantize_rows(value, self._engine.get_parameter(name + SCALE_SUFFIX))
         return value
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """Running statistics the train step updates (BatchNorm mean/var), by name in manifest order."""
-        return {name: self._session.get_parameter(name) for name in self._buffers}
+        return {name: self._engine.get_parameter(name) for name in self._buffers}
 
     def set_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
         """Replace the running statistics (e.g. with a federated average); every buffer must be named."""
@@ -539,7 +539,7 @@ class Trainer:
             if not np.isfinite(array).all():
                 raise WeightsError(f"buffer {name!r} holds NaN/Inf values.")
         for name in self._buffers:
-            self._session.set_parameter(name, np.asarray(buffers[name], dtype=np.float32))
+            self._engine.set_parameter(name, np.asarray(buffers[name], dtype=np.float32))
 
     def set_proximal(self, mu: float, anchor: np.ndarray | Mapping[str, np.ndarray] | None = None) -> None:
         """Add FedProx's proximal term ``mu/2 * ||w - anchor||^2`` to every following step.
@@ -574,7 +574,7 @@ class Trainer:
         progress = self._progress()
         header = {"manifest_sha256": self._manifest_sha, "epoch": self.epoch, "step": self.step,
                   "engine": self.engine}  # fmt: skip
-        return save_state(lambda raw: self._session.write_checkpoint(raw, progress), path, header)
+        return save_state(lambda raw: self._engine.write_checkpoint(raw, progress), path, header)
 
     def _progress(self) -> dict[str, int | str]:
         return {
@@ -588,7 +588,7 @@ class Trainer:
         }
 
     def _restore_progress(self) -> None:
-        get = self._session.get_property
+        get = self._engine.get_property
         self.epoch = int(get("odt.epoch"))
         self.step = int(get("odt.step"))
         self.seed = int(get("odt.seed"))
@@ -596,7 +596,7 @@ class Trainer:
         self._lr = float(get("odt.lr"))
         if get("odt.schedule"):
             self.schedule = Schedule(**json.loads(str(get("odt.schedule"))))
-        self._session.set_learning_rate(self._lr)
+        self._engine.set_learning_rate(self._lr)
 
     def text_generator(self, *, threads: int | None = None) -> TextGenerator:
         """Greedy text completion with the current weights (causal-LM artifacts), without a file:
@@ -654,4 +654,4 @@ class Trainer:
             weights = LazyWeights(self)  # one tensor at a time into the file
             return write_model(Path(path), lambda _: decoder_parts(self.directory, decoder, weights), metadata)
         external = None if self.manifest.frozen_file is None else self.directory
-        return export_inference(self._session, outputs, Path(path), self.manifest.adapters, metadata, external)
+        return export_inference(self._engine, outputs, Path(path), self.manifest.adapters, metadata, external)

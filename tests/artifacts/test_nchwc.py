@@ -58,7 +58,7 @@ def test_nchwc_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
     assert manifest.verification.passed
     checked = [r.item for r in manifest.verification.rows if r.item.startswith("training_model.nchwc.onnx: grad ")]
     assert len(checked) == len(manifest.trainable)  # every gradient of the variant compared with PyTorch's
-    assert Trainer.load(tmp_path / "a")._session.graph == "training_model.nchwc.onnx"
+    assert Trainer.load(tmp_path / "a")._engine.graph == "training_model.nchwc.onnx"
 
     plain, blocked_run = (OrtTraining(tmp_path / "a", graph=g) for g in (TRAINING_GRAPH, manifest.variants["nchwc"]))
     for step in range(3):
@@ -82,7 +82,7 @@ def test_the_portable_engine_loads_its_own_nchwc_variant_and_trains_like_the_pla
     assert manifest.portable_step is None  # a whole step in one graph is for models without variants
     variant = onnx.load(directory / PORTABLE_NCHWC, load_external_data=False).graph
     assert len([n for n in variant.node if n.op_type == "Conv" and n.domain == NCHWC_DOMAIN]) == 6
-    assert Trainer.load(directory, engine="portable")._session.graph == PORTABLE_NCHWC
+    assert Trainer.load(directory, engine="portable")._engine.graph == PORTABLE_NCHWC
 
     checkpoint = directory / "checkpoint"
     runs = [PortableEngine(directory, manifest, checkpoint, graph=g) for g in (PORTABLE_TRAINING, PORTABLE_NCHWC)]

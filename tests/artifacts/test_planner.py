@@ -59,7 +59,7 @@ def test_the_pick_fits_a_budget_between_two_candidates(tmp_path):
     assert manifest.verification.passed  # the final artifacts are verified as usual
     assert Manifest.load(tmp_path / "planned").plan == plan
     lean = plan["lean_memory"]  # the runtime loads the artifacts the way the plan measured them
-    assert Trainer.load(tmp_path / "planned")._session.lean_memory is lean
+    assert Trainer.load(tmp_path / "planned")._engine.lean_memory is lean
     assert _peak(tmp_path / "planned", tmp_path, lean_memory=lean) <= budget  # measured again, in a fresh process
 
 

@@ -118,7 +118,7 @@ def test_the_update_runs_in_slices_that_equal_one_run_over_the_whole_vectors(fix
         monkeypatch.setattr(portable, "SLICE", size)
         trainer = Trainer.load(directory, engine="portable")
         trainer.fit(batch, epochs=3, batch_size=16, accumulate=2, shuffle=False, progress=False)  # not fused
-        engine = trainer._session
+        engine = trainer._engine
         runs[size] = (len(engine._update_bindings), trainer.get_flat_weights(),
                       engine._flat["momentum0"].copy(), engine._flat["momentum1"].copy())  # fmt: skip
     size = runs[1000][1].size
@@ -169,7 +169,7 @@ def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, re
             result = trainer.train_step(batch)
             losses.append(result.loss)
             applied.append(result.applied)
-            gradient = trainer._session.gradient_view(trainer.manifest.trainable[0].name)
+            gradient = trainer._engine.gradient_view(trainer.manifest.trainable[0].name)
             assert (not gradient.any()) == (kind == "fused")  # the fused step keeps gradients inside
         runs[kind] = (losses, applied, trainer.get_flat_weights(), trainer.step, trainer.skipped_steps)
     fused, two = runs["fused"], runs["two graphs"]
@@ -188,7 +188,7 @@ def test_the_portable_engine_runs_models_without_convolutions_by_priority(digits
 
     directory, _ = digits_no_dropout
     trainer = Trainer.load(directory, engine="portable", threads=2)
-    engine = trainer._session
+    engine = trainer._engine
     engine._train_binding(True)  # opens the training graph's session too (a fused step does not need it)
     sessions = (engine._fused, engine._train, engine._eval, engine._update)
     assert {s.get_session_options().execution_order for s in sessions} == {ort.ExecutionOrder.PRIORITY_BASED}

@@ -181,10 +181,10 @@ def test_a_step_maps_the_rows_of_a_lookup_table_it_reads_then_lets_them_go(tmp_p
     table = trainer._frozen.values["table.weight"].numpy()  # a view of the one mapping the sessions read
     ids = (np.arange(64, dtype=np.int64) * 311).reshape(8, 8)  # 64 rows spread over the table
     feeds = [ids, np.arange(8) % 3]
-    trainer._session.train_step(feeds)  # the engine's step alone: the rows it read are still mapped
+    trainer._engine.train_step(feeds)  # the engine's step alone: the rows it read are still mapped
     mapped = _resident_pages(table.ctypes.data, table.nbytes)
     assert 0 < mapped <= 64 * 2, mapped  # each row (512 bytes) within a page or two of its own
-    trainer._session.reset_grad()
+    trainer._engine.reset_grad()
     for _ in range(3):
         trainer.train_step({"ids": ids, "labels": np.arange(8) % 3})
     assert _resident_pages(table.ctypes.data, table.nbytes) == 0  # the trainer's step lets them go
@@ -282,7 +282,7 @@ def test_the_portable_engine_reads_the_frozen_weights_as_inputs_of_ort_format_gr
         if kind == "onnx":
             monkeypatch.setattr(Manifest, "portable_ort", property(lambda self: {}))
         trainer = Trainer.load(out, engine="portable")
-        engine = trainer._session
+        engine = trainer._engine
         names = {i.name for i in engine._fused.get_inputs()}
         assert (set(engine._frozen) <= names) == (kind == "ort")  # the mapping is bound, not copied in
         whole = [trainer.train_step(_batch()).loss for _ in range(3)]

@@ -227,8 +227,8 @@ def test_a_batch_drops_the_padding_columns_all_its_rows_share_and_computes_the_s
     trimmed, padded = Trainer.load(text_artifacts), Trainer.load(text_artifacts)
     padded._trim = None  # what every batch was before: all columns
     widths: list[int] = []
-    step = trimmed._session.train_step
-    trimmed._session.train_step = lambda feeds, **options: widths.append(feeds[0].shape[1]) or step(feeds, **options)
+    step = trimmed._engine.train_step
+    trimmed._engine.train_step = lambda feeds, **options: widths.append(feeds[0].shape[1]) or step(feeds, **options)
     for _ in range(3):
         a, b = trimmed.train_step(short), padded.train_step(short)
         assert a.loss == pytest.approx(b.loss, rel=1e-6)
@@ -268,8 +268,8 @@ def test_fit_with_buckets_feeds_narrower_batches_and_learns(text_artifacts, tmp_
     for bucket in (False, True):
         trainer = Trainer.load(text_artifacts)
         widths[bucket] = []
-        step = trainer._session.train_step
-        trainer._session.train_step = lambda feeds, seen=widths[bucket], step=step, **options: (
+        step = trainer._engine.train_step
+        trainer._engine.train_step = lambda feeds, seen=widths[bucket], step=step, **options: (
             seen.append(feeds[0].shape[1]) or step(feeds, **options)
         )
         before = trainer.evaluate(data)["loss"]

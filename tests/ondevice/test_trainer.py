@@ -75,7 +75,7 @@ def test_fit_drives_the_learning_rate_by_schedule(digits_sgd, digits_data):
     trainer = Trainer.load(digits_sgd)
     schedule = Schedule("linear", 0.05, total=8, warmup=2)
     seen = []
-    trainer._session.set_learning_rate = lambda lr, original=trainer._session.set_learning_rate: (
+    trainer._engine.set_learning_rate = lambda lr, original=trainer._engine.set_learning_rate: (
         seen.append(lr),
         original(lr),
     )
@@ -292,7 +292,7 @@ def test_batchnorm_statistics_are_updated_by_training(tmp_path, momentum, eps):
     for layer in ("features.1", "features.5"):
         for name in (f"{layer}.running_mean", f"{layer}.running_var"):
             np.testing.assert_allclose(
-                trainer._session.get_parameter(name), reference.state_dict()[name].numpy(), rtol=1e-5, atol=1e-6
+                trainer._engine.get_parameter(name), reference.state_dict()[name].numpy(), rtol=1e-5, atol=1e-6
             )
     # the update reads the batch statistics of ORT's BatchNorm, not the BatchNorm's input again
     graph = onnx.load(tmp_path / "cnn" / "training_model.onnx").graph
@@ -338,7 +338,7 @@ def test_cached_gradient_views_keep_aliasing_ort_buffers(digits_no_dropout, digi
     assert sorted(views) == list(range(len(trainer.manifest.trainable)))
     for index, view in views.items():
         spec = trainer.manifest.trainable[index]
-        np.testing.assert_array_equal(view, trainer._session.get_gradient(spec.name), err_msg=spec.name)
+        np.testing.assert_array_equal(view, trainer._engine.get_gradient(spec.name), err_msg=spec.name)
         assert np.any(view != 0)
 
 
@@ -373,12 +373,12 @@ def test_a_gradient_buffer_ort_has_not_allocated_shifts_no_other_parameter(digit
         trainer.set_proximal(0.3, anchor)
         if hidden:
             first = trainer.manifest.trainable[0].name
-            view = trainer._session.gradient_view
+            view = trainer._engine.gradient_view
 
             def missing_first(name, first=first, view=view):
                 return None if name == first else view(name)
 
-            monkeypatch.setattr(trainer._session, "gradient_view", missing_first)
+            monkeypatch.setattr(trainer._engine, "gradient_view", missing_first)
         trainer.train_step(batch)
         steps[hidden] = trainer.get_weights()
     names = [p.name for p in Trainer.load(directory).manifest.trainable]
@@ -405,8 +405,8 @@ def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(dig
     assert split.micro_batches(32) == (4, 8)  # the largest size up to the plan's 5 that tiles 32
     assert whole.micro_batches(32) == (32, 1)
     rows: list[int] = []
-    step = split._session.train_step
-    split._session.train_step = lambda feeds, **options: rows.append(len(feeds[0])) or step(feeds, **options)
+    step = split._engine.train_step
+    split._engine.train_step = lambda feeds, **options: rows.append(len(feeds[0])) or step(feeds, **options)
     whole.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
     split.fit(data, epochs=2, batch_size=32, shuffle=True, seed=3, progress=False)
     assert max(rows) == 4 and split.step == whole.step == 2 * 7
@@ -414,8 +414,8 @@ def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(dig
         np.testing.assert_allclose(split.get_weights()[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     # evaluating (fit's validation too) and predicting stay within the plan as well: 5 rows a step
     evaluated: list[int] = []
-    run = split._session.eval_step
-    split._session.eval_step = lambda feeds: evaluated.append(len(feeds[0])) or run(feeds)
+    run = split._engine.eval_step
+    split._engine.eval_step = lambda feeds: evaluated.append(len(feeds[0])) or run(feeds)
     split.fit(data, epochs=3, batch_size=32, val_data=data, progress=False)
     assert max(evaluated) == 5
     assert split.evaluate(data) == pytest.approx(split.evaluate(data, batch_size=256), rel=1e-5)  # the same metrics
