@@ -28,7 +28,6 @@ __all__ = [
     "Problem",
     "SCHEMA",
     "SCHEMA_FILE",
-    "REQUIRED_FILES",
     "DTYPES",
     "LOSSES",
     "OPTIMIZERS",
@@ -37,8 +36,6 @@ __all__ = [
 SCHEMA_FILE = "manifest.schema.json"
 SCHEMA: dict[str, Any] = json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text())
 _DEFS = SCHEMA["$defs"]
-REQUIRED_FILES = tuple(SCHEMA["properties"]["files"]["required"])
-"""The files every runtime opens: the file table must cover them (and hash them)."""
 DTYPES = tuple(_DEFS["dtype"]["enum"])
 LOSSES = tuple(_DEFS["loss_kind"]["enum"])
 OPTIMIZERS = tuple(_DEFS["optimizer_kind"]["enum"])
@@ -196,9 +193,10 @@ def validate_manifest(data: dict[str, Any]) -> None:
     for kind, name in (data.get("portable") or {}).items():  # the schema allows graph files and "unsupported"
         if kind != "unsupported" and name not in files:
             _fail(f"portable.{kind}", "a file listed in files", name)
-    if "optimizer_model.onnx" not in files and "training" not in (data.get("portable") or {}):
-        _fail("files", "optimizer_model.onnx (the classic engine's) or portable graphs (artifacts generated "
-              "without the training build)", sorted(files))
+    classic = {"training_model.onnx", "optimizer_model.onnx"} <= set(files)
+    if not classic and "training" not in (data.get("portable") or {}):
+        _fail("files", "training_model.onnx and optimizer_model.onnx (the classic engine's graphs) or portable "
+              "graphs (artifacts generated without the training build)", sorted(files))
     decoder = data.get("decoder")
     if decoder is not None and decoder["file"] not in files:
         _fail("decoder.file", "a file listed in files", decoder["file"])

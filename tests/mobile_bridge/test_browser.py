@@ -137,6 +137,28 @@ def test_browser_trains_like_python_ort(digits_no_dropout, digits_data, site, tm
     assert np.abs(_python(root / "bundle", _steps(digits_data, 20))[1] - weights).max() > 1e-4
 
 
+def test_a_bundle_of_artifacts_made_without_the_training_build_trains_in_the_browser(digits_data, site, tmp_path,
+                                                                                     monkeypatch):
+    """Artifacts from the generator's own gradient builder (no classic graphs): the bundle holds the portable
+    graphs only, and the browser client trains them on the current onnxruntime-web like Python."""
+    import torch
+
+    import artifacts.pipeline
+    from artifacts import generate
+    from samples.digits.model import build
+
+    monkeypatch.setattr(artifacts.pipeline, "training_build", lambda: False)
+    model = build()
+    model[2].p = 0.0
+    manifest = generate(model, {"input": torch.randn(32, 64)}, tmp_path / "own")
+    assert manifest.engines == ("portable",)
+    root, url = site
+    make_bundle(tmp_path / "own", root / "bundle", lr=0.01)
+    assert not (root / "bundle" / "optimizer_model.onnx").exists()
+    result, _ = _like_python(url, root / "bundle", {"steps": _steps(digits_data, 12)}, tmp_path)
+    assert result["engine"] == "portable" and result["losses"][-1] < result["losses"][0]
+
+
 def test_browser_trains_on_webgpu_like_python(digits_no_dropout, digits_data, site, tmp_path):
     """With a WebGPU adapter (Chromium's SwiftShader here, offered with --enable-unsafe-webgpu) the portable
     graphs run on it: 20 digits steps within 1e-4 of Python; without an adapter the client falls back to WASM
