@@ -24,7 +24,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "generate",
         help="PyTorch model -> verified ONNX Runtime training artifacts",
         description="Export a PyTorch model, build ORT training artifacts with a manifest, and verify "
-        "them against PyTorch (eval outputs, loss, gradients, one optimizer step).",
+        "them against PyTorch (eval outputs, loss, gradients, one optimizer step) on every engine they carry: the "
+        "portable one always (stock onnxruntime), the classic one where ONNX Runtime's training build is installed.",
     )
     p.add_argument(
         "--model",

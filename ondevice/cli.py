@@ -118,7 +118,8 @@ def _engine_option(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "classic", "portable"],
         default="auto",
         help="what trains: classic (onnxruntime-training 1.19.2) or portable (any stock onnxruntime; the artifacts' "
-        "portable graphs) (default auto: classic where the training build is installed, else portable)",
+        "portable graphs) (default auto: classic where the training build is installed and the artifacts carry its "
+        "graphs, else portable)",
     )
 
 
