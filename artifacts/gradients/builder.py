@@ -14,14 +14,15 @@ from ._emit import MS, Emitter, graph_facts
 from .loss_graphs import LossGraph
 from .rules import NOT_DIFFERENTIABLE, RULES
 
-RANDOM = frozenset({"Dropout", "Bernoulli", "Multinomial"})
-
 __all__ = ["differentiate", "eval_graph", "without_parameters", "training_forward", "ACCUMULATOR", "BUFFER_SUFFIX",
            "RESET"]
 
 ACCUMULATOR = "InPlaceAccumulatorV2"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 RESET = "lazy_reset_grad"
+RANDOM = frozenset({"Dropout", "Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                    "RandomUniformLike"})  # fmt: skip
+"""Operators that draw: never computed at build time, whatever their inputs."""
 FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 
 
@@ -175,8 +176,8 @@ def _fold_constants(model: onnx.ModelProto, parameters: set[str]) -> None:
     kept = []
     for node in graph.node:
         inputs = [i for i in node.input if i]
-        foldable = node.domain in ("", "ai.onnx") and node.op_type not in RANDOM and inputs and all(
-            i in known for i in inputs) and not node.op_type.startswith("Random")  # fmt: skip
+        foldable = node.domain in ("", "ai.onnx") and node.op_type not in RANDOM and all(i in known for i in inputs)
+        foldable = foldable and bool(inputs)
         values = None
         if foldable:
             single = helper.make_model(helper.make_graph([node], "fold", [], [
