@@ -11,8 +11,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.serverapp import Grid, ServerApp
 
 from ondevice import Trainer
+from ondevice.datafiles import load_data
 from ondevice.formats import save_peft, save_safetensors
-from ondevice.text import load_data
 
 from .buffers import split_state
 from .errors import FederatedError, RoundFailedError

@@ -11,9 +11,9 @@ import numpy as np
 
 from ondevice import Trainer
 from ondevice.data import load_npz
+from ondevice.datafiles import load_data
 from ondevice.files import sha256_file
 from ondevice.manifest import MANIFEST_NAME
-from ondevice.text import load_data
 
 from .config import Settings
 from .errors import ArtifactMismatchError, FederatedError

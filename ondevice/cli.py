@@ -282,7 +282,8 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
 def _run_predict(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .text import TextEncoder, load_data
+    from .datafiles import load_data
+    from .text import TextEncoder
 
     if args.out is not None:  # refused before the work, not after it
         from .errors import OutputRefusedError
@@ -386,8 +387,8 @@ def _checkpoint_file(directory: str | None) -> str | None:
 def _run_train(args: argparse.Namespace) -> int:
     import math
 
+    from .datafiles import load_data
     from .schedules import Schedule
-    from .text import load_data
     from .trainer import Trainer
 
     if args.resume and not args.checkpoint:
@@ -519,7 +520,7 @@ def _default_checkpoint_dir(directory: str) -> str:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from .text import load_data
+    from .datafiles import load_data
 
     if args.directory.endswith(".onnx"):
         from .scoring import evaluate_exported

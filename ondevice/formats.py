@@ -13,33 +13,37 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Protocol
 
 import numpy as np
 
 from .errors import CheckpointError
 from .files import EXPORT_RECORD, PRODUCER, atomic_write_bytes, public_mode, publish_dir, staging_dir
+from .lora import fold_weight
 from .manifest import Adapter, Manifest
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 __all__ = [
     "fold_weight", "model_weights", "peft_weights", "save_safetensors", "save_peft", "save_hf", "save_tensors",
     "FORMATS",
 ]  # fmt: skip
 
+
+
+class Trained(Protocol):
+    """What the writers read (a :class:`~ondevice.Trainer` has it): the manifest, the artifact directory and
+    each tensor by name. A protocol, so this module does not import the trainer that imports it."""
+
+    manifest: Manifest
+    directory: Path
+
+    def parameter(self, name: str) -> np.ndarray: ...
+
+
 FORMATS = ("onnx", "safetensors", "peft", "hf")
 PEFT_PREFIX = "base_model.model."
 
 
-def fold_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
-    """``W + scale * B @ A`` in float64, returned in W's dtype (a LoRA adapter merged into its layer)."""
-    merged = weight.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
-    return merged.astype(weight.dtype)
-
-
-def model_weights(trainer: Trainer, *, fold: bool = True) -> dict[str, np.ndarray]:
+def model_weights(trainer: Trained, *, fold: bool = True) -> dict[str, np.ndarray]:
     """Every parameter and buffer the artifacts hold, by ``state_dict`` name (BatchNorm statistics
     included); LoRA adapters folded into their base weights and left out, unless ``fold=False``."""
     return dict(LazyWeights(trainer, fold=fold))
@@ -49,7 +53,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
     """:func:`model_weights` read one tensor at a time, when asked: writing a model from it holds one
     weight beside the file, not every weight twice (SmolLM2: 513 MiB)."""
 
-    def __init__(self, trainer: Trainer, *, fold: bool = True) -> None:
+    def __init__(self, trainer: Trained, *, fold: bool = True) -> None:
         manifest = trainer.manifest
         self._trainer = trainer
         self._folded = {a.weight: a for a in manifest.adapters} if fold else {}
@@ -117,7 +121,7 @@ def _module(adapter: Adapter) -> str:
     return adapter.weight[: -len(".weight")]
 
 
-def save_safetensors(trainer: Trainer, path: str | os.PathLike[str], *, fold: bool = True) -> Path:
+def save_safetensors(trainer: Trained, path: str | os.PathLike[str], *, fold: bool = True) -> Path:
     """Write :func:`model_weights` as one ``.safetensors`` file, atomically.
 
     Examples
@@ -127,7 +131,7 @@ def save_safetensors(trainer: Trainer, path: str | os.PathLike[str], *, fold: bo
     return _write(Path(path), model_weights(trainer, fold=fold))
 
 
-def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
+def save_peft(trainer: Trained, directory: str | os.PathLike[str]) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
     ``PeftModel.from_pretrained(base_model, directory)`` loads. The folder is built beside
     ``directory`` and renamed into place whole (an existing one is replaced: check it first)."""
@@ -138,7 +142,7 @@ def save_peft(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
     })  # fmt: skip
 
 
-def save_hf(trainer: Trainer, directory: str | os.PathLike[str]) -> Path:
+def save_hf(trainer: Trained, directory: str | os.PathLike[str]) -> Path:
     """Write a Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer if the
     artifacts carry one) that ``AutoModel...from_pretrained(directory)`` loads with the trained
     weights; built beside ``directory`` and renamed into place whole, like :func:`save_peft`."""

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 from .errors import CheckpointError
-from .formats import fold_weight
 from .manifest import Adapter
 
-__all__ = ["fold_adapters"]
+__all__ = ["fold_adapters", "fold_weight"]
+
+
+def fold_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """``W + scale * B @ A`` in float64, returned in W's dtype (a LoRA adapter merged into its layer)."""
+    merged = weight.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+    return merged.astype(weight.dtype)
 
 
 def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untyped-def]

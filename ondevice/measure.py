@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 def _user_data(trainer, batch: dict[str, np.ndarray], examples: int, work: Path) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
     """``examples`` rows of data as ``odt train`` holds them: the batch repeated, and for artifacts that
     read text, the texts its token ids spell written to a .jsonl and read back through the tokenizer."""
-    from .text import TextEncoder, load_data
+    from .datafiles import load_data
+    from .text import TextEncoder
 
     index = np.arange(examples) % len(next(iter(batch.values())))
     manifest = trainer.manifest

@@ -14,14 +14,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .data import load_npz
 from .errors import DataError, ManifestError
 from .manifest import IGNORE_INDEX, Manifest
 
-__all__ = ["TextEncoder", "load_jsonl", "load_data", "DATA_FORMATS"]
-
-DATA_FORMATS = (".npz", ".jsonl", ".csv")
-"""The data files :func:`load_data` reads (anything else is read as ``.npz``)."""
+__all__ = ["TextEncoder", "load_jsonl"]
 
 MAX_LINES = 1_000_000
 MAX_LINE_BYTES = 1 << 20
@@ -274,19 +270,3 @@ def _label(value: object, manifest: Manifest, where: str) -> int:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
     raise DataError(f"{where}: label {value!r} is not one of the {len(names)} classes.{hint} Classes: {shown}.")
-
-
-def load_data(
-    path: str | os.PathLike[str], directory: str | os.PathLike[str] | None, *, labels: bool = True,
-    encoder: TextEncoder | None = None,
-) -> dict[str, np.ndarray]:  # fmt: skip
-    """The arrays of an ``.npz`` file, of a ``.jsonl`` text file tokenized for the artifacts in
-    ``directory`` (or by ``encoder``), or of a ``.csv`` file (see :mod:`ondevice.tables`)."""
-    suffix = Path(path).suffix.lower()
-    if suffix == ".jsonl":
-        return load_jsonl(path, directory, labels=labels, encoder=encoder)
-    if suffix == ".csv":
-        from .tables import load_csv
-
-        return load_csv(path, directory, labels=labels, encoder=encoder)
-    return load_npz(path)

@@ -67,7 +67,7 @@ def _command(text: str) -> str:
 
 def perplexities(trainer, data: dict[str, Path], artifacts: Path) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Each training home's validation perplexity (tokens of the actions only)."""
-    from ondevice.text import load_data
+    from ondevice.datafiles import load_data
 
     return {key.split(":", 1)[1]: trainer.evaluate(load_data(path, artifacts), batch_size=BATCH)["perplexity"]
             for key, path in data.items() if key.startswith("val:")}  # fmt: skip
@@ -76,7 +76,7 @@ def perplexities(trainer, data: dict[str, Path], artifacts: Path) -> dict[str, f
 def on_device(artifacts: Path, data: dict[str, Path], out: Path, epochs: int, lr: float) -> dict:
     """Device step (no torch): before, fine-tune, after, export."""
     from ondevice import Predictor, Trainer
-    from ondevice.text import load_data
+    from ondevice.datafiles import load_data
 
     test = [json.loads(line) for line in data["test"].open()]
     trainer = Trainer.load(artifacts)

@@ -19,8 +19,9 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from ondevice import Manifest, Trainer
 from ondevice.cli import main
+from ondevice.datafiles import load_data
 from ondevice.manifest import IGNORE_INDEX
-from ondevice.text import TextEncoder, load_data
+from ondevice.text import TextEncoder
 
 WORDS = ("<pad> <unk> </s> turn on off the kitchen living room bedroom lights fan heater please set to "
          "{ } intent name area : , HassTurnOn HassTurnOff").split()  # fmt: skip

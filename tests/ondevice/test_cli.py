@@ -211,7 +211,7 @@ def test_the_suggestion_is_the_steepest_fall_before_the_minimum():
 
 def test_every_data_option_names_the_formats_its_loader_reads():
     from ondevice.cli import _parser
-    from ondevice.text import DATA_FORMATS
+    from ondevice.datafiles import DATA_FORMATS
 
     commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name in ("train", "evaluate", "predict"):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ondevice import DataError, Manifest
-from ondevice.text import load_data, load_jsonl
+from ondevice.datafiles import load_data
+from ondevice.text import load_jsonl
 from tests.ondevice.test_text import COMMANDS, _jsonl, text_artifacts  # noqa: F401 - the fixture
 
 

@@ -339,7 +339,7 @@ def test_an_altered_tokenizer_is_refused_without_rereading_the_other_files(text_
 
 def test_files_with_a_byte_order_mark_read_like_those_without(text_artifacts, tmp_path):
     """Notepad and Excel write UTF-8 with a byte-order mark; such .jsonl and .csv files were refused."""
-    from ondevice.text import load_data
+    from ondevice.datafiles import load_data
 
     plain = _jsonl(tmp_path / "plain.jsonl", COMMANDS)
     marked = tmp_path / "marked.jsonl"
