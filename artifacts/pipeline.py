@@ -184,6 +184,10 @@ def _build(
     source: Source, example: list[torch.Tensor], input_names: list[str], o: Options, work: Path, name: str
 ) -> tuple[Manifest, int, onnx.ModelProto]:
     spec = o.spec
+    classic = training_build()
+    if spec.ort_format and not classic:  # refused before any work
+        raise OptionError("ort_format=True converts the classic graphs with ONNX Runtime's training build, which is "
+                          "not installed here; leave it off (the portable engine's graphs need no conversion).")
     loss, optimizer, opset = spec.loss, spec.optimizer, spec.opset
     onnx_model, outputs = source.graph, source.outputs
     original = light_model(onnx_model)  # the exported graph's structure and shapes, not a second copy of its weights
@@ -218,7 +222,6 @@ def _build(
     output_specs = {v.name: _spec(v) for v in onnx_model.graph.output}
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
     describe = lambda node: "{!r} ({})".format(*source.describe(node))  # noqa: E731
-    classic = training_build()
     if classic:  # ORT's own builder writes the classic graphs; the portable ones are lowered from them
         run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()),
                           work, describe=describe)  # fmt: skip
@@ -230,9 +233,6 @@ def _build(
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     order = _parameter_order(work / "training_model.onnx")
-    if spec.ort_format and not classic:
-        raise OptionError("ort_format=True converts the classic graphs with ONNX Runtime's training build, which is "
-                          "not installed here; leave it off (the portable engine's graphs need no conversion).")
     if spec.ort_format:  # an ORT-format graph holds its initializers itself: the frozen weights stay in the checkpoint
         convert_to_ort_format(work)
         offsets, scales, half = {}, {}, []

@@ -230,6 +230,19 @@ def test_a_wrong_gradient_is_refused_and_nothing_is_published(own_builder, tmp_p
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
 
+def test_options_only_the_training_build_can_make_are_refused_before_any_work(own_builder, tmp_path):
+    from artifacts import CustomLoss
+    from artifacts.errors import OptionError
+
+    model = _seeded(lambda: nn.Linear(6, 3))
+    with pytest.raises(OptionError, match="ort_format=True converts the classic graphs"):
+        generate(model, {"x": torch.randn(5, 6)}, tmp_path / "ort", ort_format=True)
+    custom = CustomLoss(make_block=lambda: None, reference_fn=lambda o, t: o.sum())
+    with pytest.raises(OptionError, match="onnxblock of ONNX Runtime's training build"):
+        generate(model, {"x": torch.randn(5, 6)}, tmp_path / "custom", loss=custom)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _forward(op: str, **attrs) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
     """x [2, 3] -> op(x, w) -> ReduceSum -> loss, w [3, 3] trainable."""
     w = numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")
