@@ -85,7 +85,9 @@ def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path
     generate(_frozen_body(), EXAMPLE, tmp_path / "head", verify=False, train_last=1)
     plain = min(_peak(tmp_path / "head", tmp_path, batch=256, lean_memory=lean) for lean in (False, True))
     streamed = measure(tmp_path / "head", tmp_path / "batch.npz", stream_weights=True, engine="portable")["peak_rss"]
-    assert plain > streamed + 50e6, (plain, streamed)  # the frozen pages are what the stream takes off
+    # the frozen pages are what the stream takes off: 52-58 MB here in six runs (AMD EPYC, 2 cores), 49 MB once
+    # during a whole `make test`; the bound 50 MB failed that run
+    assert plain > streamed + 40e6, (plain, streamed)
     budget = int((plain + streamed) / 2)
 
     manifest = generate(_frozen_body(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=256)
