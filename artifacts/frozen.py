@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ondevice._ort_checkpoint import CheckpointData, write_checkpoint
 from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
+from ondevice.ort_checkpoint import CheckpointData, write_checkpoint
 from ondevice.session import C
 
 from .narrow_base import NARROW, quantizable, quantize_rows, widen_in_graph

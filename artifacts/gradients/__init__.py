@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import onnx
 from onnx import numpy_helper
 
-from ondevice._ort_checkpoint import CheckpointData, write_checkpoint
+from ondevice.ort_checkpoint import CheckpointData, write_checkpoint
 
 from ..losses import Loss
 from .builder import differentiate, eval_graph, without_parameters

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..passes._nodes import inferred_graph
+
 __all__ = ["Emitter", "Dims", "graph_facts"]
 
 Dims = list  # one entry per axis: an int (static), a str (symbolic) or None (unknown)
@@ -21,21 +23,10 @@ def graph_facts(model: onnx.ModelProto) -> tuple[dict[str, Dims], dict[str, int]
     shape inference on a copy without the weights' values."""
     graph = model.graph
     if not graph.value_info:
-        stub = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import)  # no weights copied
-        stub.graph.node.extend(graph.node)
-        stub.graph.input.extend(graph.input)
-        stub.graph.output.extend(graph.output)
-        large = [t for t in graph.initializer if int(np.prod(t.dims)) > 1024]  # weights: their shapes suffice
-        stub.graph.initializer.extend(t for t in graph.initializer if int(np.prod(t.dims)) <= 1024)  # shapes, axes
-        stub.graph.input.extend(
-            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-            for t in large
-            if t.name not in {i.name for i in graph.input}
-        )
         try:
-            graph = onnx.shape_inference.infer_shapes(stub, strict_mode=False).graph
+            graph = inferred_graph(model)  # ONNX's inference without copying the weights
         except Exception:  # an operator ONNX's inference does not know: ranks stay unknown where it stopped
-            graph = stub.graph
+            pass
     shapes: dict[str, Dims] = {}
     types: dict[str, int] = {}
     for value in (*graph.input, *graph.value_info, *graph.output):
@@ -117,12 +108,6 @@ class Emitter:
     def value(self, tensor: str) -> np.ndarray | None:
         """The value of a constant tensor (an initializer or Constant of at most 64 elements), else None."""
         return self.constants.get(tensor)
-
-    def ints(self, node: onnx.NodeProto, name: str, default: list[int] | None = None) -> list[int] | None:
-        for attribute in node.attribute:
-            if attribute.name == name:
-                return list(attribute.ints)
-        return default
 
     def zeros_like(self, tensor: str) -> str:
         return self.one("ConstantOfShape", self.shape(tensor), value=numpy_helper.from_array(np.zeros(1, np.float32)))

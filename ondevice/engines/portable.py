@@ -5,7 +5,7 @@ backward, gradients out), the eval step, and the optimizer update. Parameters, g
 optimizer state are numpy arrays this engine owns, wrapped once as OrtValues and bound with
 IOBinding: a step feeds them by reference and ORT writes gradients straight into the accumulation
 buffers and the update back into the parameters (never copied through numpy per step). State loads
-from and saves to ONNX Runtime's own checkpoint format (:mod:`ondevice._ort_checkpoint`), so a
+from and saves to ONNX Runtime's own checkpoint format (:mod:`ondevice.ort_checkpoint`), so a
 checkpoint crosses engines.
 """
 
@@ -18,8 +18,8 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .._ort_checkpoint import CheckpointData, read_checkpoint, write_checkpoint
 from ..manifest import Manifest
+from ..ort_checkpoint import CheckpointData, read_checkpoint, write_checkpoint
 from ..session import ORT_VERSION, OrtValue, ort, session_options, training_graph
 from .contract import FUSED_MAX, OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE, gradient_output
 

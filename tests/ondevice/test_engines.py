@@ -10,10 +10,10 @@ import pytest
 
 from ondevice import ConfigError, EngineError, OndeviceError, Predictor, Trainer
 from ondevice._checkpoint import read_header
-from ondevice._ort_checkpoint import CheckpointFormatError, read_checkpoint, write_checkpoint
 from ondevice.engines.classic import OrtTraining
 from ondevice.engines.portable import adamw_rates
 from ondevice.manifest import MANIFEST_NAME
+from ondevice.ort_checkpoint import CheckpointFormatError, read_checkpoint, write_checkpoint
 
 ENGINES = ("classic", "portable")
 
