@@ -22,7 +22,6 @@ from onnx import helper, numpy_helper
 
 from ondevice.frozen import SCALE_SUFFIX, block_name, row_blocks
 from ondevice.ort_checkpoint import CheckpointData, write_checkpoint
-from ondevice.session import C
 
 from .narrow_base import NARROW, quantizable, quantize_rows, widen_in_graph
 
@@ -95,15 +94,9 @@ def externalize_frozen(
         if rows:
             widen_in_graph(model, rows, half)
         onnx.save(model, work / graph)
-    trained = [initializers[n].SerializeToString() for n in trainable]
-    rest = [initializers[n].SerializeToString() for n in frozen if n not in offsets]
-    (work / "checkpoint").unlink()
-    if hasattr(C, "save_checkpoint"):
-        C.save_checkpoint(trained, rest, str(work / "checkpoint"), False)
-    else:  # stock onnxruntime: the same layout, written by the runtime's own writer
-        (work / "checkpoint").write_bytes(write_checkpoint(CheckpointData(
-            trainable={n: numpy_helper.to_array(initializers[n]) for n in trainable},
-            frozen={n: numpy_helper.to_array(initializers[n]) for n in frozen if n not in offsets})))
+    (work / "checkpoint").write_bytes(write_checkpoint(CheckpointData(  # the layout ORT's SaveCheckpoint writes
+        trainable={n: numpy_helper.to_array(initializers[n]) for n in trainable},
+        frozen={n: numpy_helper.to_array(initializers[n]) for n in frozen if n not in offsets})))
     return offsets, scales, half
 
 

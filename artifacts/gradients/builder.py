@@ -10,6 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnsupportedOperatorError
+from ..passes._nodes import structure_copy
 from ._emit import MS, Emitter, graph_facts
 from .loss_graphs import LossGraph
 from .rules import NOT_DIFFERENTIABLE, RULES
@@ -202,18 +203,8 @@ def without_parameters(model: onnx.ModelProto, parameters: Sequence[str]) -> tup
     """A copy of ``model`` without the ``parameters``' initializers (no weight is copied), and their graph-input
     declarations in the given order: ORT's training and eval graphs read parameters as inputs."""
     wanted = set(parameters)
-    source = model.graph
-    skeleton = onnx.ModelProto(ir_version=model.ir_version, producer_name=model.producer_name,
-                               producer_version=model.producer_version)  # fmt: skip
-    skeleton.opset_import.extend(model.opset_import)
-    graph = skeleton.graph
-    graph.name = source.name
-    graph.node.extend(source.node)
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    graph.initializer.extend(t for t in source.initializer if t.name not in wanted)
-    found = {t.name: (t.data_type, list(t.dims)) for t in source.initializer if t.name in wanted}
+    skeleton = structure_copy(model, lambda tensor: tensor.name not in wanted)
+    found = {t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer if t.name in wanted}
     inputs = [helper.make_tensor_value_info(name, *found[name]) for name in parameters if name in found]
     return skeleton, inputs
 
