@@ -25,6 +25,7 @@ from ondevice.session import ort, session_options
 
 from .errors import ExportError
 from .export import _gqa_as_repeated_heads, dropout_to_inference
+from .gradients.builder import without_parameters
 from .verify import Tolerances, compare
 
 __all__ = ["DECODER_FILE", "Decoder", "causal_lm", "export_decoder"]
@@ -174,15 +175,9 @@ def _rename(graph: onnx.ModelProto, old: str, new: str) -> None:
 def _prove(graph: onnx.ModelProto, weights: dict[str, np.ndarray], cached: _Cached, spec: DecoderSpec, vocab: int,
            tol: Tolerances):  # type: ignore[no-untyped-def]  # fmt: skip
     """The decoder (its weights' data removed) against PyTorch, the weights fed as inputs from the model's own
-    tensors: no second copy of them in ONNX Runtime (SmolLM2's generation peaked at 4.2 GB in this session's
-    creation from the full graph)."""
-    light = onnx.ModelProto()
-    light.CopyFrom(graph)
-    kept = [t for t in light.graph.initializer if t.name not in weights]
-    declared = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                for t in light.graph.initializer if t.name in weights]  # fmt: skip
-    del light.graph.initializer[:]
-    light.graph.initializer.extend(kept)
+    tensors: no second copy of them in ONNX Runtime (SmolLM2's generation peaked at 4.2 GB creating this
+    session from the full graph)."""
+    light, declared = without_parameters(graph, sorted(weights))
     light.graph.input.extend(declared)
     session = ort.InferenceSession(light.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(1)

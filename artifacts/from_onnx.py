@@ -233,7 +233,7 @@ def _prove(
     outputs = reference.outputs(feeds, None)
     ref_loss = reference.loss(outputs, loss, loss_index, targets)
     graphs = [g for g in engine_graphs(manifest) if g in ("training_model.onnx", PORTABLE_TRAINING)]
-    ort = GraphRun(work, manifest, graphs[0]).engine.eval_step(feeds + targets)
+    ort = GraphRun(work, manifest, graphs[0], with_eval=True).engine.eval_step(feeds + targets)
     rows = [compare("eval loss", ort[0], np.float32(ref_loss), tol)]
     by_name = dict(zip(reference.output_names, outputs))
     rows += [compare(f"eval {s.name}", v, by_name[s.name], tol) for s, v in zip(manifest.outputs, ort[1:])]

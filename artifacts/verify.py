@@ -62,12 +62,12 @@ class GraphRun:
     """One engine over an artifact directory (or its twin), opened as a trainer opens it (``open_engine``):
     ``graph``'s file names the engine, ``training_model.portable*`` the portable one, else the classic one."""
 
-    def __init__(self, directory: Path, manifest: Manifest, graph: str) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, graph: str, with_eval: bool = False) -> None:
         self.portable = graph.startswith(PORTABLE_TRAINING.removesuffix(".onnx"))
         if self.portable:  # this graph alone, never the fused step (it holds the same graph and the update)
             manifest = replace(manifest, portable={"training": graph, "optimizer": PORTABLE_OPTIMIZER})
         self.engine = open_engine(directory, manifest, "portable" if self.portable else "classic",
-                                  directory / "checkpoint", threads=None, lean_memory=False, with_eval=True,
+                                  directory / "checkpoint", threads=None, lean_memory=False, with_eval=with_eval,
                                   graph=graph)  # fmt: skip
         if self.portable:
             grads = {gradient_output(p.name) for p in manifest.trainable}
@@ -392,7 +392,7 @@ def _compare_eval(
     tol: Tolerances,
     graph: str = TRAINING_GRAPH,
 ) -> list[VerificationRow]:
-    ort = GraphRun(directory, manifest, graph).engine.eval_step(feeds)
+    ort = GraphRun(directory, manifest, graph, with_eval=True).engine.eval_step(feeds)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():
         outputs = _outputs(reference(*example))
