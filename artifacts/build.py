@@ -95,7 +95,7 @@ def generate(
         result = plan(model, dict(zip(names, example)), spec=spec, generate=generate)
         log.info("%s", format_plan(result))
         spec = spec.but(**chosen_changes(result))
-        plan_record, small = result.record(), small_set(result)
+        plan_record, small = result, small_set(result)
     if spec.adapter_lr is not None and (spec.lora is not None or spec.lora_from is not None or small):
         spec = spec.but(optimizer=dataclasses.replace(spec.optimizer, lr=spec.adapter_lr))
     adapters: list = []

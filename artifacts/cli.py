@@ -180,13 +180,10 @@ def _run(args: argparse.Namespace) -> int:
         print(format_table(manifest.verification))
     small = False
     if manifest.plan is not None:
-        from .planner import Plan, format_plan, small_set
+        from .planner import format_plan, small_set
 
-        keys = ("budget", "batch_size", "chosen", "rows", "lean_memory", "stream_weights", "engine",
-                "micro_batch_size")  # fmt: skip
-        planned = Plan(**{k: manifest.plan[k] for k in keys if k in manifest.plan})
-        print(format_plan(planned))
-        small = small_set(planned) and getattr(args, "adapter_rate", False)
+        print(format_plan(manifest.plan))
+        small = small_set(manifest.plan) and getattr(args, "adapter_rate", False)
     total = manifest.trainable_size + manifest.frozen_size
     print(
         f"trainable: {manifest.trainable_size:,} of {total:,} parameters in {len(manifest.trainable)} tensors "

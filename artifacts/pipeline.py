@@ -27,6 +27,7 @@ from ondevice.manifest import (
     Manifest,
     OptimizerSpec,
     ParamSpec,
+    Plan,
     TensorSpec,
     TokenizerSpec,
     Verification,
@@ -175,7 +176,7 @@ class Options:
     spec: Spec
     dynamic_axes: Mapping[str, Mapping[int, str]]
     adapters: tuple[Adapter, ...] = ()
-    plan: Mapping[str, Any] | None = None
+    plan: Plan | None = None
     hf_config: Mapping[str, Any] | None = None
     decoder: Decoder | None = None
 

@@ -31,13 +31,15 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from ondevice.manifest import Plan
 
 from .errors import OptionError, SelectionError
 from .estimate import Footprint, footprint, reachable_parameters
@@ -88,28 +90,6 @@ class Candidate:
         """The estimate without the frozen weights, which a streamed step does not hold: the least it may
         measure, so what prunes and where the micro-batches start."""
         return self.footprint.at(rows) - self.footprint.frozen
-
-
-@dataclass
-class Plan:
-    budget: int
-    batch_size: int
-    chosen: str | None = None
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    lean_memory: bool = False
-    """The choice fits only with ORT's memory arena off: the runtime then loads it that way."""
-    stream_weights: bool = False
-    """The choice fits only with its frozen weights streamed: the runtime then streams them."""
-    engine: str | None = None
-    """The engine the choice was measured on when that matters (streamed weights: portable); the runtime's
-    ``engine="auto"`` then takes it."""
-    micro_batch_size: int | None = None
-    """The chosen micro-batch: ``Trainer.fit`` accumulates ``batch_size / micro_batch_size`` of them per
-    optimizer step unless told otherwise (None: the whole batch fits)."""
-
-    def record(self) -> dict[str, Any]:
-        """What the manifest keeps: the budget, the choice and every candidate's figures."""
-        return asdict(self)
 
 
 def candidates(
@@ -187,7 +167,8 @@ def plan(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise OptionError(f"batch size must be a positive integer, got {batch_size!r}.")
     head = spec.trainable
-    result = Plan(budget=budget, batch_size=batch_size)
+    rows: list[dict[str, Any]] = []
+    chosen: dict[str, Any] = {}  # the Plan's fields for the first candidate that fits
     longest = longest_inputs(example_inputs, spec)  # what the device feeds at worst: estimated and measured
     if spec.lora_from is not None:  # the adapter fixes what trains (its rank, targets, saved modules): plan the rest
         from .lora import read_peft, saved_modules
@@ -206,15 +187,15 @@ def plan(
         for candidate in found:
             row: dict[str, Any] = {"candidate": candidate.name, "trainable": candidate.trainable,
                                    "estimate": candidate.estimate(batch_size), "layers": candidate.layers}  # fmt: skip
-            result.rows.append(row)
-            if result.chosen is not None:
+            rows.append(row)
+            if chosen:
                 row["fits"] = None  # earlier ones were measured first; this one was not needed
                 continue
             if candidate.streamed(1) > 1.25 * budget:  # over even in micro-batches of one row, even streamed
                 row["fits"] = False
                 row["note"] = "estimate over budget, not measured"
                 continue
-            directory = work / f"c{len(result.rows)}"
+            directory = work / f"c{len(rows)}"
             with _quiet_logs():
                 manifest = generate(model, example_inputs, directory, spec=base.but(**candidate.options))
             if manifest.trainable_size != candidate.trainable:  # the generator froze what cannot reach the loss
@@ -239,14 +220,14 @@ def plan(
                 verdict = f"fits{micro}{lean}" if row["fits"] else "over, even in micro-batches of 1"
                 print(f"   measured {candidate.name}: peak {_mb(row['peak_rss'])}, {verdict}", flush=True)
             if row["fits"]:
-                result.chosen = candidate.name
-                result.lean_memory = bool(row.get("lean_memory"))
-                result.stream_weights = bool(row.get("stream_weights"))
-                result.engine = row.get("engine")
-                result.micro_batch_size = row["micro_batch_size"] if row["micro_batch_size"] < batch_size else None
-                result.rows[-1]["options"] = {k: _plain(v) for k, v in candidate.options.items()}
+                micro = row["micro_batch_size"]
+                chosen = {"chosen": candidate.name, "lean_memory": bool(row.get("lean_memory")),
+                          "stream_weights": bool(row.get("stream_weights")), "engine": row.get("engine"),
+                          "micro_batch_size": micro if micro < batch_size else None}  # fmt: skip
+                row["options"] = {k: _plain(v) for k, v in candidate.options.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    result = Plan(budget=budget, batch_size=batch_size, rows=tuple(rows), **chosen)
     if result.chosen is None:
         measured = [r for r in result.rows if "peak_rss" in r]
         smallest = min(measured, key=lambda r: r["peak_rss"]) if measured else None
@@ -326,8 +307,8 @@ def small_set(result: Plan) -> bool:
 
 def chosen_changes(result: Plan) -> dict[str, Any]:
     """The chosen candidate as Spec changes: what trains, wholly (the planner recorded its options)."""
-    row = next(r for r in result.rows if r["candidate"] == result.chosen)
-    options = dict(row.get("options", {}))
+    row = result.chosen_row
+    options = dict(row.get("options", {})) if row else {}
     if "lora" in options:
         lora = options["lora"]
         options["lora"] = Lora(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]))

@@ -252,7 +252,7 @@ def _describe(
         "finite_check": manifest.finite_check,
         "loss_scale": LOSS_SCALE,
         "optimizer": manifest.optimizer.kind,
-        "micro_batch_size": (manifest.plan or {}).get("micro_batch_size"),
+        "micro_batch_size": manifest.plan and manifest.plan.micro_batch_size,
         "loss": asdict(manifest.loss),
         "weights": {
             "dtype": "float32",

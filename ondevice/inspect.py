@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Collection
 
@@ -57,7 +58,7 @@ def summarize(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "padding_rows": dict(manifest.padding),
         "index_limits": dict(manifest.index_limits),
         "buffers": [b.name for b in manifest.buffers],
-        "plan": None if manifest.plan is None else dict(manifest.plan),
+        "plan": None if manifest.plan is None else asdict(manifest.plan),
         "transformers": None
         if manifest.hf_config is None
         else {
@@ -150,7 +151,17 @@ def describe(summary: dict[str, Any]) -> str:
         hf = summary["transformers"]
         lines.append(f"hf:       {hf['architecture']} under '{hf['prefix'] or '(the model)'}' (odt export --format hf)")
     if summary["plan"]:
-        lines.append(
-            f"plan:     chosen {summary['plan'].get('chosen')!r} for a {summary['plan'].get('budget')} byte budget"
-        )
+        lines.append("plan:     " + _plan_line(summary["plan"]))
     return "\n".join(lines)
+
+
+def _plan_line(plan: dict[str, Any]) -> str:
+    """The memory plan in words: what it chose for which budget, and how the runtime loads it to stay inside."""
+    how = [f"batch {plan['batch_size']}"]
+    if plan.get("micro_batch_size"):
+        how.append(f"in micro-batches of {plan['micro_batch_size']}")
+    if plan.get("lean_memory"):
+        how.append("lean memory (ORT's arena off)")
+    if plan.get("stream_weights"):
+        how.append(f"streamed frozen weights ({plan.get('engine') or 'portable'} engine)")
+    return f"{plan['chosen']!r} for a {plan['budget'] / 1e6:.0f} MB budget: " + ", ".join(how)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +38,7 @@ __all__ = [
     "OptimizerSpec",
     "VerificationRow",
     "Verification",
+    "Plan",
     "Manifest",
 ]
 
@@ -181,6 +182,46 @@ class Verification:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """The memory planner's choice (``odt generate --memory-budget``) and every candidate's figures: how
+    the runtime loads and batches the chosen set so that training stays within the budget it was measured in."""
+
+    budget: int
+    """Bytes of peak RSS the chosen set was measured to fit."""
+    batch_size: int
+    """Examples per optimizer step the plan was measured at: ``odt train``'s default batch."""
+    chosen: str | None = None
+    rows: tuple[Mapping[str, Any], ...] = ()
+    """One row per candidate, in the order tried: its name, size, estimate and (when measured) peak."""
+    lean_memory: bool = False
+    """The choice fits only with ORT's memory arena off: the runtime then loads it that way."""
+    stream_weights: bool = False
+    """The choice fits only with its frozen weights streamed: the runtime then streams them."""
+    engine: str | None = None
+    """The engine the choice was measured on when that matters (streamed weights: portable); the runtime's
+    ``engine="auto"`` then takes it."""
+    micro_batch_size: int | None = None
+    """The chosen micro-batch: ``Trainer.fit`` accumulates ``batch_size / micro_batch_size`` of them per
+    optimizer step unless told otherwise (None: the whole batch fits)."""
+
+    @property
+    def chosen_row(self) -> Mapping[str, Any] | None:
+        """The chosen candidate's row (its measured peak, micro-batch and options), None when none fit."""
+        return next((row for row in self.rows if row.get("candidate") == self.chosen), None)
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Rows per eval or predict step within the plan: its micro-batch, else its batch."""
+        return self.micro_batch_size or self.batch_size
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan a manifest holds (its schema checked the types); keys a newer generator adds are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: tuple(value) if key == "rows" else value for key, value in data.items() if key in known})
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What an artifact directory holds and how to feed it.
 
@@ -217,7 +258,7 @@ class Manifest:
     labels: tuple[str, ...] = ()
     """Class names, in the order of the classifier's outputs (empty: classes are numbers)."""
     tokenizer: TokenizerSpec | None = None
-    plan: Mapping[str, Any] | None = None
+    plan: Plan | None = None
     """The memory planner's choice and its measurements, when ``--memory-budget`` picked the trainable set."""
     hf_config: Mapping[str, Any] | None = None
     """``{"config": config.json, "prefix": "model."}`` when the model is (or wraps, under ``prefix``)
@@ -279,19 +320,14 @@ class Manifest:
     def train_batch_size(self) -> int:
         """Examples per optimizer step by default (``odt train``): the batch the memory plan was
         measured at, else 32."""
-        batch = (self.plan or {}).get("batch_size")
-        return int(batch) if isinstance(batch, int) and batch >= 1 else 32
+        return 32 if self.plan is None else self.plan.batch_size
 
     @property
     def eval_batch_size(self) -> int:
         """Rows per eval or predict step by default: the memory plan's micro-batch (or its batch), so
         that evaluating and predicting stay within the budget the plan measured training in; 256
         without a plan."""
-        plan = self.plan or {}
-        for key in ("micro_batch_size", "batch_size"):
-            if isinstance(plan.get(key), int) and plan[key] >= 1:
-                return int(plan[key])
-        return 256
+        return 256 if self.plan is None else self.plan.eval_batch_size
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -445,7 +481,7 @@ def _from_dict(data: Any) -> Manifest:
             adapters=tuple(Adapter(**a) for a in data.get("adapters", [])),
             labels=tuple(data.get("labels", [])),
             tokenizer=None if data.get("tokenizer") is None else TokenizerSpec(**data["tokenizer"]),
-            plan=data.get("plan"),
+            plan=None if data.get("plan") is None else Plan.from_dict(data["plan"]),
             index_limits={str(k): int(v) for k, v in data.get("index_limits", {}).items()},
             decoder=None if data.get("decoder") is None else DecoderSpec.from_dict(data["decoder"]),
             hf_config=data.get("hf_config"),

@@ -124,11 +124,8 @@ class Trainer:
         manifest = Manifest.load(directory)
         in_use = shared(directory / ARTIFACTS_LOCK, f"artifacts {directory}",
                         "odt generate --force is replacing them: wait for it to finish")  # fmt: skip
-        planned = (manifest.plan or {}).get("engine")
-        if engine == "auto" and planned is not None:  # the engine the memory plan was measured on
-            if planned not in ("classic", "portable"):
-                raise ManifestError(f"the manifest's plan names engine {planned!r}; expected classic or portable. "
-                                    "Regenerate the artifacts.")  # fmt: skip
+        planned = manifest.plan and manifest.plan.engine
+        if engine == "auto" and planned is not None:  # the engine the memory plan was measured on (schema-checked)
             engine = planned
         engine = resolve(engine, manifest)
         made_with = str(manifest.versions.get("onnxruntime", ""))
@@ -139,9 +136,9 @@ class Trainer:
             )
         sha = sha256_file(directory / MANIFEST_NAME)
         if lean_memory is None:
-            lean_memory = bool((manifest.plan or {}).get("lean_memory", False))
+            lean_memory = bool(manifest.plan and manifest.plan.lean_memory)
         if stream_weights is None:
-            stream_weights = bool((manifest.plan or {}).get("stream_weights", False))
+            stream_weights = bool(manifest.plan and manifest.plan.stream_weights)
         if not isinstance(stream_weights, bool):
             raise ConfigError(f"stream_weights must be True, False or None, got {stream_weights!r}.")
         options = {"threads": threads, "lean_memory": lean_memory, "with_eval": evaluation}
@@ -349,7 +346,7 @@ class Trainer:
         tile it (the step is the same, up to float rounding: gradients are averaged). Without a
         plan, or when the batch fits whole: ``(batch_size, 1)``.
         """
-        planned = (self.manifest.plan or {}).get("micro_batch_size")
+        planned = self.manifest.plan and self.manifest.plan.micro_batch_size
         if not isinstance(planned, int) or planned >= batch_size:
             return batch_size, 1
         micro = max(d for d in range(1, planned + 1) if batch_size % d == 0)

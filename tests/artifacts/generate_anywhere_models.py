@@ -118,6 +118,7 @@ if __name__ == "__main__":  # in the environment without the training build: gen
     from ondevice.engines import installed_engines
 
     made = generate_all(sys.argv[1])
-    report = {"onnxruntime": onnxruntime.__version__, "engines_installed": list(installed_engines()),
+    report = {"python": "%d.%d" % sys.version_info[:2], "torch": torch.__version__,
+              "onnxruntime": onnxruntime.__version__, "engines_installed": list(installed_engines()),
               "made": made, "losses": {name: losses(sys.argv[1], name, "auto") for name in MODELS}}
     print(json.dumps(report))

@@ -101,8 +101,8 @@ def test_a_memory_plan_with_an_adapter_plans_that_adapter(lora_trained, adapter,
     manifest = generate(base, {"x": torch.randn(8, 8)}, tmp_path / "b", lora_from=adapter, memory_budget="2GB",
                         batch_size=16)  # fmt: skip
     plan = manifest.plan
-    assert plan is not None and [r["candidate"] for r in plan["rows"]] == ["LoRA rank 4 + head (from the adapter)"]
-    assert plan["chosen"] == "LoRA rank 4 + head (from the adapter)"
+    assert plan is not None and [r["candidate"] for r in plan.rows] == ["LoRA rank 4 + head (from the adapter)"]
+    assert plan.chosen == "LoRA rank 4 + head (from the adapter)"
     assert {p.name for p in manifest.trainable} == {p.name for p in trainer.manifest.trainable}
     started = {p.name: p for p in manifest.trainable}
     assert started["query.lora_A"].shape == (4, 8)

@@ -48,17 +48,17 @@ def test_the_pick_fits_a_budget_between_two_candidates(tmp_path):
 
     manifest = generate(_model(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=32)
     plan = manifest.plan
-    assert plan["budget"] == budget and plan["batch_size"] == 32
-    rows = {row["candidate"]: row for row in plan["rows"]}
+    assert plan.budget == budget and plan.batch_size == 32
+    rows = {row["candidate"]: row for row in plan.rows}
     assert rows["everything"]["fits"] is False and rows["everything"]["peak_rss"] > budget
     assert rows["everything"]["peak_rss_lean"] > budget  # lean memory was tried, and said so
     assert rows["last 1 module"]["layers"] == "4" and rows["last 2 modules"]["layers"] == "2 ... 4"
-    chosen = rows[plan["chosen"]]
+    chosen = rows[plan.chosen]
     assert chosen["fits"] is True and chosen["peak_rss"] <= budget
     assert manifest.trainable_size == chosen["trainable"] < rows["everything"]["trainable"]
     assert manifest.verification.passed  # the final artifacts are verified as usual
     assert Manifest.load(tmp_path / "planned").plan == plan
-    lean = plan["lean_memory"]  # the runtime loads the artifacts the way the plan measured them
+    lean = plan.lean_memory  # the runtime loads the artifacts the way the plan measured them
     assert Trainer.load(tmp_path / "planned")._engine.lean_memory is lean
     assert _peak(tmp_path / "planned", tmp_path, lean_memory=lean) <= budget  # measured again, in a fresh process
 
@@ -92,8 +92,8 @@ def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path
 
     manifest = generate(_frozen_body(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=256)
     plan = manifest.plan
-    assert plan["stream_weights"] is True and plan["engine"] == "portable" and plan["micro_batch_size"] is None
-    chosen = next(row for row in plan["rows"] if row["candidate"] == plan["chosen"])
+    assert plan.stream_weights is True and plan.engine == "portable" and plan.micro_batch_size is None
+    chosen = next(row for row in plan.rows if row["candidate"] == plan.chosen)
     assert chosen["trainable"] == 2048 * 10 + 10  # the head: nothing bigger fits even streamed
     assert chosen["peak_rss"] <= budget < min(chosen["peak_rss_arena"], chosen["peak_rss_lean"])
     trainer = Trainer.load(tmp_path / "planned")
@@ -101,7 +101,7 @@ def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path
     assert Trainer.load(tmp_path / "planned", engine="classic", stream_weights=False).engine == "classic"  # asked
     path = tmp_path / "planned" / "manifest.json"
     path.write_text(path.read_text().replace('"engine": "portable"', '"engine": "gpu"'))  # a hostile plan
-    with pytest.raises(ManifestError, match="plan names engine 'gpu'; expected classic or portable"):
+    with pytest.raises(ManifestError, match=r"plan.*engine.*'gpu'"):
         Trainer.load(tmp_path / "planned")
 
 
@@ -121,14 +121,14 @@ def test_micro_batches_make_the_whole_model_fit_at_the_users_batch(tmp_path):
 
     manifest = generate(_wide(), EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=1024)
     plan = manifest.plan
-    chosen = next(row for row in plan["rows"] if row["candidate"] == plan["chosen"])
-    assert plan["chosen"] == "everything" and plan["micro_batch_size"] == 256
+    chosen = next(row for row in plan.rows if row["candidate"] == plan.chosen)
+    assert plan.chosen == "everything" and plan.micro_batch_size == 256
     assert chosen["micro_batch_size"] == 256  # started where the estimate fits; every size measured over is over
     assert all(peak > budget for peak in chosen.get("over_at", {}).values())
     assert chosen["peak_rss"] <= budget
     trainer = Trainer.load(tmp_path / "planned")
     assert trainer.micro_batches(1024) == (256, 4)
-    lean = plan["lean_memory"]
+    lean = plan.lean_memory
     assert _peak(tmp_path / "planned", tmp_path, batch=256, lean_memory=lean) <= budget  # again, fresh process
 
 
@@ -144,7 +144,7 @@ class _Unused(nn.Module):
 def test_the_plan_counts_only_what_trains(tmp_path):
     torch.manual_seed(0)
     manifest = generate(_Unused(), EXAMPLE, tmp_path / "a", memory_budget="2GB", batch_size=8, verify=False)
-    row = manifest.plan["rows"][0]
+    row = manifest.plan.rows[0]
     assert row["candidate"] == "everything" and row["fits"] is True
     assert row["trainable"] == manifest.trainable_size == 256 * 10 + 10
     assert row["layers"] == f"{256 * 256 + 256:,} parameters do not reach the loss"
@@ -295,11 +295,11 @@ def test_a_200mb_minilm_plan_holds_for_train_val_and_evaluate_and_trains_like_th
         accuracy[name] = json.loads(scored)["accuracy"]
     manifest = Manifest.load(tmp_path / "planned")
     plan = manifest.plan
-    assert plan["chosen"].startswith("LoRA rank") and manifest.adapters, plan["chosen"]
+    assert plan.chosen.startswith("LoRA rank") and manifest.adapters, plan.chosen
     assert manifest.optimizer.lr == Manifest.load(tmp_path / "default").optimizer.lr == 2e-3
     assert peaks["planned train --val"] <= 200e6 and peaks["planned evaluate"] <= 200e6, peaks
     assert accuracy["planned"] >= accuracy["default"] - 0.02, accuracy
-    for row in (r for r in plan["rows"] if "peak_rss" in r):
+    for row in (r for r in plan.rows if "peak_rss" in r):
         assert abs(row["estimate"] / row["peak_rss"] - 1) <= 0.25, row
 
 
@@ -371,5 +371,5 @@ def test_a_plan_of_a_small_set_trains_at_the_adapter_rate(tmp_path):
     budget = int((_peak(tmp_path / "probe", tmp_path) + _peak(tmp_path / "whole", tmp_path)) / 2)
     manifest = generate(model, EXAMPLE, tmp_path / "planned", memory_budget=budget, batch_size=32, adapter_lr=2e-3,
                         verify=False)  # fmt: skip
-    assert manifest.trainable_size < 0.01 * whole.trainable_size, manifest.plan["chosen"]
+    assert manifest.trainable_size < 0.01 * whole.trainable_size, manifest.plan.chosen
     assert manifest.optimizer.lr == 2e-3 and probe.optimizer.lr == whole.optimizer.lr != 2e-3

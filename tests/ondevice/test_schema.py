@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 from dataclasses import fields
 
 import jsonschema
 import pytest
 
+from ondevice.errors import ManifestError
 from ondevice.manifest import Manifest, TensorSpec
 from ondevice.schema import DTYPES, LOSSES, OPTIMIZERS, SCHEMA, conforms
 
@@ -53,9 +55,11 @@ def _paths(value, path=()):
 
 
 def _damaged(manifest):
-    skip = ("versions", "plan", "verification", "loss", "optimizer")  # free-form options; covered by kind/lr below
+    skip = ("versions", "verification", "loss", "optimizer")  # free-form options; covered by kind/lr below
     for path in _paths(manifest):
         if not path or (path[0] in skip and path[-1] not in ("kind", "lr")):
+            continue
+        if path[:2] == ("plan", "rows") and len(path) > 3:  # a candidate's figures: free-form
             continue
         for value in REPLACEMENTS:
             data = copy.deepcopy(manifest)
@@ -77,13 +81,20 @@ DECODER = {"file": "decoder.onnx", "layers": 2, "kv_heads": 2, "head_dim": 8, "e
            "attention": "sdpa-repeated-kv"}  # fmt: skip
 """A causal language model's cached decoder (absent from the digits manifest)."""
 
+PLAN = {"budget": 200_000_000, "batch_size": 32, "chosen": "everything", "lean_memory": True, "stream_weights": False,
+        "engine": None, "micro_batch_size": 8,
+        "rows": [{"candidate": "everything", "trainable": 100, "peak_rss": 150_000_000, "fits": True}]}  # fmt: skip
+"""A memory plan (absent from the digits manifest)."""
 
-@pytest.mark.parametrize("decoder", [False, True], ids=["digits", "with a decoder"])
-def test_the_interpreter_agrees_with_jsonschema_on_damaged_manifests(manifest, decoder):
+
+@pytest.mark.parametrize("extra", ["digits", "decoder", "plan"])
+def test_the_interpreter_agrees_with_jsonschema_on_damaged_manifests(manifest, extra):
     """Hundreds of single edits: `conforms` and the reference validator accept and refuse the same ones."""
-    if decoder:
+    if extra == "decoder":
         manifest = {**manifest, "files": {**manifest["files"], "decoder.onnx": "0" * 64}, "decoder": DECODER}
-        assert conforms(manifest) is None
+    if extra == "plan":
+        manifest = {**manifest, "plan": PLAN}
+    assert conforms(manifest) is None
     checked = refused = 0
     for path, data in _damaged(manifest):
         ours = conforms(data)
@@ -135,3 +146,24 @@ def test_problems_say_where_and_what(manifest, edit, where, expected):
     edit(data)
     problem = conforms(data)
     assert problem is not None and problem.where == where and problem.expected.startswith(expected), problem
+
+
+def test_the_plan_is_read_as_a_typed_plan(digits_artifacts, tmp_path):
+    """The manifest's plan comes back as :class:`Plan` with the runtime's defaults derived from it; a plan with a
+    wrong type is refused by the schema, naming the field."""
+    import shutil
+
+    from ondevice.manifest import Plan
+
+    directory = tmp_path / "planned"
+    shutil.copytree(digits_artifacts, directory)
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "plan": PLAN}))
+    loaded = Manifest.load(directory)
+    assert isinstance(loaded.plan, Plan) and loaded.plan.chosen_row == PLAN["rows"][0]
+    assert (loaded.train_batch_size, loaded.eval_batch_size) == (32, 8)
+    assert json.loads(json.dumps(dataclasses.asdict(loaded)))["plan"] == PLAN  # written back as it was read
+    path.write_text(json.dumps({**data, "plan": {**PLAN, "micro_batch_size": "8"}}))
+    with pytest.raises(ManifestError, match=r"plan\.micro_batch_size"):
+        Manifest.load(directory)

@@ -420,7 +420,7 @@ def test_fit_follows_the_memory_plans_micro_batches_and_takes_the_same_steps(dig
     assert max(evaluated) == 5
     assert split.evaluate(data) == pytest.approx(split.evaluate(data, batch_size=256), rel=1e-5)  # the same metrics
     assert split.manifest.eval_batch_size == 5 and whole.manifest.eval_batch_size == 256
-    smaller = dataclasses.replace(split.manifest, plan={**split.manifest.plan, "batch_size": 16})
+    smaller = dataclasses.replace(split.manifest, plan=dataclasses.replace(split.manifest.plan, batch_size=16))
     assert (smaller.train_batch_size, whole.manifest.train_batch_size) == (16, 32)  # odt train's default batch
     exported = Predictor(split.export(tmp_path / "m.onnx"))  # the plan travels inside the exported model
     predicted: list[int] = []
