@@ -147,9 +147,22 @@ def register_train(commands: argparse._SubParsersAction) -> None:
         help=".npz file whose keys are the manifest's input names, .jsonl of {text, label} lines (artifacts with "
         "a tokenizer), or .csv with a header (a column per input, or text; and a label column)",
     )
-    p.add_argument("--val", help="validation data (.npz, .jsonl or .csv), evaluated after every epoch (default: none)")
     p.add_argument(
-        "--epochs", type=int, default=10, help="total epochs; a resumed run continues to this count (default 10)"
+        "--val",
+        help="validation data (.npz, .jsonl or .csv), evaluated after every epoch; training then stops when the "
+        "validation loss stops improving and keeps the best epoch (see --patience)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help=f"total epochs; a resumed run continues to this count (default {EPOCHS}; with --val, at most "
+        f"{EPOCHS_WITH_VAL}: early stopping ends the run)",
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        help=f"with --val: stop after this many epochs without a lower validation loss and go back to the best "
+        f"epoch's weights (default {PATIENCE}; 0 trains every epoch and keeps the last)",
     )
     p.add_argument("--batch-size", type=int, help="examples per step, per micro-batch with --accumulate (default: "
                    "the memory plan's batch, else 32)")  # fmt: skip
@@ -384,15 +397,31 @@ def _checkpoint_file(directory: str | None) -> str | None:
     return None if directory is None else str(Path(directory) / "latest.ckpt")
 
 
+EPOCHS = 10
+"""``odt train``'s epochs without --val."""
+EPOCHS_WITH_VAL = 30
+"""The most ``odt train --val`` trains: early stopping ends it first (a 529-command intents set: epoch 11)."""
+PATIENCE = 3
+
+
 def _run_train(args: argparse.Namespace) -> int:
     import math
 
+    from ._progress import say
     from .datafiles import load_data
     from .schedules import Schedule
+    from .stopping import EarlyStopping
     from .trainer import Trainer
 
     if args.resume and not args.checkpoint:
         raise CheckpointError("--resume needs --checkpoint CKPT_DIR to resume from.")
+    if args.patience is not None and (args.patience < 0 or not args.val):
+        raise UsageError(f"--patience needs --val and an integer >= 0 (epochs), got {args.patience}"
+                         f"{'' if args.val else ' without --val'}.")  # fmt: skip
+    patience = PATIENCE if args.patience is None else args.patience
+    stopping = EarlyStopping(patience) if args.val and patience else None
+    if args.epochs is None:
+        args.epochs = EPOCHS_WITH_VAL if stopping else EPOCHS
     # Without --val nothing evaluates: the eval graph's session is not loaded (less memory on a device).
     options = {"threads": args.threads, "lean_memory": args.lean_memory, "evaluation": bool(args.val),
                "engine": args.engine, "stream_weights": args.stream_weights}  # fmt: skip
@@ -423,8 +452,11 @@ def _run_train(args: argparse.Namespace) -> int:
         rate = (schedule.base if schedule is not None else trainer.lr, "--lr" if args.lr is not None else
                 "the checkpoint's schedule" if schedule is None else "the artifacts")  # fmt: skip
         shape = f"{args.schedule or 'constant'} schedule" if schedule is not None else "resumed schedule"
-        print(f"training: {trainer.manifest.optimizer.kind} at lr {rate[0]:g} (from {rate[1]}), {shape}, "
-              f"{args.epochs} epoch(s) of {steps // max(args.epochs, 1)} step(s)", flush=True)
+        until = (f"up to {args.epochs} epochs of {steps // max(args.epochs, 1)} steps, stopping {patience} epochs "
+                 "after the validation loss last fell" if stopping else
+                 f"{args.epochs} epoch(s) of {steps // max(args.epochs, 1)} step(s)")  # fmt: skip
+        print(f"training: {trainer.manifest.optimizer.kind} at lr {rate[0]:g} (from {rate[1]}), {shape}, {until}",
+              flush=True)  # fmt: skip
     history = trainer.fit(
         train,
         epochs=args.epochs,
@@ -436,20 +468,30 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint=_checkpoint_file(args.checkpoint),
         progress=not args.json,
         bucket=args.bucket,
+        early_stopping=stopping,
+        on_epoch=None if args.json else lambda row: say(_epoch_line(row)),
     )
     if not named:
         print(f"warning: no --checkpoint given; the trained model is in {_checkpoint_file(args.checkpoint)}",
               file=sys.stderr)  # fmt: skip
     if args.json:
-        print(json.dumps({"epochs": history.epochs, "skipped_steps": trainer.skipped_steps, "engine": trainer.engine,
-                          "onnxruntime": trainer.ort_version, "lr": trainer.schedule.base if trainer.schedule
-                          else trainer.lr}, indent=2))  # fmt: skip
+        print(json.dumps({"epochs": history.epochs, "best_epoch": history.best_epoch,
+                          "stopped_early": history.stopped_early, "skipped_steps": trainer.skipped_steps,
+                          "engine": trainer.engine, "onnxruntime": trainer.ort_version,
+                          "lr": trainer.schedule.base if trainer.schedule else trainer.lr}, indent=2))  # fmt: skip
     else:
-        for row in history.epochs:
-            print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        if history.best_epoch is not None:
+            best = history.epochs[[row["epoch"] for row in history.epochs].index(history.best_epoch)]
+            why = (f"stopped: no lower validation loss for {patience} epochs; " if history.stopped_early else "")
+            print(f"{why}kept epoch {history.best_epoch}'s weights (val_loss {best['val_loss']:.4g}"
+                  + (f", val_accuracy {best['val_accuracy']:.4g})" if "val_accuracy" in best else ")"))  # fmt: skip
         print(f"engine: {trainer.engine} (ONNX Runtime {trainer.ort_version})")
         print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
     return 0
+
+
+def _epoch_line(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
 
 
 def _lr_find(trainer: Any, train: dict[str, Any], args: argparse.Namespace) -> int:

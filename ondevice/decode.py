@@ -151,9 +151,18 @@ def decoder_model(
     directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray], shared: Collection[str] = ()
 ):  # type: ignore[no-untyped-def]
     """The artifacts' decoder graph with ``weights`` (by name, e.g. the trained and folded ones) put
-    into the initializers the generator left empty; those named in ``shared`` stay empty (a session
-    gets them with ``SessionOptions.add_initializer``, e.g. the trainer's mapping of ``frozen.bin``)."""
+    into the initializers the generator left empty; those named in ``shared`` are marked as external data,
+    which a session gets with ``SessionOptions.add_external_initializers`` (e.g. the trainer's mapping of
+    ``frozen.bin``, shared, not copied). Left empty instead, they pass ONNX Runtime 1.19 but stock 1.32 refuses
+    the graph (its data count does not match its shape)."""
+    import onnx
+
     model, tensors = decoder_parts(directory, spec, weights, shared)
+    for tensor in model.graph.initializer:
+        if tensor.name in shared and not (tensor.HasField("raw_data") or _has_values(tensor)):
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            tensor.external_data.add(key="location", value="shared-in-memory")
     model.graph.initializer.extend(tensors)
     return model
 

@@ -8,7 +8,7 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Mapping
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .locks import ARTIFACTS_LOCK, shared
 from .manifest import MANIFEST_NAME, Manifest
 from .schedules import Schedule
 from .session import ORT_VERSION, ort_error_message, set_seed
+from .stopping import EarlyStopping, improves
 
 if TYPE_CHECKING:
     from .decode import TextGenerator
@@ -51,6 +52,10 @@ class History:
     """Per-epoch metrics of :meth:`Trainer.fit` (loss, accuracy, val_*, lr, skipped steps)."""
 
     epochs: list[dict[str, float]] = field(default_factory=list)
+    best_epoch: int | None = None
+    """With early stopping: the epoch whose weights the trainer ended with (the best ``monitor``)."""
+    stopped_early: bool = False
+    """Whether early stopping ended the run before ``epochs``."""
 
     def last(self) -> dict[str, float]:
         return self.epochs[-1] if self.epochs else {}
@@ -279,6 +284,8 @@ class Trainer:
         checkpoint: str | os.PathLike[str] | None = None,
         progress: bool = True,
         bucket: bool = False,
+        early_stopping: EarlyStopping | None = None,
+        on_epoch: Callable[[dict[str, float]], None] | None = None,
     ) -> History:
         """Train until ``epochs`` epochs are complete (a resumed trainer continues where it stopped).
 
@@ -292,6 +299,10 @@ class Trainer:
         epoch; it holds the seed and the schedule, so a resumed run continues exactly. ``bucket``
         groups texts of similar length into the same optimizer steps (artifacts whose batches drop
         shared padding: a pooled text classifier), so each batch pads to its own longest text.
+        ``early_stopping`` (needs ``val_data``) ends the run once validation stops improving and, by default,
+        goes back to the best epoch's weights (:class:`ondevice.stopping.EarlyStopping`); ``epochs`` is
+        then the most it trains, and the checkpoint saved last holds the best weights. ``on_epoch`` is called
+        with each epoch's metrics as it ends (``odt train`` prints them).
         """
         from ._progress import progress_bar
 
@@ -305,6 +316,10 @@ class Trainer:
             raise ConfigError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
         if val_data is not None:
             self._check_evaluation("fit(val_data=...)")
+        if early_stopping is not None and not isinstance(early_stopping, EarlyStopping):
+            raise ConfigError(f"early_stopping must be an EarlyStopping, got {type(early_stopping).__name__}.")
+        if early_stopping is not None and val_data is None:
+            raise ConfigError("early stopping watches validation: give val_data (odt train --val FILE).")
         train = check_data(self.manifest, data)
         val = None if val_data is None else check_data(self.manifest, val_data)
         size = len(next(iter(train.values())))
@@ -322,6 +337,7 @@ class Trainer:
         if seed is not None:
             self.seed = seed
         history = History()
+        best = _Best(early_stopping) if early_stopping is not None else None
         from ._checkpoint import writer_lock
 
         lock = nullcontext() if checkpoint is None else writer_lock(Path(checkpoint))
@@ -334,8 +350,15 @@ class Trainer:
                 metrics = {"epoch": self.epoch, **metrics, "lr": self._lr, "skipped": self.skipped_steps}
                 history.epochs.append(metrics)
                 bar.set_postfix({k: round(v, 4) for k, v in metrics.items() if k in ("loss", "val_accuracy")})
+                if on_epoch is not None:
+                    on_epoch(metrics)
+                stop = best is not None and best.update(self, metrics)
+                if stop or (best is not None and self.epoch >= epochs):
+                    history.best_epoch, history.stopped_early = best.restore(self), stop
                 if checkpoint is not None:
                     self._save(Path(checkpoint))
+                if stop:
+                    break
         return history
 
     def micro_batches(self, batch_size: int) -> tuple[int, int]:
@@ -619,9 +642,9 @@ class Trainer:
         shared = {n: v for n, v in (self._frozen.values if self._frozen else {}).items() if n not in folded}
         model = decoder_model(self.directory, decoder, LazyWeights(self), shared).SerializeToString()
         options = session_options(threads)
-        for name, value in shared.items():
-            options.add_initializer(name, value)
-        # Constant folding would read the shared weights from the graph, where they are not.
+        if shared:
+            options.add_external_initializers(list(shared), list(shared.values()))
+        # Constant folding would copy the shared weights it folds (a transposed matrix: a second copy).
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"],
                                        disabled_optimizers=["ConstantFolding"])  # fmt: skip
         return TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text(), keep=self._frozen)
@@ -652,3 +675,34 @@ class Trainer:
             return write_model(Path(path), lambda _: decoder_parts(self.directory, decoder, weights), metadata)
         external = None if self.manifest.frozen_file is None else self.directory
         return export_inference(self._engine, outputs, Path(path), self.manifest.adapters, metadata, external)
+
+
+class _Best:
+    """What early stopping tracks through a run: the best monitored value, its epoch and its weights."""
+
+    def __init__(self, rule: EarlyStopping) -> None:
+        self.rule = rule
+        self.value: float | None = None
+        self.epoch = 0
+        self.weights: np.ndarray | None = None
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def update(self, trainer: Trainer, metrics: dict[str, float]) -> bool:
+        """Note this epoch's metrics; True when the run should stop."""
+        monitor = self.rule.monitor
+        if monitor not in metrics:
+            measured = sorted(k for k in metrics if k.startswith("val_"))
+            raise ConfigError(f"early stopping monitors {monitor!r}, but validation measures {measured}.")
+        if improves(float(metrics[monitor]), self.value, monitor, self.rule.min_delta):
+            self.value, self.epoch = float(metrics[monitor]), trainer.epoch
+            if self.rule.restore_best:  # one copy of what trains: LoRA's adapters are kilobytes
+                self.weights, self.buffers = trainer.get_flat_weights().copy(), trainer.get_buffers()
+        return trainer.epoch - self.epoch >= self.rule.patience
+
+    def restore(self, trainer: Trainer) -> int:
+        """Put the best epoch's weights back (when kept and not the current ones); returns that epoch."""
+        if self.weights is not None and self.epoch != trainer.epoch:
+            trainer.set_weights(self.weights)
+            if self.buffers:
+                trainer.set_buffers(self.buffers)
+        return self.epoch or trainer.epoch

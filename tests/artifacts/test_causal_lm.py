@@ -216,20 +216,30 @@ def test_a_trained_model_completes_prompts_as_transformers_generate_does(trained
     assert short.stopped == "length" and list(short.tokens) == expected[0][:3]
 
 
-def test_odt_predict_prompt_decodes_on_stock_onnxruntime_as_on_the_training_build(trained, stock_python, capsys):
+def test_odt_predict_prompt_decodes_on_stock_onnxruntime_as_on_the_training_build(trained, stock_python, capsys,
+                                                                                  tmp_path):  # fmt: skip
+    """The exported model and the artifact directory with a checkpoint (the trainer's in-memory decoder, with
+    frozen.bin's weights shared, not copied) complete prompts alike on stock onnxruntime and the training build."""
     import subprocess
 
-    _, exported = trained
-    args = ["predict", str(exported), "--max-new-tokens", "12", "--json"]
-    args += [a for p in PROMPTS for a in ("--prompt", p)]
-    assert main(args) == 0
+    trainer, exported = trained
+    trainer.save(tmp_path / "ck" / "latest.ckpt")
+    prompts = [a for p in PROMPTS for a in ("--prompt", p)]
+    from_dir = ["predict", str(trainer.directory), "--checkpoint", str(tmp_path / "ck"), "--max-new-tokens", "12",
+                "--json", *prompts]  # fmt: skip
+    assert main(["predict", str(exported), "--max-new-tokens", "12", "--json", *prompts]) == 0
     here = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    script = (f"import json; from ondevice import Predictor; made = Predictor({str(exported)!r}).text_generator()"
-              f"({PROMPTS!r}, max_new_tokens=12); print(json.dumps([c.text for c in made]))")  # fmt: skip
-    done = subprocess.run([*stock_python, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    stock = json.loads(done.stdout.strip().splitlines()[-1])
-    assert stock == [c["completion"] for c in here["completions"]]
+    assert main(from_dir) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completions"] == here["completions"]
+    assert Manifest.load(trainer.directory).frozen_file  # the decoder shares the mapped frozen weights
+    loads = (f"Predictor({str(exported)!r})",  # what odt predict does with each (no entry points on this path)
+             f"Trainer.load({str(trainer.directory)!r}, checkpoint={str(tmp_path / 'ck' / 'latest.ckpt')!r})")
+    for load in loads:
+        script = (f"import json; from ondevice import Predictor, Trainer; made = {load}.text_generator()"
+                  f"({PROMPTS!r}, max_new_tokens=12); print(json.dumps([c.text for c in made]))")  # fmt: skip
+        done = subprocess.run([*stock_python, "-c", script], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [c["completion"] for c in here["completions"]]
     assert [c["completion"] for c in here["completions"]] == [dict(PAIRS)[p].strip() for p in PROMPTS]
     assert all(c["stopped"] == "eos" for c in here["completions"])
 

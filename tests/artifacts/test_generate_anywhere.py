@@ -1,7 +1,7 @@
 """Generate anywhere: the built wheel's [workstation] extra in a fresh environment with stock onnxruntime and no
-training build, on CPython 3.12 and 3.13, generates and verifies five model families (the digits MLP, a BERT with LoRA, an LSTM, a CNN with
-BatchNorm, a grouped-query-attention decoder with LoRA), and they train like today's pipeline (ORT's own
-builder, the classic engine, in this environment)."""
+training build, on CPython 3.12 and 3.13, generates and verifies five model families (the digits MLP, a BERT with
+LoRA, an LSTM, a CNN with BatchNorm, a grouped-query-attention decoder with LoRA), and they train like today's
+pipeline (ORT's own builder, the classic engine, in this environment)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +40,9 @@ def _constraints(where: Path) -> Path:
     set with a current onnx and stock onnxruntime, no training build (torch: :data:`NEWER_TORCH`)."""
     device = (ROOT / "requirements" / "device-lock.txt").read_text().splitlines()
     pinned = {line.split("==")[0].lower() for line in device if "==" in line}
+    skip = pinned | {"onnxruntime-training", "torch"}
     rest = [line for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines()
-            if "==" in line and line.split("==")[0].lower() not in pinned | {"onnxruntime-training", "torch"}]  # fmt: skip
+            if "==" in line and line.split("==")[0].lower() not in skip]  # fmt: skip
     path = where / "constraints.txt"
     path.write_text("\n".join([*device, *rest, NEWER_TORCH]) + "\n")
     return path
