@@ -31,7 +31,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         help="FILE.py:FACTORY or package.module:FACTORY returning an nn.Module, an existing MODEL.onnx, or "
-        "hf:FOLDER_OR_PACKAGE for a pretrained Hugging Face encoder (local files only) with a head for --task",
+        "hf:SOURCE for a pretrained Hugging Face model (local files only): a folder, an installed weights package, "
+        "or a .gguf file; an encoder with a head for --task sequence-classification, or a decoder for --task "
+        "causal-lm",
     )
     p.add_argument("--weights", help="state_dict file to load into the model (default: the factory's weights)")
     p.add_argument(
@@ -68,7 +70,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     o = p.add_argument_group("optimizer")
     o.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
-    o.add_argument("--lr", type=float, help="learning rate (default 1e-3 for adamw, 1e-2 for sgd)")
+    o.add_argument("--lr", type=float, help="learning rate (default: 2e-3 for hf: models training LoRA adapters or "
+                   "a plan's small set, 1e-4 when their own weights train; otherwise 1e-3 for adamw, 1e-2 for sgd)")  # fmt: skip
     o.add_argument("--betas", type=_floats, help="adamw betas (default 0.9,0.999)")
     o.add_argument("--eps", type=float, help="adamw epsilon (default 1e-8)")
     o.add_argument("--weight-decay", type=float, help="adamw decoupled weight decay (default 0)")

@@ -131,7 +131,7 @@ def _run(grid: Grid, settings: Settings) -> None:  # type: ignore[valid-type]
         now = time.monotonic()
         seconds, ended[0] = now - ended[0], now
         print(f"round {server_round}: {_headline(metrics)}  loss {metrics['loss']:.4f}", flush=True)
-        warning = slow_round(server_round, seconds, paced.used) if server_round > strategy.offset else None
+        warning = slow_round(server_round, seconds, paced.pace.fixed) if server_round > strategy.offset else None
         if warning:
             print(warning, flush=True)
         if server_round == len(rows):

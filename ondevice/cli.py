@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if debug or exc.name is None or exc.name.split(".")[0] not in _EXTRAS:
             raise
-        extra = _EXTRAS[exc.name.split(".")[0]]
+        extra = _COMMAND_EXTRAS.get(args.command) or _EXTRAS[exc.name.split(".")[0]]
         print(f"error: `odt {args.command}` needs {exc.name}, which is not installed. "
               f"Install it with: pip install 'ondevice-training[{extra}]'", file=sys.stderr)  # fmt: skip
         return 1
@@ -91,6 +91,9 @@ _EXTRAS = {
     "sklearn": "samples",
 }
 """A missing third-party module -> the extra that brings it."""
+_COMMAND_EXTRAS = {"generate": "workstation", "fl": "federated", "bundle": "bridge", "bridge": "bridge"}
+"""A command -> the extra that installs everything it imports (``odt fl`` missing cryptography, which the bridge
+uses too, needs [federated], whose flwr brings it)."""
 
 
 def _version() -> str:
@@ -106,7 +109,9 @@ def _unavailable(commands: argparse._SubParsersAction, name: str, exc: ImportErr
     parser = commands.add_parser(name, help=f"(unavailable: {exc.name} is not installed)")
 
     def run(args: argparse.Namespace) -> int:
-        print(f"error: `odt {name}` needs {exc.name}, which is not installed ({exc}).", file=sys.stderr)
+        extra = _COMMAND_EXTRAS.get(name) or _EXTRAS.get(str(exc.name).split(".")[0])
+        hint = f" Install it with: pip install 'ondevice-training[{extra}]'" if extra else ""
+        print(f"error: `odt {name}` needs {exc.name}, which is not installed.{hint}", file=sys.stderr)
         return 1
 
     parser.set_defaults(run=run)

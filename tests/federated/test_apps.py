@@ -290,6 +290,7 @@ def test_a_round_that_uses_most_of_its_time_is_warned_about():
     from federated.round_log import slow_round
 
     assert slow_round(3, 59.0, 120.0) is None
+    assert slow_round(3, 700.0, 0.0) is None  # the default: each wait follows the work, the user has nothing to raise
     assert slow_round(3, 61.4, 120.0) == (
         "odt: warning: round 3 took 61 s, more than half of round-timeout (120 s): on a busier machine clients "
         "would miss it. Raise --round-timeout."

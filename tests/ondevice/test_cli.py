@@ -225,3 +225,39 @@ def test_every_data_option_names_the_formats_its_loader_reads():
     simulate = modes.choices["simulate"]
     data = next(a.help for a in simulate._actions if a.dest == "data")
     assert "train.npz" in data and "clients/*.npz|*.jsonl" in data and "test.jsonl" in data
+
+
+@pytest.mark.parametrize("where", ["registering", "running"])
+def test_a_missing_module_names_the_commands_extra(where, monkeypatch, capsys):
+    """`odt fl` without cryptography (which the bridge uses too) asks for [federated], whose flwr brings it."""
+    import argparse
+
+    from ondevice import cli
+
+    missing = ModuleNotFoundError("No module named 'cryptography'", name="cryptography")
+
+    def parser() -> argparse.ArgumentParser:
+        made = argparse.ArgumentParser(prog="odt")
+        commands = made.add_subparsers(dest="command", required=True)
+        if where == "registering":
+            cli._unavailable(commands, "fl", missing)
+        else:
+            commands.add_parser("fl").set_defaults(run=lambda args: (_ for _ in ()).throw(missing))
+        return made
+
+    monkeypatch.setattr(cli, "_parser", parser)
+    assert cli.main(["fl"]) == 1
+    err = capsys.readouterr().err
+    assert "needs cryptography" in err and "pip install 'ondevice-training[federated]'" in err, err
+
+
+def test_generate_help_states_the_rates_and_models_it_takes(capsys):
+    """The rate hf: models get (2e-3 with adapters, 1e-4 for their own weights) and every kind of --model."""
+    from artifacts.cli import HF_FINETUNE_LR, HF_LORA_LR
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{HF_LORA_LR:.0e}".replace("e-0", "e-") + " for hf: models" in text
+    assert f"{HF_FINETUNE_LR:.0e}".replace("e-0", "e-") + " when their own weights" in text
+    assert "encoder only" not in text and ".gguf" in text and "causal-lm" in text
