@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 ORT_DIST := $(WEB)/node_modules/onnxruntime-web/dist
 ORT_TRAINING_DIST := $(WEB)/node_modules/onnxruntime-web-training/dist
 $(WEB_STAMP): $(WEB)/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "the browser client's files come from npm: install Node.js and npm (Debian: apt-get install -y npm), then run make again" >&2; exit 1; }
 	cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error
 	rm -rf $(WEB)/ort && mkdir -p $(WEB)/ort
 	cp $(ORT_DIST)/ort.wasm.min.mjs $(ORT_DIST)/ort-wasm-simd-threaded.mjs $(ORT_DIST)/ort-wasm-simd-threaded.wasm $(WEB)/ort/
@@ -103,10 +104,11 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks.finetune
 	$(PY) -m benchmarks.engines
 
-# The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files.
-wheel: $(STAMP) $(WEB_STAMP)
+# The distribution users install (dist/ondevice_training-*.whl), with the vendored browser files: any supported
+# $(PYTHON) and npm, no development venv (pip fetches setuptools into an isolated build environment).
+wheel: $(WEB_STAMP)
 	rm -rf build
-	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation . -w dist
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps . -w dist
 	rm -rf build
 
 clean:

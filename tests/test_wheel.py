@@ -157,3 +157,25 @@ def _get(url: str, attempts: int = 100) -> bytes:
         except OSError:
             time.sleep(0.2)
     raise AssertionError(f"{url} did not answer")
+
+
+def test_a_wheel_without_the_browser_files_is_refused_with_what_to_do(tmp_path):
+    """`pip wheel` of a source tree where npm never ran fails, naming `make wheel` and the opt-out; with the opt-out
+    it builds a wheel without them."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    source = tmp_path / "source"
+    for name in tracked.split():  # the tracked sources only: no mobile_bridge/web/ort
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes((ROOT / name).read_bytes())
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".", "-w", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "ODT_WHEEL_WITHOUT_BROWSER"}
+    refused = subprocess.run(build, cwd=source, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and not list(tmp_path.glob("*.whl"))
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert "the browser client's onnxruntime-web files are not in mobile_bridge/web/ort" in said, said[-2000:]
+    assert "`make wheel`" in said and "ODT_WHEEL_WITHOUT_BROWSER=1" in said
+    without = {**env, "ODT_WHEEL_WITHOUT_BROWSER": "1"}
+    built = subprocess.run(build, cwd=source, capture_output=True, text=True, env=without)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert len(list(tmp_path.glob("ondevice_training-*.whl"))) == 1
