@@ -17,7 +17,7 @@ from ondevice.manifest import Manifest
 from ondevice.session import return_freed_memory
 
 from ._edges import edge_batches, embedding_inputs
-from .decoder import export_decoder
+from .decoder import causal_lm, export_decoder
 from .errors import InputSpecError, ModelLoadError, SelectionError
 from .export import (
     export_onnx,
@@ -27,6 +27,7 @@ from .lora import add_adapters, with_targets
 from .narrow_base import dequantized_base
 from .passes import padding_rows
 from .pipeline import Options, Source, build_artifacts, check_output, resolve_axes
+from .progress import stage
 from .recurrent import unroll_recurrent
 from .spec import Spec
 from .upsampling import rewrite_conv_transpose
@@ -83,7 +84,10 @@ def generate(
     return_freed_memory()  # the exports free copies of every weight: glibc gives them back (SmolLM2: 2.4 -> 1.6 GB
     # still held after the cached decoder's export)
     _check_finite(model)
-    decoder = export_decoder(model, spec.opset, spec.tolerances) if spec.decoder else None
+    decoder = None
+    if spec.decoder and causal_lm(model) is not None:
+        with stage("exporting and checking the cached decoder"):
+            decoder = export_decoder(model, spec.opset, spec.tolerances)
     names, example = _examples(model, example_inputs, spec.input_names)
     axes = resolve_axes(names, example, spec.dynamic_axes)
     # Layers ORT 1.19 cannot train, as the same computation over the same parameters in ops it can
@@ -92,7 +96,8 @@ def generate(
     if spec.memory_budget is not None:
         from .planner import chosen_changes, format_plan, plan, small_set
 
-        result = plan(model, dict(zip(names, example)), spec=spec, generate=generate)
+        with stage(f"memory plan for {spec.memory_budget} at batch {spec.batch_size}"):
+            result = plan(model, dict(zip(names, example)), spec=spec, generate=generate)
         log.info("%s", format_plan(result))
         spec = spec.but(**chosen_changes(result))
         plan_record, small = result, small_set(result)

@@ -70,8 +70,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     o = p.add_argument_group("optimizer")
     o.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
-    o.add_argument("--lr", type=float, help="learning rate (default: 2e-3 for hf: models training LoRA adapters or "
-                   "a plan's small set, 1e-4 when their own weights train; otherwise 1e-3 for adamw, 1e-2 for sgd)")  # fmt: skip
+    o.add_argument(
+        "--lr",
+        type=float,
+        help="learning rate (default: 2e-3 for hf: models training LoRA adapters or a plan's small set, 1e-4 when "
+        "their own weights train; otherwise 1e-3 for adamw, 1e-2 for sgd)",
+    )
     o.add_argument("--betas", type=_floats, help="adamw betas (default 0.9,0.999)")
     o.add_argument("--eps", type=float, help="adamw epsilon (default 1e-8)")
     o.add_argument("--weight-decay", type=float, help="adamw decoupled weight decay (default 0)")
@@ -153,6 +157,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .progress import reporting
+
+    with reporting(enabled=not args.json):  # stages on stderr as they happen; --json keeps the output to its JSON
+        return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from .errors import InputSpecError
@@ -276,12 +287,15 @@ def _from_hf(args: argparse.Namespace, specs: list[Any]) -> Any:
     from .build import generate
     from .errors import InputSpecError
     from .hf import hf_model
+    from .progress import stage
 
     if specs or args.tokenizer or args.weights or args.fd_atol is not None or args.fd_rtol is not None:
         raise InputSpecError("an hf: model brings its inputs (ids, mask) and tokenizer: drop --input, --tokenizer, "
                              "--weights and --fd-atol/--fd-rtol.")  # fmt: skip
     labels = list(_labels(args.labels))
-    model = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64, seed=args.seed)
+    with stage(f"loading {args.model}"):
+        model = hf_model(args.model[3:], labels=labels, task=args.task, max_length=args.max_length or 64,
+                         seed=args.seed)  # fmt: skip
     chosen = args.lora is not None or args.lora_from or args.trainable or args.freeze or args.train_last or \
         args.bias_only or args.memory_budget  # fmt: skip
     adapter_lr = None

@@ -55,6 +55,7 @@ from .frozen import FROZEN_FILE, externalize_frozen, lookup_tables
 from .gradients import training_build, write_graphs
 from .passes._nodes import light_model
 from .portable import check_portable_loads, write_portable
+from .progress import stage
 from .selection import select_trainable
 from .spec import Spec
 from .verify import format_table
@@ -99,9 +100,13 @@ def build_artifacts(
     except OSError as exc:
         raise ArtifactError(f"cannot write in {out_dir.parent} ({exc.strerror}). Choose a writable --out.") from None
     try:
-        manifest, loss_index, original = _build(source(), example, names, options, work, name or out_dir.name)
+        with stage("exporting to ONNX"):
+            exported = source()
+        manifest, loss_index, original = _build(exported, example, names, options, work, name or out_dir.name)
+        del exported
         if prove is not None:
-            report, causes = prove(work, manifest, original, loss_index)
+            with stage(f"verifying against PyTorch on {', '.join(manifest.engines)}"):
+                report, causes = prove(work, manifest, original, loss_index)
             if options.decoder is not None:
                 rows = (*report.rows, *options.decoder.rows)
                 report = replace(report, rows=rows, passed=all(row.passed for row in rows))
@@ -113,9 +118,10 @@ def build_artifacts(
                     + "".join(f"\nlikely cause: {c}" for c in causes),
                     report,
                 )
-        manifest.save(work)
-        with _replacing(out_dir):  # no trainer may hold the old artifacts while they are swapped
-            publish_dir(work, out_dir)
+        with stage("publishing"):
+            manifest.save(work)
+            with _replacing(out_dir):  # no trainer may hold the old artifacts while they are swapped
+                publish_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -224,13 +230,15 @@ def _build(
     extra = [n for n in outputs if not (loss.kind == "model" and n == loss_output)]
     describe = lambda node: "{!r} ({})".format(*source.describe(node))  # noqa: E731
     if classic:  # ORT's own builder writes the classic graphs; the portable ones are lowered from them
-        run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer, extra + list(updates.values()),
-                          work, describe=describe)  # fmt: skip
+        with stage("gradient graphs (ONNX Runtime's builder)"):
+            run_ort_generator(onnx_model, trainable, frozen, loss, loss_output, optimizer,
+                              extra + list(updates.values()), work, describe=describe)  # fmt: skip
     else:  # the generator's own builder: the same graph form, published as the portable engine's only
         moved = set() if spec.ort_format else {n for n in frozen if n not in updates and  # frozen.bin takes them
                                                initializers[n].data_type == onnx.TensorProto.FLOAT}  # fmt: skip
-        write_graphs(onnx_model, trainable, frozen, loss, loss_output, extra + list(updates.values()), work,
-                     describe=describe, stored=[n for n in frozen if n not in moved])  # fmt: skip
+        with stage("gradient graphs"):
+            write_graphs(onnx_model, trainable, frozen, loss, loss_output, extra + list(updates.values()), work,
+                         describe=describe, stored=[n for n in frozen if n not in moved])  # fmt: skip
     padding = _finish_training_graph(work / "training_model.onnx", dict(source.padding), context)
     repair_eval_model(work / "eval_model.onnx")
     order = _parameter_order(work / "training_model.onnx")
@@ -249,9 +257,10 @@ def _build(
     for param in [n for n in order if n in set(trainable)]:
         trainable_specs.append(ParamSpec(param, shapes[param], offset))
         offset += trainable_specs[-1].size
-    portable = write_portable(work, optimizer, [(p.name, p.shape) for p in trainable_specs], opset,
-                              lambda node: "{!r} ({})".format(*source.describe(node)),
-                              variants=not spec.ort_format)  # fmt: skip
+    with stage("portable graphs"):
+        portable = write_portable(work, optimizer, [(p.name, p.shape) for p in trainable_specs], opset,
+                                  lambda node: "{!r} ({})".format(*source.describe(node)),
+                                  variants=not spec.ort_format)  # fmt: skip
     target = loss.target_spec(output_specs[loss_output])
     decoder = o.decoder and _write_decoder(o.decoder, {*trainable, *frozen}, work)
     manifest = Manifest(

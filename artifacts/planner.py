@@ -44,6 +44,7 @@ from ondevice.manifest import Plan
 from .errors import OptionError, SelectionError
 from .estimate import Footprint, footprint, reachable_parameters
 from .lora import Lora, with_targets
+from .progress import note, stage
 from .spec import Spec
 
 __all__ = ["Candidate", "Plan", "plan", "parse_size", "candidates", "chosen_changes", "format_plan", "measure",
@@ -152,7 +153,6 @@ def plan(
     generate: Callable[..., Any],
     ranks: Sequence[int] = (4, 8, 16),
     steps: int = 4,
-    progress: bool = True,
 ) -> Plan:
     """Measure candidates (in :func:`candidates`' order) until one trains within ``spec.memory_budget``
     at ``spec.batch_size``, whole or in micro-batches.
@@ -196,7 +196,7 @@ def plan(
                 row["note"] = "estimate over budget, not measured"
                 continue
             directory = work / f"c{len(rows)}"
-            with _quiet_logs():
+            with _quiet_logs(), stage(f"{candidate.name}: estimate {_mb(candidate.estimate(batch_size))}, building"):
                 manifest = generate(model, example_inputs, directory, spec=base.but(**candidate.options))
             if manifest.trainable_size != candidate.trainable:  # the generator froze what cannot reach the loss
                 row["trainable"] = manifest.trainable_size
@@ -205,20 +205,20 @@ def plan(
             start = next((m for m in sizes if candidate.streamed(m) <= budget), 1)  # skip what the estimate rules out
             over: dict[str, int] = {}  # micro-batch -> measured peak, for those that did not fit
             for micro in sizes[sizes.index(start) :]:
-                measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget,
-                                streamable=bool(manifest.frozen_file and manifest.portable_files))  # fmt: skip
+                with stage(f"{candidate.name}: measuring in a fresh process at micro-batch {micro}"):
+                    measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget,
+                                    streamable=bool(manifest.frozen_file and manifest.portable_files))  # fmt: skip
                 if measured["fits"] or micro == 1:
                     break
                 over[str(micro)] = measured["peak_rss"]
             row["estimate"] = candidate.estimate(micro)
             row.update(measured, micro_batch_size=micro, **({"over_at": over} if over else {}))
-            if progress:
-                lean = " with lean memory" if row.get("lean_memory") else ""
-                lean += " with streamed weights (portable engine)" if row.get("stream_weights") else ""
-                split = row["micro_batch_size"] < batch_size
-                micro = f" in micro-batches of {row['micro_batch_size']}" if split else ""
-                verdict = f"fits{micro}{lean}" if row["fits"] else "over, even in micro-batches of 1"
-                print(f"   measured {candidate.name}: peak {_mb(row['peak_rss'])}, {verdict}", flush=True)
+            lean = " with lean memory" if row.get("lean_memory") else ""
+            lean += " with streamed weights (portable engine)" if row.get("stream_weights") else ""
+            split = row["micro_batch_size"] < batch_size
+            micro_text = f" in micro-batches of {row['micro_batch_size']}" if split else ""
+            verdict = f"fits{micro_text}{lean}" if row["fits"] else "over, even in micro-batches of 1"
+            note(f"{candidate.name}: measured peak {_mb(row['peak_rss'])} (estimate {_mb(row['estimate'])}), {verdict}")
             if row["fits"]:
                 micro = row["micro_batch_size"]
                 chosen = {"chosen": candidate.name, "lean_memory": bool(row.get("lean_memory")),
