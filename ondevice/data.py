@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING, Iterator, Mapping
 import numpy as np
 
 from .errors import DataError
-from .manifest import Manifest, TensorSpec
+from .manifest import IGNORE_INDEX, Manifest, TensorSpec
 
 if TYPE_CHECKING:
     import zipfile
@@ -104,6 +104,7 @@ def check_data(manifest: Manifest, data: Mapping[str, np.ndarray], *, labels: bo
         raise DataError("the dataset is empty: dimension 0 of every array is 0.")
     _check_axes(specs, checked)
     _check_indices(manifest, checked)
+    _check_token_labels(manifest, checked, counted=labels)
     if labels:
         _check_labels(manifest, checked)
     return checked
@@ -176,6 +177,32 @@ def _check_labels(manifest: Manifest, data: dict[str, np.ndarray]) -> None:
                 f"{spec.name!r} must hold class indices in [0, {classes - 1}], found values "
                 f"from {valid.min()} to {valid.max()}."
             )
+
+
+def _check_token_labels(manifest: Manifest, data: dict[str, np.ndarray], *, counted: bool) -> None:
+    """A causal LM's next-token labels: token ids of its vocabulary or IGNORE_INDEX (-100), and (``counted``:
+    training or evaluating) at least one token to count, else the mean loss is 0/0."""
+    spec = manifest.tokenizer
+    if spec is None or spec.labels is None or spec.labels not in data:
+        return
+    labels, vocab = data[spec.labels], manifest.index_limits.get(spec.ids)
+    if vocab is not None and labels.size:
+        wrong = ((labels < 0) | (labels >= vocab)) & (labels != IGNORE_INDEX)
+        bad = np.flatnonzero(wrong.reshape(len(labels), -1).any(axis=1))
+        if bad.size:
+            row = int(bad[0])
+            raise DataError(
+                f"{spec.labels!r} must hold token ids in [0, {vocab - 1}] (the vocabulary) or {IGNORE_INDEX} (not "
+                f"counted); example {row} holds {labels[row][wrong[row]].ravel()[0]} ({bad.size} examples are out "
+                "of range). Make the labels from the text with the artifacts' tokenizer (a .jsonl file does)."
+            )
+    if counted and labels.size and not np.any(labels[:, 1:] != IGNORE_INDEX):  # the model predicts token t+1 from t
+        raise DataError(
+            f"no token to learn from: in {spec.labels!r} every label after each text's first token is "
+            f"{IGNORE_INDEX} ({len(labels)} examples), so the loss is 0/0. Give the examples text to learn (a .jsonl "
+            "line's \"completion\" or \"text\"), and check that prompts leave room for it within the artifacts' "
+            "max length."
+        )
 
 
 def _check_indices(manifest: Manifest, data: dict[str, np.ndarray]) -> None:

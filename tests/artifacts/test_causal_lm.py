@@ -295,3 +295,40 @@ def test_a_prompt_that_fills_max_length_is_refused_with_the_fix(artifacts, tmp_p
     path.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(DataError, match=r"1 example\(s\) \(the first: number 2, .*fills all 24 tokens.*--max-length"):
         load_data(path, artifacts)
+
+
+@pytest.mark.parametrize("engine", ["classic", "portable"])
+def test_next_token_labels_are_checked_before_any_step(artifacts, data, engine):
+    """Labels outside the vocabulary (other than -100) and data with no token to count are refused with a
+    DataError naming the array and example, on both engines and in evaluate (ORT read them silently, or failed
+    in GatherElements)."""
+    from ondevice.errors import DataError
+
+    trainer = Trainer.load(artifacts, engine=engine)
+    good = load_data(data, artifacts)
+    vocab = Manifest.load(artifacts).index_limits["ids"]
+    for value in (vocab, 999, -5):
+        bad = {k: v.copy() for k, v in good.items()}
+        bad["labels"][2, 3] = value
+        for run in (lambda d: trainer.fit(d, epochs=1, batch_size=2, progress=False), trainer.evaluate):
+            with pytest.raises(DataError, match=rf"'labels' must hold token ids in \[0, {vocab - 1}\].*example 2 "
+                                                rf"holds {value}"):  # fmt: skip
+                run(bad)
+    nothing = {**good, "labels": np.full_like(good["labels"], IGNORE_INDEX)}
+    for run in (lambda d: trainer.fit(d, epochs=1, batch_size=2, progress=False), trainer.evaluate):
+        with pytest.raises(DataError, match="no token to learn from: in 'labels' every label after each text's"):
+            run(nothing)
+    before = trainer.get_flat_weights()
+    np.testing.assert_array_equal(before, Trainer.load(artifacts, engine=engine).get_flat_weights())  # nothing ran
+
+
+def test_a_jsonl_with_nothing_to_learn_is_refused(artifacts, tmp_path, capsys):
+    """Empty prompts and completions leave the end token alone: nothing before it to predict it from."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "", "completion": ""}) for _ in PAIRS) + "\n")
+    train = ["train", str(artifacts), "--data", str(path), "--epochs", "1", "--batch-size", "2", "--checkpoint",
+             str(tmp_path / "ck")]  # fmt: skip
+    for command in (train, ["evaluate", str(artifacts), "--data", str(path)]):
+        assert main(command) == 1
+        assert "no token to learn from" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
