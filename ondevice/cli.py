@@ -274,7 +274,8 @@ def register_predict(commands: argparse._SubParsersAction) -> None:
         "--data", help=".npz keyed by the manifest's input names, .jsonl of texts, or .csv (no labels needed)"
     )
     source.add_argument(
-        "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer)"
+        "--text", action="append", help="a sentence to classify (repeatable; artifacts with a tokenizer); a language "
+        "model completes it as with --prompt"
     )
     source.add_argument(
         "--prompt", action="append", help="a prompt a language model completes (repeatable; causal-lm artifacts or "
@@ -311,14 +312,20 @@ def _run_predict(args: argparse.Namespace) -> int:
         if refusal:
             raise OutputRefusedError(f"{refusal}.")
     if args.prompt:
-        return _complete(args)
+        return _complete(args, args.prompt)
     note = ""
     if args.model.endswith(".onnx"):
         predictor, encoder = _exported(args.model, args.artifacts)
+        if _completes(predictor.manifest, args):
+            return _complete(args, args.text, predictor)
         data = encoder(args.text) if args.text else load_data(args.data, args.artifacts, labels=False, encoder=encoder)
         manifest, outputs = predictor.manifest, predictor.predict(data, progress=not args.json)
     else:
+        from .manifest import Manifest
+
         directory = args.model
+        if _completes(Manifest.load(directory), args):
+            return _complete(args, args.text)
         data = TextEncoder(directory)(args.text) if args.text else load_data(args.data, directory, labels=False)
         trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
         manifest, outputs = trainer.manifest, trainer.predict(data, progress=not args.json)
@@ -357,19 +364,31 @@ def _run_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _complete(args: argparse.Namespace) -> int:
-    """``odt predict --prompt``: greedy completions, printed (or as JSON lines' worth of one object)."""
+def _completes(manifest: Any, args: argparse.Namespace) -> bool:
+    """Whether ``odt predict`` completes texts (a causal LM with its cached decoder): ``--text`` gives the
+    prompts; ``--data`` rows are refused (a language model's outputs per row are no answer)."""
+    if manifest.decoder is None:
+        return False
+    if args.data:
+        raise UsageError(f"{args.model} is a language model: it completes prompts. Give them with --prompt TEXT "
+                         "(repeatable); `odt evaluate --data` measures its loss and perplexity on a file.")  # fmt: skip
+    return True
+
+
+def _complete(args: argparse.Namespace, prompts: list[str], predictor: Any = None) -> int:
+    """``odt predict --prompt`` (or ``--text`` on a language model): greedy completions, printed (or as one
+    JSON object)."""
     from .predict import Predictor
 
     if args.out is not None:
         raise UsageError("--out writes model outputs; completions are printed (add --json for a script).")
     note = ""
     if args.model.endswith(".onnx"):
-        generator = Predictor(args.model).text_generator()
+        generator = (predictor or Predictor(args.model)).text_generator()
     else:
         trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
         generator = trainer.text_generator()
-    completions = generator(args.prompt, max_new_tokens=args.max_new_tokens, progress=not args.json)
+    completions = generator(prompts, max_new_tokens=args.max_new_tokens, progress=not args.json)
     _note(note)
     if args.json:
         rows = [{"prompt": c.prompt, "completion": c.text, "tokens": len(c.tokens), "stopped": c.stopped}

@@ -112,11 +112,15 @@ class TextGenerator:
 
         if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise DataError(f"prompts must be a non-empty list of non-empty strings, got {prompts!r:.80}.")
+        for index, prompt in enumerate(prompts):
+            check_prompt(index, prompt)
         for name, value, top in (("max_new_tokens", max_new_tokens, MAX_NEW_TOKENS), ("batch_size", batch_size, 4096)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
                 raise DataError(f"{name} must be an integer from 1 to {top}, got {value!r}.")
         rows = self.encode(prompts)
         for prompt, ids in zip(prompts, rows):
+            if not ids:
+                raise DataError(f"the prompt {prompt[:40]!r} has no tokens for this model's tokenizer. Give it text.")
             if len(ids) >= self.spec.max_positions:
                 raise DataError(f"the prompt {prompt[:40]!r} is {len(ids)} tokens: the model reads at most "
                                 f"{self.spec.max_positions - 1} before its answer. Shorten it.")  # fmt: skip
@@ -145,6 +149,17 @@ class TextGenerator:
             return self._session.run(self._outputs, dict(feeds))
         except Exception as exc:
             raise OndeviceError(f"the decoder failed: {ort_error_message(exc)}") from exc
+
+
+def check_prompt(index: int, prompt: str) -> None:
+    """A prompt the decoder can read: text that is not only whitespace, valid UTF-8 (a command line's invalid
+    bytes reach Python as lone surrogates)."""
+    if not prompt.strip():
+        raise DataError(f"prompt {index + 1} is only whitespace ({prompt!r:.40}): give the text to complete.")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"prompt {index + 1} is not valid UTF-8 text ({prompt!r:.60}); pass it as UTF-8.") from None
 
 
 def decoder_model(

@@ -253,6 +253,9 @@ def test_odt_predict_prompt_decodes_on_stock_onnxruntime_as_on_the_training_buil
         (lambda p, t: p.text_generator()([], max_new_tokens=4), "non-empty list"),
         (lambda p, t: p.text_generator()(["turn on"], max_new_tokens=0), "max_new_tokens must be an integer"),
         (lambda p, t: p.text_generator()("turn on"), "non-empty list"),
+        # a prompt of spaces (ORT's Reshape error before), invalid UTF-8 from a command line (a TypeError)
+        (lambda p, t: p.text_generator()(["turn on", "   "]), "prompt 2 is only whitespace"),
+        (lambda p, t: t.text_generator()(["turn \udcff on"]), "prompt 1 is not valid UTF-8 text"),
     ],
 )
 def test_bad_generation_requests_get_typed_errors(trained, call, error, tmp_path, capsys):
@@ -332,3 +335,20 @@ def test_a_jsonl_with_nothing_to_learn_is_refused(artifacts, tmp_path, capsys):
         assert main(command) == 1
         assert "no token to learn from" in capsys.readouterr().err
     assert not (tmp_path / "ck").exists()
+
+
+def test_predict_text_on_a_language_model_completes_it_and_data_rows_are_refused(trained, tmp_path, capsys):
+    """`odt predict --text` on a causal LM completes each text as --prompt does (it printed nothing before);
+    `--data` rows are refused with what to use instead."""
+    trainer, exported = trained
+    trainer.save(tmp_path / "ck" / "latest.ckpt")
+    for model in (str(exported), str(trainer.directory)):
+        extra = [] if model.endswith(".onnx") else ["--checkpoint", str(tmp_path / "ck")]
+        assert main(["predict", model, *extra, "--prompt", PROMPTS[0], "--json"]) == 0
+        prompted = json.loads(capsys.readouterr().out)["completions"]
+        assert main(["predict", model, *extra, "--text", PROMPTS[0], "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["completions"] == prompted
+        assert prompted[0]["completion"] == dict(PAIRS)[PROMPTS[0]].strip()
+        (tmp_path / "rows.jsonl").write_text(json.dumps({"text": PROMPTS[0]}) + "\n")
+        assert main(["predict", model, *extra, "--data", str(tmp_path / "rows.jsonl")]) == 2
+        assert "is a language model: it completes prompts. Give them with --prompt" in capsys.readouterr().err
