@@ -151,6 +151,15 @@ MAX_ADAPTER_VALUE = 1e4
 beyond this the file is damaged (1e20 once passed, then failed verification far from its cause)."""
 
 
+VARIANTS = {
+    "use_dora": "DoRA scales each adapted weight's columns by a learned magnitude, which plain LoRA has not",
+    "use_rslora": "rsLoRA scales the adapters by alpha / sqrt(rank), not alpha / rank",
+    "lora_bias": "a bias on lora_B adds a term plain LoRA has not",
+    "layers_to_transform": "adapters on some layers only, where the targets here name every matching layer",
+}
+"""PEFT options that change what an adapted layer computes, with what each changes."""
+
+
 def read_peft(directory: str | os.PathLike[str]) -> tuple[Lora, dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter folder as (this SDK's Lora, tensors by this SDK's names).
 
@@ -178,6 +187,13 @@ def read_peft(directory: str | os.PathLike[str]) -> tuple[Lora, dict[str, torch.
         raise SelectionError(f"{folder}: adapter_model.safetensors cannot be read ({reason}).") from None
     if config.get("peft_type") != "LORA" or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise SelectionError(f"{directory}: only plain LoRA adapters (one rank and alpha) can start the adapters.")
+    variants = [key for key in VARIANTS if config.get(key) not in (None, False, [], "")]
+    if variants:  # each changes the adapted layer's forward: loaded as plain LoRA it would compute something else
+        raise SelectionError(
+            f"{directory}/adapter_config.json sets {', '.join(f'{k}={config[k]!r}' for k in variants)}: "
+            f"{'; '.join(VARIANTS[k] for k in variants)}. Only plain LoRA adapters can start the adapters here; "
+            "train one without it, or start from fresh adapters (--lora RANK)."
+        )
     targets = config.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets) if isinstance(targets, list) else ()
     if not targets:

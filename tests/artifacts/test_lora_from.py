@@ -70,6 +70,11 @@ DAMAGED = [
     ("NaN weights", _scaled(float("nan")), "is not finite numbers"),
     ("huge weights", _scaled(1e20), "values up to 1e+20"),
     ("no folder", lambda folder: shutil.rmtree(folder), "adapter_config.json: No such file"),
+    # PEFT variants whose forward differs from plain LoRA's: loaded as LoRA they computed something else, silently
+    ("a DoRA adapter", _config(use_dora=True), "sets use_dora=True: DoRA scales each adapted weight's columns"),
+    ("an rsLoRA adapter", _config(use_rslora=True), "rsLoRA scales the adapters by alpha / sqrt(rank)"),
+    ("a bias on lora_B", _config(lora_bias=True), "a bias on lora_B adds a term"),
+    ("some layers only", _config(layers_to_transform=[0]), "adapters on some layers only"),
 ]  # fmt: skip
 
 
