@@ -84,6 +84,7 @@ def generate(
     return_freed_memory()  # the exports free copies of every weight: glibc gives them back (SmolLM2: 2.4 -> 1.6 GB
     # still held after the cached decoder's export)
     _check_finite(model)
+    check_dropouts(model)
     decoder = None
     if spec.decoder and causal_lm(model) is not None:
         with stage("exporting and checking the cached decoder"):
@@ -179,6 +180,29 @@ def _forward_names(model: nn.Module, count: int) -> list[str]:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return params[:count] if len(params) >= count else [f"input{i}" for i in range(count)]
+
+
+UNSUPPORTED_DROPOUTS = (nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+"""Dropouts whose masks ONNX's Dropout cannot draw (a channel at a time, or SELU's affine form)."""
+
+
+def check_dropouts(model: nn.Module) -> None:
+    """Refuse, naming the layer, a dropout the training graph cannot hold (the exporter's own error was raw):
+    a channel-wise or alpha dropout (at any rate: the exporter refuses even p = 0), or one that drops every
+    value (p = 1: nothing reaches the loss)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.modules.dropout._DropoutNd):
+            continue
+        p = module.p
+        if p >= 1:
+            raise ModelLoadError(f"{name!r} is {type(module).__name__}(p={p:g}): it drops every value, so nothing "
+                                 "reaches the loss. Use p < 1 (0.1 is usual).")  # fmt: skip
+        if isinstance(module, UNSUPPORTED_DROPOUTS):
+            raise ModelLoadError(
+                f"{name!r} is {type(module).__name__}(p={p:g}), whose masks ONNX's Dropout cannot draw (it drops "
+                f"whole channels or is SELU's affine form). Replace it with nn.Dropout(p={p:g}), or nn.Identity() "
+                "to train without it."
+            )
 
 
 def _check_finite(model: torch.nn.Module) -> None:

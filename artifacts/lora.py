@@ -30,6 +30,10 @@ __all__ = ["Lora", "LoraLinear", "add_adapters", "with_targets", "read_peft", "l
 PEFT_PREFIX = "base_model.model."
 
 
+MAX_SCALE = 1e3
+"""The largest ``alpha / rank`` accepted (PEFT's examples use 1 to 4; 1e30 made every verification row overflow)."""
+
+
 @dataclass(frozen=True)
 class Lora:
     """Adapters of ``rank`` on every Linear whose name ends with one of ``targets`` (or matches a glob).
@@ -48,6 +52,12 @@ class Lora:
             raise SelectionError(f"LoRA rank must be an integer >= 1, got {self.rank!r}.")
         if not (isinstance(self.alpha, (int, float)) and self.alpha > 0 and math.isfinite(self.alpha)):
             raise SelectionError(f"LoRA alpha must be a positive number, got {self.alpha!r}.")
+        if self.alpha / self.rank > MAX_SCALE:
+            raise SelectionError(
+                f"LoRA alpha {self.alpha:g} at rank {self.rank} scales the adapters by {self.alpha / self.rank:.3g}, "
+                f"more than {MAX_SCALE:g}: their first steps would swamp the layer (or overflow float32). Usual "
+                "values are alpha = rank to 2 x rank (PEFT's default 8 at rank 8)."
+            )
         if isinstance(self.targets, str) or not all(isinstance(t, str) and t for t in self.targets):
             raise SelectionError(f"LoRA targets must be a list of layer names, got {self.targets!r}.")
 

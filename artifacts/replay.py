@@ -36,7 +36,18 @@ class Replay:
     ) -> torch.Tensor:
         if not training or self.off:
             return input
+        if p == 0:  # the exporter writes a Dropout node for some calls of rate 0 and not for others (nn.Dropout(0))
+            if not self._next_is_identity(input):
+                return input  # no node: leave the next mask to the dropout it belongs to
         return input * self._next(input, p)
+
+    def _next_is_identity(self, input: torch.Tensor) -> bool:
+        """Whether the next mask is a rate-0 node's (input's shape, every value kept): a mask of a real rate keeps
+        them all with odds of (1 - p) ** size, nil for any tensor dropout is used on."""
+        if self.used == len(self.masks):
+            return False
+        mask = self.masks[self.used]
+        return tuple(mask.shape) == tuple(input.shape) and bool(mask.all())
 
     def attention(
         self,

@@ -142,6 +142,45 @@ def test_functional_dropout_is_replayed_with_orts_masks_and_switched_off_for_the
     assert [ratio for _, ratio, _ in _dropouts(tmp_path / "a" / "training_model.onnx")] == pytest.approx([0.3, 0.2])
 
 
+class ZeroRate(nn.Module):
+    """Dropouts of p = 0 (a config default in Hugging Face audio and vision models) beside a real one: as a module
+    (the exporter writes no node) and as a call (it writes one of ratio 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.zero = nn.Linear(8, 16), nn.Linear(16, 3), nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.dropout(torch.relu(self.a(self.zero(x))), 0.0, self.training)
+        return self.b(F.dropout(hidden, 0.25, self.training))
+
+
+def test_a_dropout_of_rate_zero_replays_whether_or_not_it_has_a_node(tmp_path):
+    """A rate-0 dropout without a node took the next node's mask, and generation stopped with "not in the order
+    PyTorch runs them" (a tiny ViT with hidden dropout 0 and attention dropout 0.1, too)."""
+    torch.manual_seed(0)
+    manifest = generate(ZeroRate(), torch.randn(6, 8), tmp_path / "a", input_names=["x"])
+    assert manifest.verification.passed and "and on with ORT's masks replayed" in manifest.verification.note
+    assert 0.25 in [ratio for _, ratio, _ in _dropouts(tmp_path / "a" / "training_model.onnx")]
+
+
+@pytest.mark.parametrize(
+    ("layer", "said"),
+    [
+        (nn.AlphaDropout(0.2), "'1' is AlphaDropout(p=0.2), whose masks ONNX's Dropout cannot draw"),
+        (nn.Dropout2d(0.2), "'1' is Dropout2d(p=0.2), whose masks ONNX's Dropout cannot draw"),
+        (nn.Dropout(1.0), "'1' is Dropout(p=1): it drops every value, so nothing reaches the loss"),
+    ],
+)
+def test_dropouts_the_graph_cannot_hold_are_refused_naming_the_layer(layer, said, tmp_path):
+    from artifacts.errors import ModelLoadError
+
+    model = nn.Sequential(nn.Linear(8, 8), layer, nn.Linear(8, 3))
+    with pytest.raises(ModelLoadError, match=None) as caught:
+        generate(model, torch.randn(4, 8), tmp_path / "a", input_names=["x"])
+    assert said in str(caught.value) and not (tmp_path / "a").exists()
+
+
 def test_replay_refuses_masks_that_do_not_fit_pytorchs_dropouts():
     x = torch.ones(2, 3)
     with pytest.raises(VerificationError, match="shape \\(2, 3\\).*'second'.*shape \\(3, 2\\)"):

