@@ -88,7 +88,9 @@ def export_decoder(model: nn.Module, opset: int, tolerances: Tolerances = Tolera
     was_training = lm.training
     lm.eval()
     try:
-        return _export(_Cached(lm), prefix, opset, tolerances)
+        # In eval mode, the wrapper too: the export restores the wrapper's mode when it ends, and a new module is in
+        # training mode, which would switch the model's dropouts back on under the proof's PyTorch reference.
+        return _export(_Cached(lm).eval(), prefix, opset, tolerances)
     except ExportError as exc:  # the artifacts still train; only text generation is missing
         log.warning("no cached decoder (odt predict --prompt will not work on these artifacts): %s", exc)
         return None
