@@ -97,11 +97,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The validated run config of the options above; artifacts and data checked to exist."""
+    """The validated run config of the options above; artifacts and data checked to exist (with ``--resume``,
+    first that the directory holds a run: its saved settings name the artifacts and data)."""
+    if args.resume and not (Path(args.resume) / "run-state.npz").is_file():
+        what = "does not exist" if not Path(args.resume).exists() else "holds no run-state.npz"
+        raise RunConfigError(f"--resume {args.resume}: there is no run to continue there (the directory {what}; "
+                             "a run's --out directory holds one after its first round). Start a new run with --out.")
     config = _config(args)
     _check_paths(config)
-    if args.resume and not (Path(config["output"]) / "run-state.npz").is_file():
-        raise RunConfigError(f"--resume {args.resume}: there is no run-state.npz, so no run to continue there.")
     return config
 
 

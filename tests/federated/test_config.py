@@ -152,3 +152,22 @@ def test_resume_takes_the_runs_own_settings_and_refuses_contradictions(digits_ar
     assert main(["fl", "simulate", "--resume", str(out), "--clients", "4"]) == 2
     assert "that run had --clients 3, not 4. Drop --clients." in capsys.readouterr().err
     assert not (out / "logs").exists()
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "elsewhere"])
+def test_resume_of_a_directory_without_a_run_says_so(where, tmp_path, monkeypatch, capsys):
+    """It blamed the default artifacts path (out/digits/artifacts) instead, which the user never gave."""
+    from ondevice.cli import main
+
+    target = tmp_path / "not-a-run"
+    if where != "missing":
+        target.mkdir()
+    if where == "elsewhere":
+        (target / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)  # no out/digits/artifacts here
+    assert main(["fl", "simulate", "--resume", str(target)]) == 2
+    err = capsys.readouterr().err
+    what = "does not exist" if where == "missing" else "holds no run-state.npz"
+    assert f"--resume {target}: there is no run to continue there (the directory {what}" in err, err
+    assert "artifacts" not in err and (where == "missing" or sorted(p.name for p in target.iterdir()) ==
+                                       ([] if where == "empty" else ["notes.txt"]))  # fmt: skip
