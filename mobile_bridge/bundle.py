@@ -263,19 +263,30 @@ def _describe(
     }
 
 
-def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Check a bundle: its signature (when a public key is given, a signature is required) and
-    the sha256 of every file. Returns the bundle description."""
+def verify_bundle(
+    bundle: str | os.PathLike[str], public_key: str | os.PathLike[str] | None = None, *, skip_signature: bool = False
+) -> dict[str, Any]:
+    """Check a bundle: its signature and the sha256 of every file. Returns the bundle description.
+
+    With ``public_key`` the bundle must be signed by it. Without one, a signed bundle is refused unless
+    ``skip_signature``: its hashes alone prove nothing, since whoever alters a file can re-hash ``bundle.json``.
+    """
     bundle = Path(bundle)
     try:
         text = (bundle / BUNDLE_JSON).read_bytes()
     except OSError:
         raise BundleError(f"{bundle} has no {BUNDLE_JSON}: it is not a bundle made by `odt bundle`.") from None
+    signature = bundle / SIGNATURE
     if public_key is not None:
-        signature = bundle / SIGNATURE
         if not signature.is_file():
             raise SignatureError(f"{bundle} is not signed ({SIGNATURE} missing) but a public key was given.")
         verify(text, signature.read_bytes(), public_key)
+    elif signature.exists() and not skip_signature:
+        raise SignatureError(
+            f"{bundle} is signed ({SIGNATURE}) but no public key was given, so its signature was not checked: "
+            f"whoever altered a file could have re-hashed {BUNDLE_JSON}. Give the signer's public key "
+            "(--public-key KEY.pub), or --skip-signature to check the file hashes only."
+        )
     try:
         description = json.loads(text)
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
@@ -304,8 +315,13 @@ def verify_bundle(bundle: str | os.PathLike[str], public_key: str | os.PathLike[
 
 
 def load_trainer(
-    bundle: str | os.PathLike[str], public_key: str | os.PathLike[str] | None, *, threads: int | None = None
+    bundle: str | os.PathLike[str],
+    public_key: str | os.PathLike[str] | None,
+    *,
+    threads: int | None = None,
+    skip_signature: bool = False,
 ) -> Trainer:
-    """The Python runtime over a bundle, refused before any training if the signature or a hash fails."""
-    verify_bundle(bundle, public_key)
+    """The Python runtime over a bundle, refused before any training if the signature or a hash fails
+    (a signed bundle without ``public_key``: unless ``skip_signature``, see :func:`verify_bundle`)."""
+    verify_bundle(bundle, public_key, skip_signature=skip_signature)
     return Trainer.load(bundle, threads=threads)

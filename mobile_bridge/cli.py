@@ -30,7 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     k.set_defaults(run=_run_keygen)
     v = commands.add_parser("verify-bundle", help="check a bundle's signature and file hashes")
     v.add_argument("bundle", help="bundle directory")
-    v.add_argument("--public-key", help="KEY.pub; when given the bundle must be signed by it")
+    _signature_options(v)
     v.set_defaults(run=_run_verify)
     bridge = commands.add_parser("bridge", help="the HTTP bridge that lets phones and browsers join Flower rounds")
     modes = bridge.add_subparsers(dest="mode", required=True, metavar="MODE")
@@ -40,6 +40,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8765, help="default 8765")
     serve.add_argument("--max-examples", type=int, default=100_000, help="largest example count accepted")
     serve.add_argument("--demo-data", help=".npz the demo page at /web/ trains on (default: none)")
+    _signature_options(serve)
     serve.add_argument("--state", help="SQLite state file (default: BUNDLE.bridge.db beside the bundle)")
     serve.add_argument(
         "--trusted-proxy",
@@ -98,6 +99,13 @@ def _run_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _signature_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--public-key", help="KEY.pub of the signer: the bundle must carry its valid signature "
+                        "(default: none; a signed bundle then needs --skip-signature)")  # fmt: skip
+    parser.add_argument("--skip-signature", action="store_true", help="accept a signed bundle without checking "
+                        "its signature (only the file hashes, which whoever alters a file can recompute)")  # fmt: skip
+
+
 def _check_port(port: int) -> None:
     from .errors import BridgeOptionError
 
@@ -106,11 +114,15 @@ def _check_port(port: int) -> None:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from .bundle import verify_bundle
+    from pathlib import Path
 
-    description = verify_bundle(args.bundle, args.public_key)
+    from .bundle import SIGNATURE, verify_bundle
+
+    description = verify_bundle(args.bundle, args.public_key, skip_signature=args.skip_signature)
     signed = "signature and " if args.public_key else ""
-    print(f"ok: {signed}{len(description['files'])} file hashes verified")
+    skipped = not args.public_key and (Path(args.bundle) / SIGNATURE).exists()
+    unchecked = "; the signature was NOT checked (--skip-signature)" if skipped else ""
+    print(f"ok: {signed}{len(description['files'])} file hashes verified{unchecked}")
     return 0
 
 
@@ -141,7 +153,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not 0 < args.body_timeout <= 3600:
         raise BridgeOptionError(f"--body-timeout must be in (0, 3600] seconds, got {args.body_timeout}.")
     app = create_app(args.bundle, relay_secret=secret, max_examples=args.max_examples, demo_data=args.demo_data,
-                     state=args.state, body_timeout=args.body_timeout)  # fmt: skip
+                     state=args.state, body_timeout=args.body_timeout, public_key=args.public_key,
+                     skip_signature=args.skip_signature)  # fmt: skip
     if not os.environ.get("ODT_BRIDGE_ENROLMENT") and not app.state.store.has_codes():
         print("registration is closed: set ODT_BRIDGE_ENROLMENT or issue codes with `odt bridge enroll`", flush=True)
     print(f"bridge: http://{args.host}:{args.port}  (OpenAPI: /docs, demo page: /web/)", flush=True)
@@ -161,7 +174,7 @@ def _run_enroll(args: argparse.Namespace) -> int:
 
     if not 1 <= args.count <= MAX_CODES:
         raise BridgeOptionError(f"--count must be 1 to {MAX_CODES:,}, got {args.count:,}; issue more in several calls.")
-    verify_bundle(args.bundle)
+    verify_bundle(args.bundle, skip_signature=True)  # codes for the bridge's state: its serve checks the signature
     store = Store(
         Path(args.state) if args.state else Path(args.bundle).with_name(f"{Path(args.bundle).name}.bridge.db")
     )

@@ -278,15 +278,18 @@ def create_app(
     demo_data: str | Path | None = None,
     registrations_per_minute: int = REGISTRATIONS_PER_MINUTE,
     body_timeout: float = BODY_TIMEOUT,
+    public_key: str | os.PathLike[str] | None = None,
+    skip_signature: bool = False,
 ) -> FastAPI:
     """The bridge application over a verified bundle directory.
 
     ``state`` is the SQLite file (default: ``BUNDLE.bridge.db`` beside the bundle);
     ``enrolment_secret`` (default: ``ODT_BRIDGE_ENROLMENT``) lets devices register, as do
-    one-time codes from `odt bridge enroll`; ``demo_data`` is an .npz the demo page may train on.
+    one-time codes from `odt bridge enroll`; ``demo_data`` is an .npz the demo page may train on. A signed
+    bundle is served only when its signature verifies against ``public_key`` (or with ``skip_signature``).
     """
     bundle = Path(bundle)
-    description = verify_bundle(bundle)
+    description = verify_bundle(bundle, public_key, skip_signature=skip_signature)
     demo_arrays = _demo_arrays(demo_data, bundle) if demo_data is not None else None
     store = Store(Path(state) if state else bundle.with_name(f"{bundle.name}.bridge.db"))
     relay_secret = relay_secret or secrets.token_urlsafe(32)

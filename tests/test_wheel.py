@@ -106,7 +106,8 @@ def test_all_extra_runs_the_digits_flow_from_an_empty_directory(wheel, tmp_path)
     assert oct((work / "keys" / "odt").stat().st_mode & 0o777) == "0o600"
     _run([odt, "bundle", "art", "--out", "bundle", "--sign-key", "keys/odt"], work, env)
     port = _free_port()
-    server = subprocess.Popen([odt, "bridge", "serve", "bundle", "--port", str(port)], cwd=work, env=env,
+    server = subprocess.Popen([odt, "bridge", "serve", "bundle", "--public-key", "keys/odt.pub", "--port", str(port)],
+                              cwd=work, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         page = _get(f"http://127.0.0.1:{port}/web/")

@@ -170,6 +170,42 @@ def test_cli_keygen_bundle_verify(digits_artifacts, tmp_path, capsys):
     assert (key.stat().st_mode & 0o777) == 0o600
 
 
+def _altered_and_rehashed(bundle):
+    """What a hostile copy does: change the parameters, then re-hash bundle.json to match."""
+    import hashlib
+
+    data = json.loads((bundle / "bundle.json").read_text())
+    name = next(n for n in data["files"] if n.startswith("parameters") or n == "checkpoint")
+    path = bundle / name
+    path.write_bytes(path.read_bytes()[:-4] + b"\x7f\x7f\x7f\x7f")
+    data["files"][name]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (bundle / "bundle.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def test_a_signed_bundle_is_never_passed_on_its_hashes_alone(digits_artifacts, tmp_path, keys, capsys):
+    """A signed bundle altered and re-hashed passed `verify-bundle` without a key ("ok: 19 file hashes
+    verified") and `bridge serve` served it: without the signer's key a signed bundle is refused, saying its
+    signature was not checked, unless --skip-signature; with it, the alteration is caught."""
+    from mobile_bridge.server import create_app
+
+    make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
+    _altered_and_rehashed(tmp_path / "b")
+    assert main(["verify-bundle", str(tmp_path / "b")]) == 1
+    assert "is signed (bundle.sig) but no public key was given, so its signature was not checked" in (
+        capsys.readouterr().err)  # fmt: skip
+    assert main(["verify-bundle", str(tmp_path / "b"), "--public-key", str(keys[1])]) == 1
+    assert "signature does not match" in capsys.readouterr().err
+    assert main(["verify-bundle", str(tmp_path / "b"), "--skip-signature"]) == 0  # asked for: said so
+    assert "the signature was NOT checked (--skip-signature)" in capsys.readouterr().out
+    for options in ({}, {"public_key": keys[1]}):
+        with pytest.raises(SignatureError):
+            create_app(tmp_path / "b", relay_secret="s" * 32, state=tmp_path / "b.db", **options)
+    with pytest.raises(SignatureError, match="no public key was given"):
+        load_trainer(tmp_path / "b", None)
+    make_bundle(digits_artifacts, tmp_path / "good", sign_key=keys[0])  # the signer's bundle, served with its key
+    assert create_app(tmp_path / "good", relay_secret="s" * 32, state=tmp_path / "g.db", public_key=keys[1])
+
+
 def test_bundle_force_replaces_only_a_bundle(digits_artifacts, tmp_path, monkeypatch, capsys):
     """`odt bundle --force` replaces a bundle it made (signed, with its ORT files) and refuses the working
     directory, an empty --out, someone's directory and a bundle with a user's file added; nothing is lost."""
