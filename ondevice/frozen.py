@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from .file_guard import FileGuard
 from .session import OrtValue
 
 if TYPE_CHECKING:
@@ -146,11 +147,13 @@ class FrozenWeights:
         self.stream = stream
         self._tables: list[tuple[int, int]] = []
         self._whole: list[tuple[int, int]] = []
+        self._guard: FileGuard | None = None
         stored = manifest.frozen_file
         if not stored or not manifest.frozen:
             return
         path = directory / stored["file"]
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        self._guard = FileGuard(path, mapped.size)  # a change under the mapping: a typed error, not SIGBUS
         self._whole = [(mapped.ctypes.data, mapped.size)]
         arrays = stored_arrays(mapped, manifest)
         tables = [(int(stored["offsets"][n]) * 4, arrays[n].nbytes) for n in stored.get("lookups", ())]
@@ -177,6 +180,8 @@ class FrozenWeights:
         :data:`STREAM_INTERVAL` seconds while the run reads it (see the module docstring). Afterwards
         what the run read leaves RSS: the whole file when streamed, else the lookup tables' rows. The
         thread is joined here, so it never outlives the mapping."""
+        if self._guard is not None:
+            self._guard.check()
         done, thread = threading.Event(), None
         if self.stream and self._whole:
 
@@ -195,6 +200,8 @@ class FrozenWeights:
             else:
                 thread.join()
                 self.release()
+        if self._guard is not None:
+            self._guard.check()  # the step read intact pages; its result is not used when the file changed
 
 
 def _drop_cached(path: Path, ranges: list[tuple[int, int]]) -> None:

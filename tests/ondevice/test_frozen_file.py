@@ -6,6 +6,7 @@ import ctypes
 import gc
 import json
 import mmap
+import os
 import subprocess
 import sys
 import threading
@@ -333,3 +334,62 @@ def test_lookups_must_name_tensors_of_the_frozen_file(frozen_body, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=r"frozen_file.lookups.*a list of tensors in frozen_file.offsets"):
         Manifest.load(copy)
+
+
+TRAIN_LONG = """
+import sys
+import numpy as np
+from ondevice.cli import main
+rng = np.random.default_rng(0)
+np.savez(sys.argv[2], x=rng.standard_normal((64, 16), dtype=np.float32), labels=rng.integers(0, 3, 64))
+sys.exit(main(["train", sys.argv[1], "--data", sys.argv[2], "--epochs", "100000", "--batch-size", "8",
+               "--checkpoint", sys.argv[3], *sys.argv[4:]]))
+"""
+
+
+@pytest.mark.parametrize("engine", ["portable", "portable-streamed", "classic"])
+def test_frozen_bin_truncated_under_training_ends_it_with_a_typed_error(frozen_body, tmp_path, engine):
+    """It died of SIGBUS (exit 135, no message, buffered output lost): the read lease holds the truncating
+    process until training has stopped, with a typed error, its epoch lines out and its last checkpoint whole."""
+    import shutil
+
+    from ondevice._checkpoint import read_header
+
+    out = tmp_path / "artifacts"
+    shutil.copytree(frozen_body[0], out)
+    options = ["--engine", engine.split("-")[0], *(["--stream-weights"] if "streamed" in engine else [])]
+    trainer = subprocess.Popen([sys.executable, "-c", TRAIN_LONG, str(out), str(tmp_path / "d.npz"),
+                                str(tmp_path / "ck"), *options], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        lines = []
+        while not any(line.startswith("epoch 2") for line in lines):  # two epochs done: a checkpoint exists
+            line = trainer.stdout.readline()
+            assert line, trainer.stderr.read()[-2000:]
+            lines.append(line)
+        os.truncate(out / "frozen.bin", 4096)  # held by the kernel until the trainer lets go
+        code = trainer.wait(timeout=120)
+    finally:
+        trainer.kill()
+    err = trainer.stderr.read()
+    assert code == 1, (code, err[-2000:])
+    assert "frozen.bin changed while training read it: another process opened it to write or truncate it" in err
+    assert "the last checkpoint is intact" in err and "Traceback" not in err
+    assert read_header(tmp_path / "ck" / "latest.ckpt")["epoch"] >= 2  # checksummed, whole
+
+
+def test_frozen_bin_replaced_between_steps_is_noticed(frozen_body, tmp_path):
+    """Without a lease (another thread, another system) a change between steps is still caught."""
+    import shutil
+
+    from ondevice.errors import ArtifactIntegrityError
+
+    out = tmp_path / "artifacts"
+    shutil.copytree(frozen_body[0], out)
+    trainer = Trainer.load(out, engine="portable")
+    trainer.train_step(_batch())
+    (out / "frozen.new").write_bytes((out / "frozen.bin").read_bytes())
+    os.replace(out / "frozen.new", out / "frozen.bin")  # a new file under the name: the mapping keeps the old one
+    with pytest.raises(ArtifactIntegrityError, match="frozen.bin changed while training read it: it was removed or "
+                                                     "replaced"):  # fmt: skip
+        trainer.train_step(_batch())
