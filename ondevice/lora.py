@@ -21,11 +21,12 @@ def fold_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) 
     return merged.astype(weight.dtype)
 
 
-def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untyped-def]
+def fold_adapters(model, adapters: Iterable[Adapter], base_dir: str | None = None):  # type: ignore[no-untyped-def]
     """Return ``model`` (an onnx.ModelProto) with ``W + scale * B @ A`` in each adapted weight.
 
     Each adapter's branch (from its A and B to the Add that joins the base layer's output) is
     removed, and A and B with it; the graph computes the same function with one MatMul per layer.
+    A ``W`` kept as external data is read from ``base_dir`` (the folded one is then held in the graph).
     """
     import onnx
     from onnx import numpy_helper
@@ -38,7 +39,8 @@ def fold_adapters(model, adapters: Iterable[Adapter]):  # type: ignore[no-untype
         missing = [n for n in (adapter.weight, adapter.a, adapter.b) if n not in initializers]
         if missing:
             raise CheckpointError(f"cannot fold the LoRA adapter into {adapter.weight}: the graph lacks {missing}.")
-        w, a, b = (numpy_helper.to_array(initializers[n]) for n in (adapter.weight, adapter.a, adapter.b))
+        w, a, b = (numpy_helper.to_array(initializers[n], base_dir or "") for n in (adapter.weight, adapter.a,
+                                                                                       adapter.b))  # fmt: skip
         merged = fold_weight(w, a, b, adapter.scale)
         initializers[adapter.weight].CopyFrom(numpy_helper.from_array(merged, adapter.weight))
         _bypass(graph, adapter)
