@@ -1,9 +1,9 @@
 """What `odt generate` is doing while it works: each stage (load, export, gradients, verify, planner candidates,
-publish) as it starts and ends, on stderr.
+publish) as it starts and ends.
 
-On a terminal the current stage stands on one tqdm line whose clock runs, and each finished stage stays above it
-with its time; piped, each stage is one line when it starts and one when it ends, flushed, so a log shows where
-a long run is. Quiet unless a caller turns it on (:func:`reporting`: the CLI without ``--json``); the library's
+On a terminal the current stage stands on one tqdm line (stderr) whose clock runs, and each finished stage stays
+above it with its time; piped, each stage is one line on stdout when it starts and one when it ends, flushed, so
+a log shows where a long run is, as `odt train`'s epoch lines do (stderr keeps a failure's one error line). Quiet unless a caller turns it on (:func:`reporting`: the CLI without ``--json``); the library's
 ``generate`` prints nothing by default.
 """
 
@@ -50,7 +50,7 @@ class _Reporter:
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
-            print(line, file=sys.stderr, flush=True)
+            print(line, flush=True)
 
     def _tick(self, bar: tqdm) -> None:  # the stage's clock runs between stages too
         while self.bar is bar:

@@ -1,5 +1,6 @@
-"""`odt generate` says what it is doing: each stage as it starts and ends on stderr (piped: one line each), in
-the order it runs; --json keeps stdout to the manifest and stderr quiet; the library prints nothing."""
+"""`odt generate` says what it is doing: each stage as it starts and ends (piped: one line each on stdout), in
+the order it runs; a failure's stderr stays its one error line; --json keeps stdout to the manifest; the library
+prints nothing."""
 
 from __future__ import annotations
 
@@ -27,19 +28,19 @@ def _stages(err: str) -> list[tuple[str, str]]:
 def test_generate_reports_each_stage_in_order_when_piped(tmp_path, capsys):
     assert main(["generate", *MODEL, "--out", str(tmp_path / "a")]) == 0
     captured = capsys.readouterr()
-    stages = _stages(captured.err)
+    stages = _stages(captured.out)
     names = list(dict.fromkeys(name for name, _ in stages))
     assert names[0] == "exporting to ONNX" and names[-1] == "publishing", names
     assert any(n.startswith("gradient graphs") for n in names) and "portable graphs" in names
     assert any(n.startswith("verifying against PyTorch on") for n in names)
     assert all(stages.count((n, "start")) == stages.count((n, "end")) == 1 for n in names), stages  # each ends
-    assert "odt generate:" not in captured.out  # stdout keeps the table and the summary
+    assert "odt generate:" not in captured.err and "artifacts: " in captured.out.splitlines()[-1]
 
 
 def test_generate_json_is_only_json(tmp_path, capsys):
     assert main(["generate", *MODEL, "--out", str(tmp_path / "a"), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["name"] == "a" and "odt generate:" not in captured.err
+    assert json.loads(captured.out)["name"] == "a" and captured.err == ""
 
 
 def test_a_failed_stage_says_so_and_the_library_is_quiet(tmp_path, capsys):
@@ -50,7 +51,7 @@ def test_a_failed_stage_says_so_and_the_library_is_quiet(tmp_path, capsys):
                 raise RuntimeError("boom")
         except RuntimeError:
             pass
-    lines = capsys.readouterr().err.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "odt generate: outer ..." and lines[-1].startswith("odt generate: outer: failed after")
     assert "odt generate:   a figure" in lines
     assert any(re.match(r"odt generate:   inner: failed after", x) for x in lines)
@@ -59,4 +60,4 @@ def test_a_failed_stage_says_so_and_the_library_is_quiet(tmp_path, capsys):
     from samples.digits.model import build
 
     generate(build(), {"input": torch.randn(32, 64)}, tmp_path / "quiet", verify=False)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr() == ("", "")
