@@ -424,7 +424,7 @@ def _checkpoint_file(directory: str | None) -> str | None:
 EPOCHS = 10
 """``odt train``'s epochs without --val."""
 EPOCHS_WITH_VAL = 30
-"""The most ``odt train --val`` trains: early stopping ends it first (a 529-command intents set: epoch 11)."""
+"""The most ``odt train --val`` trains: early stopping ends it first (intents: 529 commands epoch 16, 2,914 epoch 6)."""
 PATIENCE = 3
 
 

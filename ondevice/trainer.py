@@ -696,7 +696,8 @@ class _Best:
         if improves(float(metrics[monitor]), self.value, monitor, self.rule.min_delta):
             self.value, self.epoch = float(metrics[monitor]), trainer.epoch
             if self.rule.restore_best:  # one copy of what trains: LoRA's adapters are kilobytes
-                self.weights, self.buffers = trainer.get_flat_weights().copy(), trainer.get_buffers()
+                self.weights = trainer.get_flat_weights().copy()
+                self.buffers = {name: value.copy() for name, value in trainer.get_buffers().items()}
         return trainer.epoch - self.epoch >= self.rule.patience
 
     def restore(self, trainer: Trainer) -> int:
