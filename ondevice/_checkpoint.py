@@ -17,6 +17,7 @@ and host) keeps a second writer out.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 from .errors import CheckpointCorruptError, CheckpointError, InUseError, OndeviceError
 from .files import PRODUCER, clear_stale_temps, fsync_dir, public_mode
 from .locks import exclusive
+from .model_file import MAPPED, plain_initializer, write_initializer
 from .session import ort_error_message
 
 if TYPE_CHECKING:
@@ -288,50 +290,14 @@ def _filled(stored: list[Any], base: Path | None) -> Iterator[tuple[Any, tuple[P
         yield tensor, source
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-_GRAPH, _INITIALIZER, _RAW_DATA = b"\x3a", b"\x2a", b"\x4a"
-"""Protobuf tags (field number << 3 | length-delimited): ModelProto.graph (7), GraphProto.initializer (5),
-TensorProto.raw_data (9)."""
-
-
-def _write_initializer(handle: IO[bytes], header: bytes, source: tuple[Path, int, int] | None) -> None:
-    """One ``ModelProto{graph{initializer{...}}}`` message: the tensor's serialized fields, then (from ``source``)
-    its raw_data field, copied from the file a block at a time. Protobuf merges such messages into one graph
-    and accepts fields in any order, so the bytes never stand in memory whole."""
-    length = 0 if source is None else source[2]
-    data = b"" if source is None else _RAW_DATA + _varint(length)
-    tensor = len(header) + len(data) + length
-    graph = len(_INITIALIZER) + len(_varint(tensor)) + tensor
-    handle.write(_GRAPH + _varint(graph) + _INITIALIZER + _varint(tensor) + header + data)
-    if source is None:
-        return
-    path, offset, left = source
-    with open(path, "rb") as data_file:
-        data_file.seek(offset)
-        while left:
-            block = data_file.read(min(left, 1 << 20))
-            if not block:
-                raise CheckpointError(f"{path} ends before the {length:,} bytes of a weight at offset {offset:,}: "
-                                      "it was truncated. Copy the artifacts again.")  # fmt: skip
-            handle.write(block)
-            left -= len(block)
-
-
 def write_model(path: Path, build: Callable[[Path], Any], metadata: dict[str, str] | None = None) -> Path:
     """Write the ONNX model ``build(temporary path)`` returns, with ``metadata``, atomically at ``path``.
 
     ``build`` may return ``(model, initializers)``: the initializers (an iterable of TensorProtos, or of
     ``(TensorProto without its data, (file, offset, length))``) are then written after the model one at a
     time, each as a message of its own that protobuf merges into the graph on reading, so a large model never
-    stands in memory whole (SmolLM2's 513 MiB); data from a file is copied from it a block at a time.
+    stands in memory whole (SmolLM2's 513 MiB); data from a file is copied from it a block at a time. Every
+    large initializer's bytes start aligned, so a session can map them (:mod:`ondevice.model_file`).
     """
     _make_parent(path, "export directory")
     clear_stale_temps(path)
@@ -344,11 +310,20 @@ def write_model(path: Path, build: Callable[[Path], Any], metadata: dict[str, st
             entry = model.metadata_props.add()
             entry.key, entry.value = key, value
         model.producer_name = PRODUCER  # a later export may replace this file (ondevice.files.written_by_odt)
+        large = [t for t in model.graph.initializer if len(t.raw_data) >= MAPPED]  # aligned too, for mapping
+        for tensor in large:
+            model.graph.initializer.remove(tensor)
         with open(tmp, "wb") as handle:
             handle.write(model.SerializeToString())
-            for item in initializers:
+            for item in itertools.chain(large, initializers):
                 tensor, source = item if isinstance(item, tuple) else (item, None)
-                _write_initializer(handle, tensor.SerializeToString(), source)
+                if source is None:
+                    if not tensor.HasField("raw_data"):  # typed values: a plain message
+                        handle.write(plain_initializer(tensor.SerializeToString()))
+                        continue
+                    source = tensor.raw_data
+                    tensor.ClearField("raw_data")
+                write_initializer(handle, tensor.SerializeToString(), source)
         os.chmod(tmp, public_mode())
         _commit(tmp, path)
     except Exception as exc:

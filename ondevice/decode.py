@@ -88,7 +88,10 @@ class TextGenerator:
     >>> generator(["Turn on the kitchen lights ->"], max_new_tokens=24)[0].text  # doctest: +SKIP
     """
 
-    def __init__(self, session: Any, spec: DecoderSpec, tokenizer_json: str, keep: object = None) -> None:
+    def __init__(
+        self, session: Any, spec: DecoderSpec, tokenizer_json: str, keep: object = None,
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:  # fmt: skip
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -97,6 +100,7 @@ class TextGenerator:
 
         self._session, self.spec = session, spec
         self._keep = keep  # buffers the session reads (shared initializers): they live as long as it does
+        self._weights = dict(weights or {})  # weights every run feeds (an exported model's, mapped from its file)
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
@@ -146,7 +150,7 @@ class TextGenerator:
         from .session import ort_error_message
 
         try:
-            return self._session.run(self._outputs, dict(feeds))
+            return self._session.run(self._outputs, {**feeds, **self._weights})
         except Exception as exc:
             raise OndeviceError(f"the decoder failed: {ort_error_message(exc)}") from exc
 

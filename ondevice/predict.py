@@ -40,10 +40,16 @@ class Predictor:
     def __init__(
         self, path: str | os.PathLike[str], manifest: Manifest | None = None, *, threads: int | None = None
     ) -> None:
+        from .model_file import mapped_model
+
         try:
-            self._session = ort.InferenceSession(
-                os.fspath(path), session_options(threads), providers=["CPUExecutionProvider"]
-            )
+            # The large weights are the file's pages, fed to every run, not a second copy in ONNX Runtime's memory.
+            model, self._weights = mapped_model(path)
+            source = os.fspath(path) if model is None else model
+            self._session = ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
+            del model
+        except OSError as exc:
+            raise OndeviceError(f"cannot read inference model {path}: {exc.strerror or exc}.") from None
         except Exception as exc:
             raise OndeviceError(f"cannot load inference model {path}: {ort_error_message(exc)}") from exc
         metadata = self._session.get_modelmeta().custom_metadata_map
@@ -62,7 +68,7 @@ class Predictor:
             import json
 
             self.decoder = DecoderSpec.from_dict(json.loads(metadata[METADATA_DECODER]))
-        self._inputs = [i.name for i in self._session.get_inputs()]
+        self._inputs = [i.name for i in self._session.get_inputs() if i.name not in self._weights]
         self._outputs = [o.name for o in self._session.get_outputs()]
 
     def predict(
@@ -85,7 +91,7 @@ class Predictor:
         parts: list[list[np.ndarray]] = []
         with progress_bar(total=-(-size // batch_size), disable=not progress) as bar:
             for start in range(0, size, batch_size):
-                feeds = {name: checked[name][start : start + batch_size] for name in self._inputs}
+                feeds = {name: checked[name][start : start + batch_size] for name in self._inputs} | self._weights
                 parts.append(self._session.run(self._outputs, feeds))
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._outputs)}
@@ -99,4 +105,4 @@ class Predictor:
                 "this model is not a language model's decoder with its tokenizer: export causal-lm artifacts "
                 "(`odt generate --task causal-lm`) with `odt export` to complete prompts."
             )
-        return TextGenerator(self._session, self.decoder, self.tokenizer_json)
+        return TextGenerator(self._session, self.decoder, self.tokenizer_json, weights=self._weights)

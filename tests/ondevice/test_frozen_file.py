@@ -393,3 +393,66 @@ def test_frozen_bin_replaced_between_steps_is_noticed(frozen_body, tmp_path):
     with pytest.raises(ArtifactIntegrityError, match="frozen.bin changed while training read it: it was removed or "
                                                      "replaced"):  # fmt: skip
         trainer.train_step(_batch())
+
+
+PREDICT_PEAK = """
+import sys
+import numpy as np
+rng = np.random.default_rng(1)
+x = rng.standard_normal((8, 16), dtype=np.float32)
+if sys.argv[2] == "mapped":
+    from ondevice import Predictor
+    out = Predictor(sys.argv[1]).predict({"x": x})["output"]
+else:
+    import onnxruntime as ort
+    session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+    out = session.run(["output"], {"x": x})[0]
+np.save(sys.argv[3], out)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) * 1024)
+"""
+
+
+def test_an_exported_model_is_predicted_from_its_mapped_file(frozen_body, tmp_path):
+    """`odt predict model.onnx` held the weights twice (ONNX Runtime's parsed model and its tensors): MiniLM's
+    91 MB peaked at 222 MB, over its 200 MB plan. Exported weights start aligned in the file, which Predictor maps
+    and feeds: the same outputs as a plain session on the file, from a fresh process holding them once."""
+    import onnx
+
+    from ondevice.model_file import ALIGN, mapped_model
+
+    out, _ = frozen_body
+    path = Trainer.load(out).export(tmp_path / "model.onnx")
+    onnx.checker.check_model(str(path))  # a plain ONNX model for any reader
+    skeleton, arrays = mapped_model(path)
+    stored = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    weights = 4 * Manifest.load(out).frozen_size
+    assert sum(a.nbytes for a in arrays.values()) >= weights and len(skeleton) < 0.01 * weights
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(array, stored[name])
+        assert array.ctypes.data % ALIGN == 0 and not array.flags.writeable
+    peaks, outputs = {}, {}
+    for how in ("mapped", "plain"):
+        run = subprocess.run([sys.executable, "-c", PREDICT_PEAK, str(path), how, str(tmp_path / f"{how}.npy")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        peaks[how], outputs[how] = int(run.stdout.split()[-1]), np.load(tmp_path / f"{how}.npy")
+    np.testing.assert_allclose(outputs["mapped"], outputs["plain"], rtol=1e-5, atol=1e-6)
+    assert peaks["plain"] - peaks["mapped"] > 0.6 * weights, (peaks, weights)  # one copy of the weights less
+
+
+def test_a_model_another_tool_wrote_loads_as_before(frozen_body, tmp_path):
+    import onnx
+
+    from ondevice import Predictor
+    from ondevice.model_file import mapped_model
+
+    out, _ = frozen_body
+    path = Trainer.load(out).export(tmp_path / "model.onnx")
+    onnx.save(onnx.load(str(path)), str(tmp_path / "resaved.onnx"))  # onnx's own layout: aligned by chance only
+    resaved = onnx.load(str(tmp_path / "resaved.onnx")).graph.initializer
+    stored = {t.name: onnx.numpy_helper.to_array(t) for t in resaved}
+    for name, array in mapped_model(tmp_path / "resaved.onnx")[1].items():  # whatever is mapped is the same
+        np.testing.assert_array_equal(array, stored[name])
+    batch = {"x": _batch()["x"]}
+    np.testing.assert_allclose(Predictor(tmp_path / "resaved.onnx").predict(batch)["output"],
+                               Predictor(path).predict(batch)["output"], rtol=1e-5, atol=1e-6)  # fmt: skip
