@@ -3,8 +3,9 @@ publish) as it starts and ends.
 
 On a terminal the current stage stands on one tqdm line (stderr) whose clock runs, and each finished stage stays
 above it with its time; piped, each stage is one line on stdout when it starts and one when it ends, flushed, so
-a log shows where a long run is, as `odt train`'s epoch lines do (stderr keeps a failure's one error line). Quiet unless a caller turns it on (:func:`reporting`: the CLI without ``--json``); the library's
-``generate`` prints nothing by default.
+a log shows where a long run is, as `odt train`'s epoch lines do (stderr keeps a failure's one error line).
+Quiet unless a caller turns it on (:func:`reporting`: the CLI without ``--json``); the library's ``generate``
+prints nothing by default.
 """
 
 from __future__ import annotations
