@@ -49,7 +49,7 @@ class Predictor:
             self._session = ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
             del model
         except OSError as exc:
-            raise OndeviceError(f"cannot read inference model {path}: {exc.strerror or exc}.") from None
+            raise OndeviceError(f"cannot load inference model {path}: {exc.strerror or exc}.") from None
         except Exception as exc:
             raise OndeviceError(f"cannot load inference model {path}: {ort_error_message(exc)}") from exc
         metadata = self._session.get_modelmeta().custom_metadata_map
