@@ -96,12 +96,11 @@ TOGETHER = (
 import json, statistics, sys, time
 import numpy as np, onnxruntime
 assert onnxruntime.__file__.startswith(sys.prefix), onnxruntime.__file__  # stock onnxruntime, not the training build
-sys.path.append(sys.argv[6])  # torch, transformers and peft from the workstation's environment, behind it
 """
     + PEFT_MODEL
     + """
 from ondevice import Trainer
-rounds, directories, arrays = int(sys.argv[7]), dict(zip(sys.argv[8::2], sys.argv[9::2])), dict(np.load(batch))
+rounds, directories, arrays = int(sys.argv[6]), dict(zip(sys.argv[7::2], sys.argv[8::2])), dict(np.load(batch))
 sides = {"PyTorch + PEFT": peft_step}
 for side, directory in directories.items():
     trainer = Trainer.load(directory, engine="portable", threads=2, evaluation=False, stream_weights=True)
@@ -283,7 +282,7 @@ def together(work: Path, rounds: int = 9) -> dict[str, Any]:
     """Speed alone, in one process: PyTorch + PEFT and the streamed float16 and int8 sides take turns, round by
     round (a warm-up step, then ``STEPS`` timed), so each ratio compares steps taken within seconds of each other
     (fresh processes of one side took 1.06 to 1.67 s a step on this Xeon). Stock onnxruntime with torch,
-    transformers and peft from the workstation's environment behind it on ``sys.path``."""
+    transformers and peft from the workstation's environment behind it (``stock_python(behind=...)``)."""
     import sysconfig
 
     from benchmarks.engines import stock_python
@@ -292,8 +291,8 @@ def together(work: Path, rounds: int = 9) -> dict[str, Any]:
     _, batch, (_, _, _, _, _, rank, alpha) = _batch_and_peft(work, artifacts, folder)
     sides = {"SDK portable, float16 base, streamed": half, "SDK portable, streamed": artifacts}
     pairs = [str(x) for side, directory in sides.items() for x in (side, directory)]
-    measured = _run(TOGETHER, str(folder), batch, str(STEPS), rank, alpha, sysconfig.get_path("purelib"), str(rounds),
-                    *pairs, python=str(stock_python()))  # fmt: skip
+    python = stock_python(behind=sysconfig.get_path("purelib"))
+    measured = _run(TOGETHER, str(folder), batch, str(STEPS), rank, alpha, str(rounds), *pairs, python=str(python))
     times = measured["times"]
     peft = times["PyTorch + PEFT"]
     rows = []

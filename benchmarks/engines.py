@@ -77,15 +77,22 @@ print(json.dumps({"load_s": load_s, "peak_rss": rss}), flush=True)
 """
 
 
-def stock_python() -> Path:
-    """The Python of ``.venv-stock`` (stock onnxruntime from the device lock), made on first use."""
-    python = STOCK / "bin" / "python"
+def stock_python(behind: str | None = None) -> Path:
+    """The Python of ``.venv-stock`` (stock onnxruntime from the device lock), made on first use. With ``behind``
+    (a site-packages directory: the workstation's torch, transformers, peft), a venv of its own whose ``.pth``
+    file puts that directory after its own site-packages, so stock onnxruntime is the one imported."""
+    where = STOCK if behind is None else STOCK.with_name(STOCK.name + "-workstation")
+    python = where / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(STOCK)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
         lock = ROOT / "requirements" / "device-lock.txt"
         packages = [line.split("==")[0] for line in lock.read_text().splitlines() if "==" in line]
-        subprocess.run([str(STOCK / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "-c", str(lock),
+        subprocess.run([str(where / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "-c", str(lock),
                         *packages], check=True)  # fmt: skip
+    if behind is not None:
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        (Path(site) / "odt-workstation.pth").write_text(behind + "\n")
     return python
 
 
