@@ -8,17 +8,14 @@ from typing import Callable
 import onnx
 from onnx import helper
 
+from ondevice.widen import attributes, float_constant, int_constant, wait_constants, zero_after
+
 __all__ = ["attributes", "int_constant", "float_constant", "inferred_graph", "light_model", "structure_copy",
            "wait_constants", "zero_after"]
 
 _VALUES_READ = 1024
 """Initializers of more values than this go to shape inference without them (a shape never depends on a
 weight's values; the ones inference reads, such as a Reshape's target, are a few)."""
-
-
-def attributes(node: onnx.NodeProto) -> dict[str, object]:
-    """``{name: value}`` of ``node``'s attributes (repeated ones as lists, strings as bytes)."""
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def inferred_graph(model: onnx.ModelProto) -> onnx.GraphProto:
@@ -62,35 +59,3 @@ def light_model(model: onnx.ModelProto, weights_as_inputs: bool = False) -> onnx
     return light
 
 
-def int_constant(name: str, values: list[int]) -> onnx.NodeProto:
-    """A Constant node with the int64 vector ``values`` as its output ``name``."""
-    return helper.make_node(
-        "Constant", [], [name], value=helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
-    )
-
-
-def float_constant(name: str, value: float) -> onnx.NodeProto:
-    """A Constant node with the float32 vector ``[value]`` as its output ``name``."""
-    value_tensor = helper.make_tensor(name, onnx.TensorProto.FLOAT, [1], [value])
-    return helper.make_node("Constant", [], [name], value=value_tensor)
-
-
-def wait_constants(prefix: str) -> list[onnx.NodeProto]:
-    """The constants :func:`zero_after` reads, named under ``prefix`` (add them to the graph once)."""
-    return [int_constant(f"{prefix}/flat", [-1]), int_constant(f"{prefix}/start", [0]),
-            int_constant(f"{prefix}/stop", [1]), float_constant(f"{prefix}/nothing", 0.0)]  # fmt: skip
-
-
-def zero_after(x: str, base: str, prefix: str, nodes: list[onnx.NodeProto]) -> str:
-    """Append nodes computing ``0 * x[0]`` (float32, shape [1]) to ``nodes``; returns its name.
-
-    Added to a float32 tensor it changes no value (unless ``x`` holds an infinity or NaN) but makes
-    every reader of the sum wait for ``x``: ONNX Runtime runs a node as soon as its inputs exist and
-    never folds this into a constant, so it is how a pass schedules work late."""
-    nodes.extend([
-        helper.make_node("Reshape", [x, f"{prefix}/flat"], [f"{base}/x"], name=f"{base}/x"),
-        helper.make_node("Slice", [f"{base}/x", f"{prefix}/start", f"{prefix}/stop"], [f"{base}/first"],
-                         name=f"{base}/first"),
-        helper.make_node("Mul", [f"{base}/first", f"{prefix}/nothing"], [f"{base}/zero"], name=f"{base}/zero"),
-    ])  # fmt: skip
-    return f"{base}/zero"

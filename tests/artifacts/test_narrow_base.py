@@ -23,12 +23,13 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from artifacts import InputSpecError, generate
 from artifacts.from_onnx import generate_from_onnx
-from artifacts.narrow_base import NARROW, dequantize_rows, quantize_rows, widen_in_graph
+from artifacts.narrow_base import NARROW, dequantize_rows, quantize_rows
 from mobile_bridge import BundleError, make_bundle
 from ondevice import Manifest, Predictor, Trainer, frozen
 from ondevice.cli import main
 from ondevice.frozen import BLOCK_VALUES, SCALE_SUFFIX, narrow_matrices
 from ondevice.inspect import summarize
+from ondevice.widen import widen_in_graph
 from tests.artifacts.test_causal_lm import PAIRS, WORDS
 from tests.artifacts.test_lora import HEAD, LORA, Classifier, _data, _example
 
