@@ -386,7 +386,7 @@ def _complete(args: argparse.Namespace, prompts: list[str], predictor: Any = Non
     if args.model.endswith(".onnx"):
         generator = (predictor or Predictor(args.model)).text_generator()
     else:
-        trainer, note = _load_trained(args.model, args.checkpoint, args.engine)
+        trainer, note = _load_trained(args.model, args.checkpoint, args.engine, evaluation=False)  # no eval graph
         generator = trainer.text_generator()
     completions = generator(prompts, max_new_tokens=args.max_new_tokens, progress=not args.json)
     _note(note)
@@ -555,7 +555,7 @@ def _load_checkpoint(directory: str, checkpoint: Path, **options: Any):  # type:
     return Trainer.load(directory, checkpoint=previous, **options)
 
 
-def _load_trained(directory: str, checkpoint_dir: str | None, engine: str = "auto"):  # type: ignore[no-untyped-def]
+def _load_trained(directory: str, checkpoint_dir: str | None, engine: str = "auto", **options: Any):  # type: ignore[no-untyped-def]
     """(trainer, note): the weights a user means: --checkpoint's, else the checkpoint `odt train DIRECTORY`
     saves by default (./NAME.ckpt/) when it belongs to these artifacts, else the initial weights. The note
     says which, for stderr once the command has succeeded (an error stays the only line)."""
@@ -565,19 +565,19 @@ def _load_trained(directory: str, checkpoint_dir: str | None, engine: str = "aut
     from .trainer import Trainer
 
     if checkpoint_dir is not None:
-        return _load_checkpoint(directory, Path(_checkpoint_file(checkpoint_dir)), engine=engine), ""
+        return _load_checkpoint(directory, Path(_checkpoint_file(checkpoint_dir)), engine=engine, **options), ""
     default = Path(_checkpoint_file(_default_checkpoint_dir(directory)))
     found = next((p for p in (default, previous_of(default)) if p.is_file()), None)
     untrained = "these are the untrained initial weights. Pass --checkpoint CKPT_DIR for trained ones."
     if found is None:
         note = f"warning: no --checkpoint given and none at {default}: {untrained}"
-        return Trainer.load(directory, engine=engine), note
+        return Trainer.load(directory, engine=engine, **options), note
     try:
         read_header(found, sha256_file(Path(directory) / MANIFEST_NAME), verify=False)
     except (CheckpointError, OSError) as exc:
-        return Trainer.load(directory, engine=engine), f"warning: not using {found}: {exc} So {untrained}"
+        return Trainer.load(directory, engine=engine, **options), f"warning: not using {found}: {exc} So {untrained}"
     note = f"note: the weights of {default.parent}/, where `odt train {directory}` saves (--checkpoint chooses)."
-    return _load_checkpoint(directory, default, engine=engine), note
+    return _load_checkpoint(directory, default, engine=engine, **options), note
 
 
 def _default_checkpoint_dir(directory: str) -> str:
@@ -616,7 +616,10 @@ def _run_export(args: argparse.Namespace) -> int:
     refusal = export_refusal(args.out, args.directory, folder=kind in ("peft", "hf"), force=args.force)
     if refusal:
         raise OutputRefusedError(f"{refusal}.")
-    trainer, note = _load_trained(args.directory, args.checkpoint, args.engine)
+    from .manifest import Manifest
+
+    lm = Manifest.load(args.directory).decoder is not None  # a decoder's export opens no eval graph
+    trainer, note = _load_trained(args.directory, args.checkpoint, args.engine, evaluation=not lm)
     if kind == "onnx":
         print(f"inference model: {trainer.export(args.out)}")
     elif kind == "safetensors":

@@ -8,6 +8,7 @@ step, the keys and values of earlier tokens coming back as the cache (never reco
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -89,7 +90,7 @@ class TextGenerator:
     """
 
     def __init__(
-        self, session: Any, spec: DecoderSpec, tokenizer_json: str, keep: object = None,
+        self, session: Any, spec: DecoderSpec, tokenizer_json: str,
         weights: Mapping[str, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         try:
@@ -99,8 +100,10 @@ class TextGenerator:
                                 "pip install 'ondevice-training[text]'.") from None  # fmt: skip
 
         self._session, self.spec = session, spec
-        self._keep = keep  # buffers the session reads (shared initializers): they live as long as it does
-        self._weights = dict(weights or {})  # weights every run feeds (an exported model's, mapped from its file)
+        self._weights = dict(weights or {})  # fed every run, mapped from a file (an exported model, frozen.bin)
+        self.reading: Callable[[], AbstractContextManager[None]] = nullcontext
+        """Entered around each run: a trainer's reading of ``frozen.bin`` (its pages checked and, when streamed,
+        unmapped while the run reads them)."""
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
@@ -150,7 +153,8 @@ class TextGenerator:
         from .session import ort_error_message
 
         try:
-            return self._session.run(self._outputs, {**feeds, **self._weights})
+            with self.reading():
+                return self._session.run(self._outputs, {**feeds, **self._weights})
         except Exception as exc:
             raise OndeviceError(f"the decoder failed: {ort_error_message(exc)}") from exc
 
@@ -166,37 +170,34 @@ def check_prompt(index: int, prompt: str) -> None:
         raise DataError(f"prompt {index + 1} is not valid UTF-8 text ({prompt!r:.60}); pass it as UTF-8.") from None
 
 
-def decoder_model(
-    directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray], shared: Collection[str] = ()
-):  # type: ignore[no-untyped-def]
-    """The artifacts' decoder graph with ``weights`` (by name, e.g. the trained and folded ones) put
-    into the initializers the generator left empty; those named in ``shared`` are marked as external data,
-    which a session gets with ``SessionOptions.add_external_initializers`` (e.g. the trainer's mapping of
-    ``frozen.bin``, shared, not copied). Left empty instead, they pass ONNX Runtime 1.19 but stock 1.32 refuses
-    the graph (its data count does not match its shape)."""
-    import onnx
+def decoder_model(model: Any, weights: Mapping[str, np.ndarray], fed: Collection[str] = ()):  # type: ignore[no-untyped-def]
+    """The decoder graph ``model`` (the artifacts' ``decoder.onnx``, loaded) with ``weights`` (by name, e.g. the
+    trained and folded ones) put into the initializers the generator left empty, except those named in ``fed``:
+    they become graph inputs, which every run feeds (:class:`TextGenerator`'s ``weights``, e.g. the trainer's
+    mapping of ``frozen.bin``: read in place, where a session's initializers would be copies of it)."""
+    from onnx import helper
 
-    model, tensors = decoder_parts(directory, spec, weights, shared)
-    for tensor in model.graph.initializer:
-        if tensor.name in shared and not (tensor.HasField("raw_data") or _has_values(tensor)):
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            tensor.external_data.add(key="location", value="shared-in-memory")
+    for tensor in [t for t in model.graph.initializer if t.name in fed]:
+        model.graph.initializer.remove(tensor)
+        model.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    model, tensors = decoder_parts(model, weights)
     model.graph.initializer.extend(tensors)
     return model
 
 
 def decoder_parts(
-    directory: Path, spec: DecoderSpec, weights: Mapping[str, np.ndarray], shared: Collection[str] = ()
+    model: Any, weights: Mapping[str, np.ndarray], files: Mapping[str, tuple[Path, int, int]] | None = None
 ):  # type: ignore[no-untyped-def]
     """``(graph without the empty initializers, a generator of them filled from weights)``: what
-    :func:`decoder_model` joins, for a writer that puts one weight at a time in a file."""
+    :func:`decoder_model` joins, for a writer that puts one weight at a time in a file. A weight named in
+    ``files`` comes as ``(its TensorProto without data, (file, offset, length))``: the writer copies its bytes
+    from that file (``frozen.bin``) without mapping them into the process."""
+    files = files or {}
     import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(directory / spec.file)
     empty = [t for t in model.graph.initializer
-             if not (t.HasField("raw_data") or _has_values(t) or t.name in shared)]  # fmt: skip
+             if not (t.HasField("raw_data") or _has_values(t))]  # fmt: skip
     for tensor in empty:
         if tensor.name not in weights:
             raise OndeviceError(f"the decoder needs weight {tensor.name!r}, which these artifacts do not hold. "
@@ -207,7 +208,12 @@ def decoder_parts(
     def filled():  # type: ignore[no-untyped-def]
         for tensor in empty:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            value = np.asarray(weights[tensor.name]).astype(dtype, copy=False)
+            value = weights[tensor.name]
+            if tensor.name in files and value.dtype == dtype and value.shape == tuple(tensor.dims):
+                header = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+                yield header, files[tensor.name]
+                continue
+            value = np.asarray(value).astype(dtype, copy=False)
             if value.shape != tuple(tensor.dims):
                 raise OndeviceError(f"weight {tensor.name!r} is {value.shape}, the decoder expects "
                                     f"{tuple(tensor.dims)}. Regenerate the artifacts.")  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Collection, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -53,10 +53,10 @@ class LazyWeights(Mapping[str, np.ndarray]):
     """:func:`model_weights` read one tensor at a time, when asked: writing a model from it holds one
     weight beside the file, not every weight twice (SmolLM2: 513 MiB)."""
 
-    def __init__(self, trainer: Trained, *, fold: bool = True) -> None:
+    def __init__(self, trainer: Trained, *, fold: bool = True, unfolded: Collection[str] = ()) -> None:
         manifest = trainer.manifest
-        self._trainer = trainer
-        self._folded = {a.weight: a for a in manifest.adapters} if fold else {}
+        self._trainer = trainer  # `unfolded`: weights whose adapters stay apart even when the rest fold
+        self._folded = {a.weight: a for a in manifest.adapters if a.weight not in unfolded} if fold else {}
         hidden = {name for a in self._folded.values() for name in (a.a, a.b)}
         self._names = [p.name for p in (*manifest.trainable, *manifest.frozen) if p.name not in hidden]
 

@@ -144,6 +144,7 @@ class FrozenWeights:
 
     def __init__(self, directory: Path, manifest: Manifest, stream: bool = False) -> None:
         self.values: dict[str, OrtValue] = {}
+        self.arrays: dict[str, np.ndarray] = {}
         self.stream = stream
         self._tables: list[tuple[int, int]] = []
         self._whole: list[tuple[int, int]] = []
@@ -162,6 +163,7 @@ class FrozenWeights:
         self._tables = [(base + start - start % page, size + start % page) for start, size in tables]
         if _madvise(self._tables, _MADV_RANDOM) < len(self._tables):
             self._tables = []  # not Linux, or the kernel refused: leave the pages to the system
+        self.arrays = arrays  # the same views as numpy arrays, for runs that feed them (a cached decoder's)
         self.values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
     def release_rows(self) -> None:
@@ -175,15 +177,16 @@ class FrozenWeights:
             _madvise(self._whole, _MADV_DONTNEED)
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Around one run of a session: with ``stream`` on, a thread unmaps the whole file every
-        :data:`STREAM_INTERVAL` seconds while the run reads it (see the module docstring). Afterwards
+    def reading(self, stream: bool | None = None) -> Iterator[None]:
+        """Around one run of a session: with ``stream`` on (by default the weights' own choice), a thread
+        unmaps the whole file every :data:`STREAM_INTERVAL` seconds while the run reads it (see the module
+        docstring). Afterwards
         what the run read leaves RSS: the whole file when streamed, else the lookup tables' rows. The
         thread is joined here, so it never outlives the mapping."""
         if self._guard is not None:
             self._guard.check()
         done, thread = threading.Event(), None
-        if self.stream and self._whole:
+        if (self.stream if stream is None else stream) and self._whole:
 
             def unmap() -> None:
                 while not done.wait(STREAM_INTERVAL):

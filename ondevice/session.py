@@ -84,8 +84,9 @@ ort = _import_onnxruntime()
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
 from onnxruntime.capi.onnxruntime_inference_collection import OrtValue  # noqa: E402
 
-__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "session_options", "check_threads", "ort_error_message",
-           "training_graph", "nchwc_block_size", "TRAINING_GRAPH", "LOSS_SCALE", "NCHWC"]  # fmt: skip
+__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "current_rss", "session_options", "check_threads",
+           "ort_error_message", "training_graph", "nchwc_block_size", "TRAINING_GRAPH", "LOSS_SCALE",
+           "NCHWC"]  # fmt: skip
 
 C.set_default_logger_severity(3)  # errors only: ORT's INFO/WARNING flood is not for users
 set_seed = C.set_seed
@@ -146,6 +147,18 @@ _RETURN_ABOVE = 128 * 1024
 
 
 @functools.cache
+def current_rss() -> int | None:
+    """This process's resident set now in bytes (Linux's VmRSS), None where the system does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def return_freed_memory() -> bool:
     """Make glibc give freed blocks of 128 KiB and more back to the system at once (Linux only).
 

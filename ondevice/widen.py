@@ -70,12 +70,15 @@ def zero_after(x: str, base: str, prefix: str, nodes: list[onnx.NodeProto]) -> s
     return f"{base}/zero"
 
 
-def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], half: Iterable[str] = ()) -> int:
+def widen_in_graph(
+    model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], half: Iterable[str] = (), limit: int | None = None
+) -> int:
     """Rewrite every read of the narrow matrices ``rows`` (name -> (rows, columns)) in ``model`` as
     described in the module docstring: int8 ones (``name + SCALE_SUFFIX`` is each one's scale input),
     or float16 ones where named in ``half``. A large one's row blocks (``ondevice.frozen.row_blocks``)
     are tensors of their own, so no Slice copies them (ORT folds a Slice of an initializer into a new
-    one: SmolLM2's embedding twice more). Returns the number of reads rewritten."""
+    one: SmolLM2's embedding twice more; ``limit``: the artifacts' ``block_values``). Returns the number of
+    reads rewritten."""
     graph = model.graph
     half = set(half)
     nodes: list[onnx.NodeProto] = []
@@ -99,7 +102,7 @@ def widen_in_graph(model: onnx.ModelProto, rows: Mapping[str, tuple[int, int]], 
         if node.op_type == "Gather":
             nodes.extend(_lookup(node, weight, base, weight in half))
             continue
-        blocks = row_blocks(rows[weight]) if _blockable(node) else [(0, rows[weight][0])]
+        blocks = row_blocks(rows[weight], limit) if _blockable(node) else [(0, rows[weight][0])]
         widen = functools.partial(_widen, weight, rows[weight], weight in half, blocked=len(blocks) > 1)
         if len(blocks) == 1:
             nodes.extend(widen(0, rows[weight][0], zero_of(node.input[0]), f"{base}/w"))
