@@ -279,15 +279,22 @@ def _reap(flwr_home: str, token: str | None) -> None:
 
 
 def _kill_started_by(flwr_home: str, token: str | None, *, seconds: float) -> None:
-    """SIGKILL every process of the run (its FLWR_HOME and token) until none is left, for at most ``seconds``."""
+    """SIGKILL every process of the run (its FLWR_HOME and token) until none is left, for at most ``seconds``,
+    then what is left of their process groups: Ray's DashboardAgent and RuntimeEnvAgent run in the simulation
+    process's group with an environment of their own (no FLWR_HOME), ignore SIGTERM, and outlived
+    ``odt fl simulate`` (about 190 MB) until this."""
     deadline = time.monotonic() + seconds
+    groups: set[int] = set()
     while (stray := started_by(flwr_home, token)) and time.monotonic() < deadline:
         for pid in stray:
             try:
+                groups.add(os.getpgid(pid))
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.05)
+    for group in groups - {0, 1, os.getpgrp()}:  # never this process's own group (a terminal's job)
+        _signal_group(group, signal.SIGKILL)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:

@@ -621,7 +621,9 @@ class Trainer:
 
     def text_generator(self, *, threads: int | None = None) -> TextGenerator:
         """Greedy text completion with the current weights (causal-LM artifacts), without a file:
-        the decoder is built in memory as ``export`` would write it.
+        the decoder is built in memory as ``export`` would write it. It reads ``frozen.bin`` in place (an int8
+        or float16 base as stored, :mod:`ondevice.narrow_decoder`), its pages unmapped while tokens are made when
+        the trainer streams its weights or when decoding would otherwise pass the memory plan's budget.
 
         Examples
         --------

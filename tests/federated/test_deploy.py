@@ -156,6 +156,49 @@ def _wait_none_alive(flwr_home: Path, seconds: float = 60) -> list[int]:
     return alive
 
 
+def _interrupted(command: list[str], sig: signal.Signals, flwr_home: Path) -> tuple[int, set[int]]:
+    """Run ``odt COMMAND`` as a terminal starts it, send ``sig`` once round 1 is reported: (its exit status, the
+    process groups of the run's processes seen at that moment)."""
+    # Started the way a terminal starts it: default signal handling and no blocked signals (a
+    # child inherits both from this pytest process, which holds ORT's and torch's threads).
+    terminal = (
+        "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    launch = [sys.executable, "-c", terminal, str(Path(sys.executable).parent / "odt"), *command]
+    process = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("round 1:"):
+            break
+    groups = set()
+    for pid in _alive_with_home(flwr_home):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    process.send_signal(sig)
+    try:
+        return process.wait(timeout=60), groups
+    except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        process.kill()
+        raise AssertionError(f"no exit 60 s after {sig!r}: " + " ".join(re.findall(r"Sig\w+:\s+\w+", status))) from None
+
+
+def _in_groups(groups: set[int]) -> list[int]:
+    """Live processes whose process group is one of ``groups``."""
+    alive = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[0] != "Z" and int(stat[2]) in groups:
+            alive.append(int(proc.name))
+    return alive
+
+
 @pytest.mark.parametrize(
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sighup", "kill-9"]
 )
@@ -163,34 +206,29 @@ def test_interrupted_deploy_leaves_no_process(digits_artifacts, data_dir, tmp_pa
     """Ctrl-C, `timeout`/CI cancellation (SIGTERM), a closed terminal (SIGHUP) and kill -9 (no handler runs:
     a watcher process outside odt stops the run's Flower processes) all clean up."""
     out = tmp_path / "out"
-    command = [
-        str(Path(sys.executable).parent / "odt"), "fl", "deploy", "--nodes", "2", "--rounds", "100",
-        "--artifacts", str(digits_artifacts), "--data", str(data_dir), "--out", str(out),
-    ]  # fmt: skip
     # 100 rounds: the run is still going when the signal lands, so a signal that is not acted on
     # shows as no exit (with 5 rounds it showed as the run's normal exit 0).
-    # Started the way a terminal starts it: default signal handling and no blocked signals (a
-    # child inherits both from this pytest process, which holds ORT's and torch's threads).
-    terminal = (
-        "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
-        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
-    )
-    launch = [sys.executable, "-c", terminal, *command]
-    process = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("round 1:"):
-            break
-    process.send_signal(sig)
-    try:
-        code = process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        status = Path(f"/proc/{process.pid}/status").read_text()
-        process.kill()
-        raise AssertionError(f"no exit 60 s after {sig!r}: " + " ".join(re.findall(r"Sig\w+:\s+\w+", status))) from None
+    command = ["fl", "deploy", "--nodes", "2", "--rounds", "100", "--artifacts", str(digits_artifacts),
+               "--data", str(data_dir), "--out", str(out)]  # fmt: skip
+    code, _ = _interrupted(command, sig, out / "logs" / "flwr-home")
     assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
     assert _wait_none_alive(out / "logs" / "flwr-home") == []
     assert os.path.exists(out / "logs" / "superlink.log")
+
+
+def test_a_terminated_simulation_leaves_no_process_of_ray(digits_artifacts, data_dir, tmp_path):
+    """SIGTERM ends `odt fl simulate` and everything in its processes' groups: Ray's DashboardAgent and
+    RuntimeEnvAgent carry no FLWR_HOME, ignore SIGTERM, and stayed alive (about 190 MB) before."""
+    out = tmp_path / "out"
+    command = ["fl", "simulate", "--clients", "2", "--rounds", "100", "--artifacts", str(digits_artifacts),
+               "--data", str(data_dir), "--out", str(out)]  # fmt: skip
+    code, groups = _interrupted(command, signal.SIGTERM, out / "logs" / "flwr-home")
+    assert code == 128 + signal.SIGTERM
+    assert groups, "no process of the run was seen"
+    deadline = time.monotonic() + 60
+    while (left := _in_groups(groups)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left if Path(f"/proc/{pid}").exists()]
 
 
 def test_a_run_where_every_client_fails_exits_1_with_the_cause_and_no_old_report(digits_artifacts, data_dir,
