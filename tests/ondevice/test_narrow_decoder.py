@@ -115,3 +115,24 @@ def test_decoding_streams_the_base_when_it_would_pass_the_plans_budget(narrow):
     planned = type("M", (), {"plan": type("P", (), {"budget": 10**12})()})()
     assert not _over_plan(planned, 1 << 20)
     assert _over_plan(planned, 10**12)
+
+
+def test_stock_onnxruntime_decodes_the_narrow_decoder_and_its_export_alike(narrow, stock_python, tmp_path):
+    """On stock onnxruntime (the portable engine's), from the artifacts with a checkpoint and from the export."""
+    import json
+    import subprocess
+
+    trainer = _randomized(narrow)
+    trainer.save(tmp_path / "ck" / "latest.ckpt")
+    exported = trainer.export(tmp_path / "lm.onnx")
+    prompts = [p for p, _ in PAIRS]
+    here = [c.text for c in trainer.text_generator()(prompts, max_new_tokens=6)]
+    loads = (f"Predictor({str(exported)!r})",
+             f"Trainer.load({str(narrow)!r}, checkpoint={str(tmp_path / 'ck' / 'latest.ckpt')!r})")  # fmt: skip
+    for load in loads:
+        script = (f"import json; from ondevice import Predictor, Trainer; made = {load}.text_generator()"
+                  f"({prompts!r}, max_new_tokens=6); print(json.dumps([c.text for c in made]))")  # fmt: skip
+        done = subprocess.run([*stock_python, "-c", script], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == here
+    assert any(here)
