@@ -89,6 +89,17 @@ def commands(python: str, artifacts: Path, work: Path, data: Path) -> dict[str, 
     }
 
 
+def _with_text(python: Path) -> str:
+    """``python`` with the ``[text]`` extra (the tokenizer a language model's artifacts read) installed."""
+    import tomllib
+
+    text = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["text"]
+    lock = ROOT / "requirements" / "device-lock.txt"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(lock), *text],
+                   check=True)  # fmt: skip
+    return str(python)
+
+
 def table(result: dict[str, Any]) -> str:
     m = result["machine"]
     plan = result["plan"]
@@ -126,10 +137,14 @@ def main() -> int:
             artifacts = args.keep or work / "lm"
             _, generate_peak, generate_seconds = odt(sys.executable, "generate", *GENERATE, "--out", str(artifacts),
                                                      cwd=work)  # fmt: skip
-            print(f"generate: {generate_seconds:.0f} s, peak {generate_peak:.0f} MB", flush=True)
+            figures = {"date": time.strftime("%Y-%m-%d"), "seconds": generate_seconds, "peak_mb": generate_peak}
+            artifacts.with_suffix(".generate.json").write_text(json.dumps(figures))  # beside them, for --artifacts
+        elif artifacts.with_suffix(".generate.json").is_file():  # how long they took when this benchmark made them
+            figures = json.loads(artifacts.with_suffix(".generate.json").read_text())
+            generate_seconds, generate_peak = figures["seconds"], figures["peak_mb"]
         data = pairs(work)
         sides = []
-        for side, python in (("this checkout's venv", sys.executable), ("stock", str(stock_python()))):
+        for side, python in (("this checkout's venv", sys.executable), ("stock", _with_text(stock_python()))):
             version = subprocess.run([python, "-c", "import onnxruntime; print(onnxruntime.__version__)"],
                                      capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
             sides.append({"side": side, "onnxruntime": version, **commands(python, artifacts, work, data)})

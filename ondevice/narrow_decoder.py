@@ -60,15 +60,15 @@ def narrow_decoder(model: onnx.ModelProto, manifest: Manifest, stored: Stored) -
     shapes = {p.name: p.shape for p in manifest.trainable}
     nodes = [int_constant(f"{_PREFIX}/start", [0]), int_constant(f"{_PREFIX}/stop", [-1])]
     products = [p for t in transposes.values() if t.input[0] in readable for p, _ in consumers[t.output[0]]]
-    last = {id(p): _last_position(p.output[0], consumers, scalars) for p in products}
-    dropped = {id(p) for p in products} | {id(g) for g in last.values() if g is not None}
+    last = {p.output[0]: _last_position(p.output[0], consumers, scalars) for p in products}  # by output name
+    dropped = set(last) | {g.output[0] for g in last.values() if g is not None}
     for node in model.graph.node:
         if _transposes(node, readable):
             for product, _ in consumers[node.output[0]]:
                 weight = node.input[0]
                 nodes.extend(_as_gemm(product, weight, tuple(initializers[weight].dims), adapters.get(weight),
-                                      last[id(product)]))  # fmt: skip
-        elif id(node) not in dropped:
+                                      last[product.output[0]]))  # fmt: skip
+        elif node.output[0] not in dropped:
             nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(_without_unread(nodes, {o.name for o in model.graph.output}))
