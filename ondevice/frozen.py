@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .manifest import Manifest
 
 __all__ = ["FrozenWeights", "HALF", "SCALE_SUFFIX", "BLOCK_VALUES", "STREAM_INTERVAL", "block_name", "dequantize_rows",
-           "narrow_matrices", "row_blocks", "stored_arrays", "widened"]
+           "mapped_ranges", "narrow_matrices", "row_blocks", "stored_arrays", "streamed", "widened"]
 
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 
@@ -185,26 +185,48 @@ class FrozenWeights:
         thread is joined here, so it never outlives the mapping."""
         if self._guard is not None:
             self._guard.check()
-        done, thread = threading.Event(), None
         if (self.stream if stream is None else stream) and self._whole:
-
-            def unmap() -> None:
-                while not done.wait(STREAM_INTERVAL):
-                    self.release()
-
-            thread = threading.Thread(target=unmap, name="odt-stream-weights", daemon=True)
-            thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            if thread is None:
+            with streamed(self._whole):
+                yield
+        else:
+            try:
+                yield
+            finally:
                 self.release_rows()
-            else:
-                thread.join()
-                self.release()
         if self._guard is not None:
             self._guard.check()  # the step read intact pages; its result is not used when the file changed
+
+
+@contextlib.contextmanager
+def streamed(ranges: list[tuple[int, int]]) -> Iterator[None]:
+    """While the block runs, a thread unmaps the mapped ``ranges`` (address, length) every
+    :data:`STREAM_INTERVAL` seconds, and once more at its end: a run that reads every page of a mapped file
+    holds only the pages of the last interval (Linux; elsewhere nothing happens). Joined before the block
+    ends, so the thread never outlives the mapping."""
+    done = threading.Event()
+
+    def unmap() -> None:
+        while not done.wait(STREAM_INTERVAL):
+            _madvise(ranges, _MADV_DONTNEED)
+
+    thread = threading.Thread(target=unmap, name="odt-stream-weights", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        _madvise(ranges, _MADV_DONTNEED)
+
+
+def mapped_ranges(arrays: Iterable[np.ndarray]) -> list[tuple[int, int]]:
+    """The whole pages (address, length) that ``arrays`` (views of a mapped file) lie on, for :func:`streamed`."""
+    page = mmap.PAGESIZE
+    ranges = []
+    for array in arrays:
+        start = array.ctypes.data - array.ctypes.data % page
+        ranges.append((start, array.ctypes.data + array.nbytes - start))
+    return ranges
 
 
 def _drop_cached(path: Path, ranges: list[tuple[int, int]]) -> None:

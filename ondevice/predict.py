@@ -98,11 +98,16 @@ class Predictor:
 
     def text_generator(self) -> TextGenerator:
         """Greedy text completion with this model (a causal LM's decoder from ``odt export``)."""
-        from .decode import TextGenerator
+        from .decode import TextGenerator, over_plan
+        from .frozen import mapped_ranges, streamed
 
         if self.decoder is None or self.tokenizer_json is None:
             raise OndeviceError(
                 "this model is not a language model's decoder with its tokenizer: export causal-lm artifacts "
                 "(`odt generate --task causal-lm`) with `odt export` to complete prompts."
             )
-        return TextGenerator(self._session, self.decoder, self.tokenizer_json, weights=self._weights)
+        generator = TextGenerator(self._session, self.decoder, self.tokenizer_json, weights=self._weights)
+        if over_plan(self.manifest, sum(w.nbytes for w in self._weights.values())):  # the file's pages stream
+            ranges = mapped_ranges(self._weights.values())
+            generator.reading = lambda: streamed(ranges)
+        return generator

@@ -629,7 +629,7 @@ class Trainer:
         --------
         >>> trainer.text_generator()(["Turn on the fan ->"], max_new_tokens=16)[0].text  # doctest: +SKIP
         """
-        from .decode import TextGenerator, decoder_model
+        from .decode import TextGenerator, decoder_model, over_plan
         from .session import ort, return_freed_memory, session_options
 
         decoder, tokenizer = self.manifest.decoder, self.manifest.tokenizer
@@ -649,7 +649,7 @@ class Trainer:
         return_freed_memory()  # the graph's parsed messages (SmolLM2: 50 MB)
         generator = TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text(), weights=fed)
         if self._frozen is not None:
-            stream = self._frozen.stream or _over_plan(self.manifest, sum(mapped[n].nbytes for n in fed if n in mapped))
+            stream = self._frozen.stream or over_plan(self.manifest, sum(mapped[n].nbytes for n in fed if n in mapped))
             generator.reading = lambda: self._frozen.reading(stream=stream)  # type: ignore[union-attr]
         return generator
 
@@ -715,21 +715,6 @@ class Trainer:
             return write_model(Path(path), parts, metadata)
         external = None if self.manifest.frozen_file is None else self.directory
         return export_inference(self._engine, outputs, Path(path), self.manifest.adapters, metadata, external)
-
-
-DECODE_MARGIN = 32 << 20
-"""Bytes a decoder's run adds to a process beside the weights it reads (cache, logits, ORT's buffers): SmolLM2 on an
-int8 base, two prompts of 24 tokens, measured 120 MiB over the session's RSS, of which 129 MiB of frozen.bin's
-pages (the rest freed buffers reused)."""
-
-
-def _over_plan(manifest: Manifest, mapped: int) -> bool:
-    """Whether decoding would pass the memory plan's budget with ``mapped`` bytes of frozen.bin in RSS: then its
-    pages are streamed (unmapped while tokens are made, ``FrozenWeights.reading``), as the plan streams steps."""
-    from .session import current_rss
-
-    now = current_rss()
-    return bool(manifest.plan and now is not None and now + mapped + DECODE_MARGIN > manifest.plan.budget)
 
 
 class _Best:

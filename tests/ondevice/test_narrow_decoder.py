@@ -5,6 +5,9 @@ and decodes the same tokens; streamed weights decode the same tokens too."""
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import nullcontext
+
 import numpy as np
 import onnx
 import pytest
@@ -16,11 +19,11 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from ondevice import Manifest, Predictor, Trainer, frozen
 from ondevice.cli import main
-from ondevice.decode import decoder_model, positions_of
+from ondevice.decode import decoder_model, over_plan, positions_of
 from ondevice.formats import LazyWeights
 from ondevice.frozen import narrow_matrices
+from ondevice.manifest import Plan
 from ondevice.session import ort, session_options
-from ondevice.trainer import _over_plan
 from tests.artifacts.test_causal_lm import PAIRS, WORDS
 
 BASES = ("int8", "float16")
@@ -109,12 +112,22 @@ def test_streamed_weights_decode_the_same_tokens(narrow):
     assert [c.tokens for c in made[0]] == [c.tokens for c in made[1]]
 
 
-def test_decoding_streams_the_base_when_it_would_pass_the_plans_budget(narrow):
+def test_decoding_streams_the_mapped_weights_when_it_would_pass_the_plans_budget(narrow, tmp_path):
+    """Over the plan's budget (this process's RSS + the mapped weights + a margin), the artifacts' and the
+    exported file's mapped weights are unmapped while tokens are made; the tokens stay the same."""
     manifest = Manifest.load(narrow)
-    assert not _over_plan(manifest, 1 << 40)  # no plan: nothing to keep within
-    planned = type("M", (), {"plan": type("P", (), {"budget": 10**12})()})()
-    assert not _over_plan(planned, 1 << 20)
-    assert _over_plan(planned, 10**12)
+    assert not over_plan(manifest, 1 << 40)  # no plan: nothing to keep within
+    roomy, tight = (dataclasses.replace(manifest, plan=Plan(budget=b, batch_size=4)) for b in (10**12, 10**6))
+    assert not over_plan(roomy, 1 << 20) and over_plan(roomy, 10**12) and over_plan(tight, 0)
+    trainer = _randomized(narrow)
+    path = trainer.export(tmp_path / "lm.onnx")
+    prompts = [p for p, _ in PAIRS]
+    made = []
+    for planned in (roomy, tight):
+        generator = Predictor(path, planned).text_generator()
+        assert (generator.reading is nullcontext) == (planned is roomy)
+        made.append([c.tokens for c in generator(prompts, max_new_tokens=6)])
+    assert made[0] == made[1]
 
 
 def test_stock_onnxruntime_decodes_the_narrow_decoder_and_its_export_alike(narrow, stock_python, tmp_path):
