@@ -118,7 +118,12 @@ def table(result: dict[str, Any]) -> str:
         peaks = side["peak_mb"]
         lines.append(f"| {side['side']} | {side['onnxruntime']} | " + " | ".join(f"{v:.0f}" for v in peaks.values())
                      + f" | {side['export_mb']:.0f} MB | {side['same_completions']} |")  # fmt: skip
-    lines += ["", f"Budget: {plan['budget'] / 1e6:.0f} MB."]
+    lines += ["", f"Budget: {plan['budget'] / 1e6:.0f} MB. Seconds of each command (its whole process, loading "
+              "included; one run each):", "",
+              "| side | train --epochs 1 | predict DIR --prompt x3 | export | predict lm.onnx --prompt x3 |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for side in result["sides"]:
+        lines.append(f"| {side['side']} | " + " | ".join(f"{v:.1f}" for v in side["seconds"].values()) + " |")
     return "\n".join(lines) + "\n"
 
 
