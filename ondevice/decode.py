@@ -170,9 +170,9 @@ def over_plan(manifest: Manifest, mapped: int) -> bool:
     """Whether decoding would pass the memory plan's budget with ``mapped`` bytes of mapped weights in RSS (those of
     ``frozen.bin``, or of an exported model's file): then their pages are streamed, unmapped while tokens are made
     (:func:`ondevice.frozen.streamed`), as the plan streams a step's."""
-    from .session import current_rss
+    from .session import process_status
 
-    now = current_rss()
+    now = process_status("VmRSS")
     return bool(manifest.plan and now is not None and now + mapped + DECODE_MARGIN > manifest.plan.budget)
 
 

@@ -90,13 +90,11 @@ def peak_rss() -> int:
     Linux's VmHWM starts afresh at exec; ``ru_maxrss`` does not (a child forked from a large
     parent reports the parent's size), so it is only the fallback elsewhere (macOS: bytes).
     """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from .session import process_status
+
+    peak = process_status("VmHWM")
+    if peak is not None:
+        return peak
     usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return usage if sys.platform == "darwin" else usage * 1024
 

@@ -84,7 +84,7 @@ ort = _import_onnxruntime()
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
 from onnxruntime.capi.onnxruntime_inference_collection import OrtValue  # noqa: E402
 
-__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "current_rss", "session_options", "check_threads",
+__all__ = ["ort", "C", "OrtValue", "ORT_VERSION", "set_seed", "process_status", "session_options", "check_threads",
            "ort_error_message", "training_graph", "nchwc_block_size", "TRAINING_GRAPH", "LOSS_SCALE",
            "NCHWC"]  # fmt: skip
 
@@ -146,19 +146,19 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _RETURN_ABOVE = 128 * 1024
 
 
-@functools.cache
-def current_rss() -> int | None:
-    """This process's resident set now in bytes (Linux's VmRSS), None where the system does not say."""
+def process_status(field: str) -> int | None:
+    """A size in bytes from Linux's ``/proc/self/status`` (``VmRSS``, ``VmHWM``), None elsewhere."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+@functools.cache
 def return_freed_memory() -> bool:
     """Make glibc give freed blocks of 128 KiB and more back to the system at once (Linux only).
 

@@ -33,21 +33,27 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    """A tiny Llama (4 query heads, 2 key/value heads, tied embeddings) saved as Hugging Face saves one."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
+def save_tiny_lm(folder: Path, config=None) -> Path:  # type: ignore[no-untyped-def]
+    """A tiny causal LM saved as Hugging Face saves one, with a word-level tokenizer over WORDS (``</s>``, id 2,
+    ends a text): by default a Llama with 4 query heads, 2 key/value heads and tied embeddings."""
     tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(["</s>"])  # the end token, id 2
-    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["</s>"])
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=0, bos_token_id=None, eos_token_id=2,
-                                      tie_word_embeddings=True)  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if config is None:
+        config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
+                                          eos_token_id=2, tie_word_embeddings=True)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The tiny Llama of :func:`save_tiny_lm`."""
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -383,16 +389,11 @@ def test_a_mixture_of_experts_decoder_is_refused_naming_its_layer(tmp_path, caps
     """A tiny Mixtral: its experts are chosen per token at run time, which one exported graph cannot do (the
     exporter failed with a raw `aten::histc` error and a page of graph). One line naming the layer; nothing
     written."""
-    folder = tmp_path / "moe"
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(["</s>"])
     config = transformers.MixtralConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32,
                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
                                         pad_token_id=0, bos_token_id=None, eos_token_id=2)  # fmt: skip
-    transformers.MixtralForCausalLM(config).save_pretrained(folder)
-    tokenizer.save(str(folder / "tokenizer.json"))
+    folder = save_tiny_lm(tmp_path / "moe", config)
     out = tmp_path / "a"
     assert main(["generate", "--model", f"hf:{folder}", "--task", "causal-lm", "--max-length", "16",
                  "--out", str(out)]) == 1  # fmt: skip

@@ -11,11 +11,6 @@ from contextlib import nullcontext
 import numpy as np
 import onnx
 import pytest
-import torch
-import transformers
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from ondevice import Manifest, Predictor, Trainer, frozen
 from ondevice.cli import main
@@ -23,28 +18,18 @@ from ondevice.decode import decoder_model, over_plan, positions_of
 from ondevice.formats import LazyWeights
 from ondevice.frozen import narrow_matrices
 from ondevice.manifest import Plan
-from ondevice.session import ort, session_options
-from tests.artifacts.test_causal_lm import PAIRS, WORDS
+from ondevice.session import ort, process_status, session_options
+from tests.artifacts.test_causal_lm import PAIRS, save_tiny_lm
 
 BASES = ("int8", "float16")
 
 
 @pytest.fixture(scope="module", params=BASES)
-def narrow(request, tmp_path_factory, pytestconfig):  # type: ignore[no-untyped-def]
+def narrow(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     """Tiny Llama artifacts (tied embedding, LoRA r4 on q/v) on a narrow base whose embedding is stored in row
-    blocks (a small block size), the adapters set to random values so that they change every product."""
+    blocks (a small block size). The tests set the adapters to random values, so that they change every product."""
     base = request.param
-    folder = tmp_path_factory.mktemp(f"hf-{base}")
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(["</s>"])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=0, bos_token_id=None, eos_token_id=2,
-                                      tie_word_embeddings=True)  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    folder = save_tiny_lm(tmp_path_factory.mktemp(f"hf-{base}"))
     out = tmp_path_factory.mktemp(f"lm-{base}") / "a"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(frozen, "BLOCK_VALUES", 64)  # the 27 x 32 embedding: blocks of 2 rows
@@ -119,6 +104,10 @@ def test_decoding_streams_the_mapped_weights_when_it_would_pass_the_plans_budget
     assert not over_plan(manifest, 1 << 40)  # no plan: nothing to keep within
     roomy, tight = (dataclasses.replace(manifest, plan=Plan(budget=b, batch_size=4)) for b in (10**12, 10**6))
     assert not over_plan(roomy, 1 << 20) and over_plan(roomy, 10**12) and over_plan(tight, 0)
+    before = process_status("VmRSS")
+    held = np.ones(64 << 20, np.uint8)  # the rule reads the resident set now, not a figure from earlier
+    assert before is not None and process_status("VmRSS") - before >= 48 << 20 and held[-1]
+    del held
     trainer = _randomized(narrow)
     path = trainer.export(tmp_path / "lm.onnx")
     prompts = [p for p, _ in PAIRS]
