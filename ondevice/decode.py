@@ -104,7 +104,7 @@ class TextGenerator:
         self._weights = dict(weights or {})  # fed every run, mapped from a file (an exported model, frozen.bin)
         self.reading: Callable[[], AbstractContextManager[None]] = nullcontext
         """Entered around each run: a trainer's reading of ``frozen.bin`` (its pages checked and, when streamed,
-        unmapped while the run reads them)."""
+        unmapped while the run reads them), or the streaming of an exported file's mapped weights."""
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
@@ -161,9 +161,9 @@ class TextGenerator:
 
 
 DECODE_MARGIN = 32 << 20
-"""Bytes a decoder's run adds to a process beside the weights it reads (cache, logits, ORT's buffers): SmolLM2 on an
-int8 base, two prompts of 24 tokens, measured 120 MiB over the session's RSS, of which 129 MiB of frozen.bin's
-pages (the rest freed buffers reused)."""
+"""Bytes a decoder's run may add to a process beside the weights it reads (cache, logits, ORT's buffers). SmolLM2
+on an int8 base, two prompts of 24 tokens: RSS rose 120 MiB over the session's while the run read frozen.bin's
+129 MiB, ORT's buffers coming out of memory the process had freed before (one-off)."""
 
 
 def over_plan(manifest: Manifest, mapped: int) -> bool:
@@ -209,10 +209,10 @@ def decoder_parts(
     :func:`decoder_model` joins, for a writer that puts one weight at a time in a file. A weight named in
     ``files`` comes as ``(its TensorProto without data, (file, offset, length))``: the writer copies its bytes
     from that file (``frozen.bin``) without mapping them into the process."""
-    files = files or {}
     import onnx
     from onnx import numpy_helper
 
+    files = files or {}
     empty = [t for t in model.graph.initializer
              if not (t.HasField("raw_data") or _has_values(t))]  # fmt: skip
     for tensor in empty:

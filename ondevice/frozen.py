@@ -179,10 +179,8 @@ class FrozenWeights:
     @contextlib.contextmanager
     def reading(self, stream: bool | None = None) -> Iterator[None]:
         """Around one run of a session: with ``stream`` on (by default the weights' own choice), a thread
-        unmaps the whole file every :data:`STREAM_INTERVAL` seconds while the run reads it (see the module
-        docstring). Afterwards
-        what the run read leaves RSS: the whole file when streamed, else the lookup tables' rows. The
-        thread is joined here, so it never outlives the mapping."""
+        unmaps the whole file every :data:`STREAM_INTERVAL` seconds while the run reads it (:func:`streamed`).
+        Afterwards what the run read leaves RSS: the whole file when streamed, else the lookup tables' rows."""
         if self._guard is not None:
             self._guard.check()
         if (self.stream if stream is None else stream) and self._whole:

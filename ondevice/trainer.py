@@ -637,11 +637,11 @@ class Trainer:
             raise ManifestError(f"{self.directory} holds no language model decoder: only causal-lm artifacts "
                                 "(`odt generate --task causal-lm`) complete prompts.")  # fmt: skip
         self.manifest.check_files(self.directory, names=(decoder.file, tokenizer.file))
-        graph, weights, stored = self._decoder_graph()
+        graph, weights, sources = self._decoder_graph()
         # What the graph reads of frozen.bin as stored, every run feeds from the trainer's own mapping of it: read
         # in place (a session's initializers are copies: SmolLM2's int8 base took 450 MB more).
         mapped = self._frozen.arrays if self._frozen is not None else {}
-        fed = {n: mapped.get(n, weights[n]) for n in stored}
+        fed = {n: mapped.get(n, weights[n]) for n in sources}
         model = decoder_model(graph, weights, fed).SerializeToString()
         del graph
         session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
@@ -653,19 +653,9 @@ class Trainer:
             generator.reading = lambda: self._frozen.reading(stream=stream)  # type: ignore[union-attr]
         return generator
 
-    def _frozen_bytes(self, names: set[str]) -> dict[str, tuple[Path, int, int]]:
-        """``(frozen.bin, offset, length)`` of each named tensor as stored: an export copies them from the file."""
-        stored = self.manifest.frozen_file
-        if stored is None:
-            return {}
-        path = self.directory / stored["file"]
-        data = np.memmap(path, np.uint8, "r")
-        start = data.__array_interface__["data"][0]
-        arrays = stored_arrays(data, self.manifest)
-        return {n: (path, arrays[n].__array_interface__["data"][0] - start, arrays[n].nbytes) for n in names}
-
-    def _decoder_graph(self) -> tuple[Any, Mapping[str, np.ndarray], set[str]]:
-        """``(the decoder graph, its weights by name, the names it reads from frozen.bin as stored)``.
+    def _decoder_graph(self) -> tuple[Any, Mapping[str, np.ndarray], dict[str, tuple[Path, int, int]]]:
+        """``(the decoder graph, its weights by name, (frozen.bin, offset, length) of each weight it reads from
+        frozen.bin as stored)``: an export copies those from the file.
 
         An int8 or float16 base's matrices are read as stored and widened in the graph, a product at a time
         (:mod:`ondevice.narrow_decoder`), their adapters kept apart; every other weight is float32, adapters
@@ -678,14 +668,16 @@ class Trainer:
         graph = onnx.load(self.directory / self.manifest.decoder.file)  # type: ignore[union-attr]
         stored: dict[str, np.ndarray] = {}
         if self.manifest.frozen_file is not None:
-            stored = stored_arrays(np.memmap(self.directory / self.manifest.frozen_file["file"], np.uint8, "r"),
-                                   self.manifest)  # fmt: skip
+            path = self.directory / self.manifest.frozen_file["file"]
+            data = np.memmap(path, np.uint8, "r")
+            stored = stored_arrays(data, self.manifest)
         narrowed = narrow_decoder(graph, self.manifest, {n: (a.dtype.str, a.shape) for n, a in stored.items()})
         changed = {a.weight for a in self.manifest.adapters if a.weight not in narrowed}  # folded in
         changed |= narrow_matrices(self.manifest) - narrowed  # widened to float32
         reads = {t.name for t in graph.graph.initializer if t.name in stored and t.name.split("::")[0] not in changed}
         weights = ChainMap({n: stored[n] for n in reads}, LazyWeights(self, unfolded=narrowed))
-        return graph, weights, reads
+        sources = {n: (path, stored[n].ctypes.data - data.ctypes.data, stored[n].nbytes) for n in reads}
+        return graph, weights, sources
 
     def export(self, path: str | os.PathLike[str]) -> Path:
         """Write the current model as an inference ONNX file (outputs: the manifest's outputs).
@@ -708,9 +700,10 @@ class Trainer:
 
             self.manifest.check_files(self.directory, names=(decoder.file,))
             metadata[METADATA_DECODER] = json.dumps(asdict(decoder))
+
             def parts(_: Path):  # type: ignore[no-untyped-def]
-                graph, weights, stored = self._decoder_graph()
-                return decoder_parts(graph, weights, self._frozen_bytes(stored))
+                graph, weights, sources = self._decoder_graph()
+                return decoder_parts(graph, weights, sources)
 
             return write_model(Path(path), parts, metadata)
         external = None if self.manifest.frozen_file is None else self.directory
