@@ -105,6 +105,9 @@ class TextGenerator:
         self.reading: Callable[[], AbstractContextManager[None]] = nullcontext
         """Entered around each run: a trainer's reading of ``frozen.bin`` (its pages checked and, when streamed,
         unmapped while the run reads them), or the streaming of an exported file's mapped weights."""
+        self.streamed = False
+        """Whether the mapped weights' pages leave RSS while tokens are made (the plan streams, or decoding would
+        pass its budget otherwise)."""
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()

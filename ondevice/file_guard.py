@@ -31,8 +31,11 @@ _INSTALLED = False
 class FileGuard:
     """Watch ``path`` (``size`` bytes, mapped by the caller) for writes, truncation and replacement."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, *, reader: str = "training", remedy: str = "") -> None:
         self.path, self.size = path, size
+        self.reader = reader  # what reads the file, and what to do after a change, for the error
+        self.remedy = remedy or ("Training stopped before reading the change; the last checkpoint is intact. Copy "
+                                 "the artifacts again, then resume (--resume).")  # fmt: skip
         self.changing = False
         self._fd = os.open(path, os.O_RDONLY)
         self._inode = os.fstat(self._fd).st_ino
@@ -53,10 +56,7 @@ class FileGuard:
             elif os.fstat(self._fd).st_size != self.size:
                 why = f"its size changed from {self.size:,} to {os.fstat(self._fd).st_size:,} bytes"
         if why is not None:
-            raise ArtifactIntegrityError(
-                f"{self.path} changed while training read it: {why}. Training stopped before reading the change; "
-                "the last checkpoint is intact. Copy the artifacts again, then resume (--resume)."
-            )
+            raise ArtifactIntegrityError(f"{self.path} changed while {self.reader} read it: {why}. {self.remedy}")
 
     def __del__(self) -> None:
         try:

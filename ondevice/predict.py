@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import numpy as np
 
@@ -68,6 +70,12 @@ class Predictor:
             import json
 
             self.decoder = DecoderSpec.from_dict(json.loads(metadata[METADATA_DECODER]))
+        self._guard = None  # the mapped file changed under a run: a typed error, not SIGBUS (ondevice.file_guard)
+        if self._weights:
+            from .file_guard import FileGuard
+
+            remedy = "Nothing was predicted from the change. Export the model again."
+            self._guard = FileGuard(Path(path), os.path.getsize(path), reader="prediction", remedy=remedy)
         self._inputs = [i.name for i in self._session.get_inputs() if i.name not in self._weights]
         self._outputs = [o.name for o in self._session.get_outputs()]
 
@@ -92,14 +100,14 @@ class Predictor:
         with progress_bar(total=-(-size // batch_size), disable=not progress) as bar:
             for start in range(0, size, batch_size):
                 feeds = {name: checked[name][start : start + batch_size] for name in self._inputs} | self._weights
-                parts.append(self._session.run(self._outputs, feeds))
+                with self._reading():
+                    parts.append(self._session.run(self._outputs, feeds))
                 bar.update(1)
         return {name: np.concatenate([part[i] for part in parts]) for i, name in enumerate(self._outputs)}
 
     def text_generator(self) -> TextGenerator:
         """Greedy text completion with this model (a causal LM's decoder from ``odt export``)."""
         from .decode import TextGenerator, over_plan
-        from .frozen import mapped_ranges, streamed
 
         if self.decoder is None or self.tokenizer_json is None:
             raise OndeviceError(
@@ -107,7 +115,19 @@ class Predictor:
                 "(`odt generate --task causal-lm`) with `odt export` to complete prompts."
             )
         generator = TextGenerator(self._session, self.decoder, self.tokenizer_json, weights=self._weights)
-        if over_plan(self.manifest, sum(w.nbytes for w in self._weights.values())):  # the file's pages stream
-            ranges = mapped_ranges(self._weights.values())
-            generator.reading = lambda: streamed(ranges)
+        generator.streamed = over_plan(self.manifest, sum(w.nbytes for w in self._weights.values()))
+        generator.reading = lambda: self._reading(generator.streamed)
         return generator
+
+    @contextlib.contextmanager
+    def _reading(self, stream: bool = False) -> Iterator[None]:
+        """Around a run: the mapped file checked before and after (a change ends it with a typed error), its pages
+        unmapped while the run reads them with ``stream``."""
+        from .frozen import mapped_ranges, streamed
+
+        if self._guard is not None:
+            self._guard.check()
+        with streamed(mapped_ranges(self._weights.values())) if stream else contextlib.nullcontext():
+            yield
+        if self._guard is not None:
+            self._guard.check()

@@ -649,8 +649,9 @@ class Trainer:
         return_freed_memory()  # the graph's parsed messages (SmolLM2: 50 MB)
         generator = TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text(), weights=fed)
         if self._frozen is not None:
-            stream = self._frozen.stream or over_plan(self.manifest, sum(mapped[n].nbytes for n in fed if n in mapped))
-            generator.reading = lambda: self._frozen.reading(stream=stream)  # type: ignore[union-attr]
+            read = sum(mapped[n].nbytes for n in fed if n in mapped)
+            generator.streamed = self._frozen.stream or over_plan(self.manifest, read)
+            generator.reading = lambda: self._frozen.reading(stream=generator.streamed)  # type: ignore[union-attr]
         return generator
 
     def _decoder_graph(self) -> tuple[Any, Mapping[str, np.ndarray], dict[str, tuple[Path, int, int]]]:

@@ -456,3 +456,39 @@ def test_a_model_another_tool_wrote_loads_as_before(frozen_body, tmp_path):
     batch = {"x": _batch()["x"]}
     np.testing.assert_allclose(Predictor(tmp_path / "resaved.onnx").predict(batch)["output"],
                                Predictor(path).predict(batch)["output"], rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+PREDICT_LONG = """
+import sys
+import numpy as np
+from ondevice import Predictor
+from ondevice.errors import ArtifactIntegrityError
+predictor = Predictor(sys.argv[1])
+x = np.random.default_rng(0).standard_normal((64, 16), dtype=np.float32)
+print("ready", flush=True)
+try:
+    while True:
+        predictor.predict({"x": x}, batch_size=8)
+except ArtifactIntegrityError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_an_exported_model_truncated_under_prediction_ends_it_with_a_typed_error(frozen_body, tmp_path):
+    """The Predictor maps the exported file's weights: truncating it under a run was a SIGBUS. The read lease holds
+    the truncating process until prediction has stopped with a typed error."""
+    out, _ = frozen_body
+    model = Trainer.load(out).export(tmp_path / "model.onnx")
+    predictor = subprocess.Popen([sys.executable, "-c", PREDICT_LONG, str(model)], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert predictor.stdout.readline().strip() == "ready", predictor.stderr.read()[-2000:]
+        os.truncate(model, 4096)  # held by the kernel until the predictor lets go
+        code = predictor.wait(timeout=120)
+    finally:
+        predictor.kill()
+    err = predictor.stderr.read()
+    assert code == 1, (code, err[-2000:])
+    assert "model.onnx changed while prediction read it: another process opened it to write" in err, err[-2000:]
+    assert "Export the model again" in err and "Traceback" not in err
