@@ -1,15 +1,18 @@
-"""ExecuTorch's training beside the SDK's portable engine and PyTorch eager, on the MLP (784-256-128-10, batch 64).
+"""ExecuTorch's training beside the SDK's portable engine and PyTorch eager: the MLP, the CNN and the small encoder.
 
 ExecuTorch (PyPI ``executorch``) is what a PyTorch user would try instead: ``torch.export`` of a module that returns
 its loss, ``torch.export.experimental._export_forward_backward`` for the joint forward-backward graph, ``to_edge``
 (or ``to_edge_transform_and_lower`` with the XNNPACK partitioner) and ``to_executorch``, then its training module's
 ``forward_backward`` and its SGD optimizer (the only optimizer its training API offers, so every side here trains
-with plain SGD). The four sides start from the same weights and data, and take turns in one process, a block of
-steps each (medians of the blocks' per-step times; ratios within a round). Losses of the first steps are compared.
+with plain SGD). The four sides start from the same weights and data (dropout 0, so that all compute the same),
+and take turns in one process, a block of steps each (medians of the blocks' per-step times; ratios within a
+round). Losses of the first steps are compared.
 
 ExecuTorch lives outside the development venv (it would pull pandas, coremltools and more into it): ``--setup``
 installs the pinned ``executorch`` and the few modules it imports into ``.executorch-lib`` with ``--no-deps``; the
-run puts that directory on the path of a child process of this venv's Python (whose torch 2.13 it runs on).
+runs put that directory on the path of child processes of this venv's Python (whose torch 2.13 they run on): each
+ExecuTorch side is first tried alone for a few steps (it may crash, or train wrongly), then the sides that train
+the row take turns.
 
 Run: .venv/bin/python -m benchmarks.executorch [--setup]   (writes benchmarks/results/executorch.*)
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,14 +38,15 @@ PINS = ["executorch==1.5.1", "torchao==0.18.0", "ruamel.yaml==0.19.1", "tabulate
 LR, STEPS, BLOCKS, ROUNDS = 0.05, 5, 50, 7
 
 
-def mlp():  # type: ignore[no-untyped-def]
-    from torch import nn
-
-    return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+ROWS = ("MLP 784-256-128-10", "CNN", "encoder (all trainable)")
+"""The rows of ``benchmarks.models`` measured here (dropout set to 0 on every side, so all compute the same)."""
 
 
-def sides(work: Path) -> dict[str, object]:
-    """``name -> one training step`` (returning the loss) for each side, all from the same weights and batch."""
+SIDES = ("ExecuTorch", "ExecuTorch + XNNPACK", "PyTorch eager", "SDK portable")
+
+
+def sides(case, work: Path, wanted: tuple[str, ...] = SIDES) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """``name -> one training step`` (returning the loss) for each ``wanted`` side, from the same weights and batch."""
     import torch
     from torch import nn
     from torch.export import export
@@ -49,46 +55,65 @@ def sides(work: Path) -> dict[str, object]:
     from artifacts import SGD, generate
     from ondevice import Trainer
 
-    torch.manual_seed(0)
     torch.set_num_threads(2)
-    net = mlp()
+    net = _without_dropout(case.build())
     state = {k: v.clone() for k, v in net.state_dict().items()}
-    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    inputs = case.inputs(case.batch)
+    torch.manual_seed(1)
+    y = torch.randint(0, case.classes, (case.batch,))
 
     class Train(nn.Module):
         def __init__(self, net: nn.Module) -> None:
             super().__init__()
             self.net = net
 
-        def forward(self, x, y):  # type: ignore[no-untyped-def]  # a second, detached output: as its examples do
-            out = self.net(x)
-            return nn.functional.cross_entropy(out, y), out.detach().argmax(dim=1)
+        def forward(self, *args):  # type: ignore[no-untyped-def]  # a second, detached output: as its examples do
+            out = self.net(*args[:-1])
+            return nn.functional.cross_entropy(out, args[-1]), out.detach().argmax(dim=1)
 
     made: dict[str, object] = {}
+    example = (*inputs.values(), y)
     for name, lower in (("ExecuTorch", False), ("ExecuTorch + XNNPACK", True)):
+        if name not in wanted:
+            continue
         net.load_state_dict(state)
-        made[name] = _executorch_step(_export_forward_backward(export(Train(net), (x, y), strict=True)), lower, x, y)
-    eager = mlp()
+        made[name] = _executorch_step(_export_forward_backward(export(Train(net), example, strict=True)), lower,
+                                      example)  # fmt: skip
+    eager = _without_dropout(case.build())
     eager.load_state_dict(state)
     sgd = torch.optim.SGD(eager.parameters(), lr=LR)
 
     def torch_step() -> float:
         sgd.zero_grad()
-        loss = nn.functional.cross_entropy(eager(x), y)
+        loss = nn.functional.cross_entropy(eager(*inputs.values()), y)
         loss.backward()
         sgd.step()
         return float(loss.detach())
 
     made["PyTorch eager"] = torch_step
+    if "SDK portable" not in wanted:
+        return {name: step for name, step in made.items() if name in wanted}
     net.load_state_dict(state)
-    generate(net, {"input": x}, work / "mlp", optimizer=SGD(lr=LR), force=True)
-    trainer = Trainer.load(work / "mlp", engine="portable", threads=2, evaluation=False)
-    batch = {"input": x.numpy(), "labels": y.numpy()}
+    out = work / "artifacts"
+    generate(net, dict(inputs), out, optimizer=SGD(lr=LR), force=True)
+    trainer = Trainer.load(out, engine="portable", threads=2, evaluation=False)
+    batch = {**{n: v.numpy() for n, v in inputs.items()}, "labels": y.numpy()}
     made["SDK portable"] = lambda: float(trainer.train_step(batch).loss)
-    return made
+    return {name: step for name, step in made.items() if name in wanted}
 
 
-def _executorch_step(joint, lower: bool, x, y):  # type: ignore[no-untyped-def]
+def _without_dropout(model):  # type: ignore[no-untyped-def]
+    from torch import nn
+
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            module.dropout = 0.0
+    return model
+
+
+def _executorch_step(joint, lower: bool, example):  # type: ignore[no-untyped-def]
     from executorch.exir import to_edge, to_edge_transform_and_lower
     from executorch.extension.training import _load_for_executorch_for_training_from_buffer, get_sgd_optimizer
 
@@ -105,7 +130,7 @@ def _executorch_step(joint, lower: bool, x, y):  # type: ignore[no-untyped-def]
     def step() -> float:
         nonlocal optimizer
         assert buffer
-        loss = module.forward_backward("forward", (x, y))[0]
+        loss = module.forward_backward("forward", example)[0]
         if optimizer is None:  # its parameters can be named only after a first forward_backward
             optimizer = get_sgd_optimizer(module.named_parameters(), LR, 0, 0, 0, False)
         optimizer.step(module.named_gradients())
@@ -114,49 +139,106 @@ def _executorch_step(joint, lower: bool, x, y):  # type: ignore[no-untyped-def]
     return step
 
 
-def measure() -> dict[str, object]:
+def _case(name: str):  # type: ignore[no-untyped-def]
+    from benchmarks.models import cases
+
+    return next(c for c in cases() if c.name == name)
+
+
+def probe(row: str, side: str) -> list[float]:
+    """The first :data:`STEPS` losses of one side on one row (in a process of its own: ExecuTorch may crash)."""
     with tempfile.TemporaryDirectory(prefix="odt-et-") as work:
-        steps = sides(Path(work))
+        step = sides(_case(row), Path(work), (side,))[side]
+        return [step() for _ in range(STEPS)]  # type: ignore[operator]
+
+
+def timed(row: str, wanted: tuple[str, ...]) -> dict[str, object]:
+    """The sides of one row taking turns, a block of steps each, :data:`ROUNDS` times."""
+    case = _case(row)
+    with tempfile.TemporaryDirectory(prefix="odt-et-") as work:
+        steps = sides(case, Path(work), wanted)
         losses = {name: [step() for _ in range(STEPS)] for name, step in steps.items()}  # type: ignore[operator]
+        block = BLOCKS if case.name.startswith("MLP") else max(2, BLOCKS // 10)
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(ROUNDS):
             for name, step in steps.items():
                 started = time.perf_counter()
-                for _ in range(BLOCKS):
+                for _ in range(block):
                     step()  # type: ignore[operator]
-                times[name].append((time.perf_counter() - started) / BLOCKS * 1e3)
+                times[name].append((time.perf_counter() - started) / block * 1e3)
     sdk = np.array(times["SDK portable"])
+    speed = {name: float(np.median(np.array(t) / sdk)) for name, t in times.items()}
+    return {"model": case.name, "batch": case.batch, "steps_per_block": block, "losses": losses,
+            "ms_per_step": {name: float(np.median(t)) for name, t in times.items()}, "sdk_speed_vs": speed}  # fmt: skip
+
+
+def measure(env: dict[str, str]) -> dict[str, object]:
+    """Every row: each ExecuTorch side first probed alone (a crash or losses unlike PyTorch's keep it out of the
+    timing, with the reason), then the sides that train it taking turns."""
+    from benchmarks._machine import machine
+
+    def child(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "benchmarks.executorch", "--child", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=3600)  # fmt: skip
+
+    def result(run: subprocess.CompletedProcess[str]):  # type: ignore[no-untyped-def]
+        if run.returncode != 0:
+            raise RuntimeError(run.stderr[-3000:])
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    rows = []
+    for row in ROWS:
+        reference = result(child("--probe", row, "PyTorch eager"))
+        refused: dict[str, str] = {}
+        for side in SIDES[:2]:
+            run = child("--probe", row, side)
+            if run.returncode < 0:
+                refused[side] = f"crashed ({signal.Signals(-run.returncode).name}) in its first {STEPS} steps"
+            elif run.returncode != 0:
+                refused[side] = "failed: " + _exception(run.stderr)
+            elif not np.allclose(losses := result(run), reference, rtol=1e-3):
+                said, expected = (", ".join(f"{x:.4g}" for x in values) for values in (losses, reference))
+                refused[side] = f"trains wrongly: losses {said} where PyTorch's are {expected}"
+        wanted = [s for s in SIDES if s not in refused]
+        rows.append({**result(child("--time", row, ",".join(wanted))), "refused": refused})
+        print(f"{row}: done", flush=True)
+    versions = json.loads(child("--versions").stdout.strip().splitlines()[-1])
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions, "rows": rows}
+
+
+def _exception(stderr: str) -> str:
+    """The last exception's line of a traceback, with the line after it (where torch puts the message)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    raised = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    at = raised[-1] if raised else len(lines) - 1
+    return " ".join(lines[at : at + 2])[:240]
+
+
+def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     import torch
 
-    from benchmarks._machine import machine
     from ondevice.session import ORT_VERSION
 
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "versions": {"onnxruntime": ORT_VERSION, "torch": torch.__version__,
-                     "executorch": version("executorch")},  # fmt: skip
-        "losses": losses,
-        "ms_per_step": {name: float(np.median(t)) for name, t in times.items()},
-        "sdk_speed_vs": {name: float(np.median(np.array(t) / sdk)) for name, t in times.items()},
-    }
+    return {"onnxruntime": ORT_VERSION, "torch": torch.__version__, "executorch": version("executorch")}
 
 
 def table(result: dict) -> str:  # type: ignore[type-arg]
-    m = result["machine"]
-    v = result["versions"]
+    m, v = result["machine"], result["versions"]
     lines = [f"ExecuTorch's training beside the SDK ({result['date']}; {m['cpu']}, {m['cores']} cores, 2 threads where "
-             "a side has threads): the MLP 784-256-128-10, batch 64, SGD lr 0.05, the same weights and batch; the "
-             f"sides take turns in one process ({ROUNDS} rounds of {BLOCKS} steps; medians). ExecuTorch "
-             f"{v['executorch']}, torch {v['torch']}, the SDK's portable engine on onnxruntime {v['onnxruntime']}.",
-             "",
-             "| side | ms / step | SDK portable's speed against it | losses, first 5 steps |",
-             "|---|---:|---:|---|"]  # fmt: skip
-    for name, ms in result["ms_per_step"].items():
-        losses = ", ".join(f"{v:.4f}" for v in result["losses"][name])
-        lines.append(f"| {name} | {ms:.3f} | {result['sdk_speed_vs'][name]:.2f}x | {losses} |")
+             "a side has threads): SGD lr 0.05, dropout 0, the same weights and batch on every side; the sides take "
+             f"turns in one process ({ROUNDS} rounds of a block of steps each; medians). ExecuTorch {v['executorch']}, "
+             f"torch {v['torch']}, the SDK's portable engine on onnxruntime {v['onnxruntime']}.", "",
+             "| model | batch | side | ms / step | SDK portable's speed against it | losses, first 5 steps |",
+             "|---|---:|---|---:|---:|---|"]  # fmt: skip
+    for row in result["rows"]:
+        for name, ms in row["ms_per_step"].items():
+            losses = ", ".join(f"{x:.4f}" for x in row["losses"][name])
+            lines.append(f"| {row['model']} | {row['batch']} | {name} | {ms:.3f} | {row['sdk_speed_vs'][name]:.2f}x "
+                         f"| {losses} |")  # fmt: skip
+        for name, why in row["refused"].items():
+            lines.append(f"| {row['model']} | {row['batch']} | {name} | - | - | not timed: {why} |")
     return "\n".join(lines) + "\n"
 
 
@@ -165,15 +247,22 @@ def main() -> int:
     parser.add_argument("--setup", action="store_true", help=f"install {', '.join(PINS)} into {LIB.name}")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--time", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # ExecuTorch's modules are on this process's path
+        if args.probe:
+            print(json.dumps(probe(*args.probe)))
+        elif args.time:
+            print(json.dumps(timed(args.time[0], tuple(args.time[1].split(",")))))
+        else:
+            print(json.dumps(versions()))
+        return 0
     if args.setup or not LIB.is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(LIB), *PINS],
                        check=True)  # fmt: skip
-    if not args.child:  # ExecuTorch's modules on the path of a process of its own
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(LIB)])}
-        return subprocess.run([sys.executable, "-m", "benchmarks.executorch", "--child", "--out", str(args.out)],
-                              env=env, cwd=ROOT).returncode  # fmt: skip
-    result = measure()
+    result = measure({**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(LIB)])})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "executorch.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "executorch.md").write_text(table(result))
