@@ -145,6 +145,7 @@ class FrozenWeights:
     def __init__(self, directory: Path, manifest: Manifest, stream: bool = False) -> None:
         self.values: dict[str, OrtValue] = {}
         self.arrays: dict[str, np.ndarray] = {}
+        self.mapping: np.ndarray | None = None  # the whole file's bytes; ``arrays`` are views of it
         self.stream = stream
         self._tables: list[tuple[int, int]] = []
         self._whole: list[tuple[int, int]] = []
@@ -163,7 +164,7 @@ class FrozenWeights:
         self._tables = [(base + start - start % page, size + start % page) for start, size in tables]
         if _madvise(self._tables, _MADV_RANDOM) < len(self._tables):
             self._tables = []  # not Linux, or the kernel refused: leave the pages to the system
-        self.arrays = arrays  # the same views as numpy arrays, for runs that feed them (a cached decoder's)
+        self.mapping, self.arrays = mapped, arrays  # the same views as numpy arrays, for runs that feed them
         self.values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
     def release_rows(self) -> None:

@@ -28,13 +28,10 @@ __all__ = ["narrow_decoder"]
 _PREFIX = "odt.decoder"
 
 
-Stored = Mapping[str, tuple[str, tuple[int, ...]]]
-"""Each tensor of ``frozen.bin`` by name: (numpy dtype string, shape)."""
-
-
-def narrow_decoder(model: onnx.ModelProto, manifest: Manifest, stored: Stored) -> set[str]:
+def narrow_decoder(model: onnx.ModelProto, manifest: Manifest, stored: Mapping[str, np.ndarray]) -> set[str]:
     """Rewrite ``model`` (the artifacts' decoder, weights left empty) in place to read the manifest's narrow
-    matrices as stored; ``stored`` gives each tensor of ``frozen.bin`` as ``(numpy dtype name, shape)``.
+    matrices as stored; ``stored``: each tensor of ``frozen.bin`` (:func:`ondevice.frozen.stored_arrays`: only
+    their types and shapes are read).
 
     Returns the names of the narrow matrices it rewrote: the graph now declares them (and their scales and row
     blocks) as empty initializers of the stored type, and declares the LoRA factors of their adapters, which
@@ -42,7 +39,7 @@ def narrow_decoder(model: onnx.ModelProto, manifest: Manifest, stored: Stored) -
     frozen_file = manifest.frozen_file or {}
     int8, half = set(frozen_file.get("int8", {})), set(frozen_file.get(HALF, ()))
     initializers = {t.name: t for t in model.graph.initializer}
-    narrow = {n for n in (int8 | half) if n in initializers}
+    narrow = {n for n in (int8 | half) if n in initializers and n in stored}
     if not narrow:
         return set()
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
@@ -154,7 +151,7 @@ def _without_unread(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx
         nodes = kept
 
 
-def _declare(model: onnx.ModelProto, narrow: set[str], stored: Stored,
+def _declare(model: onnx.ModelProto, narrow: set[str], stored: Mapping[str, np.ndarray],
              adapters: Mapping[str, Adapter], shapes: Mapping[str, tuple[int, ...]]) -> None:  # fmt: skip
     """Every tensor the rewritten graph reads from ``frozen.bin`` or from the adapters, as an empty initializer of
     its type and shape (the narrow matrices' float32 declarations retyped)."""
@@ -163,13 +160,13 @@ def _declare(model: onnx.ModelProto, narrow: set[str], stored: Stored,
     read = {name for node in graph.node for name in node.input if name not in made}
     declared = {t.name: t for t in graph.initializer}
     for name in narrow:
-        declared[name].data_type = helper.np_dtype_to_tensor_dtype(np.dtype(stored[name][0]))
+        declared[name].data_type = helper.np_dtype_to_tensor_dtype(stored[name].dtype)
     for name in sorted(read - set(declared) - {n for a in adapters.values() for n in (a.a, a.b)}):
         if name not in stored:
             raise OndeviceError(f"the decoder reads {name!r}, which frozen.bin does not hold. Regenerate the "
                                 "artifacts with `odt generate`.")
-        dtype, shape = stored[name]
-        graph.initializer.add(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=shape)
+        graph.initializer.add(name=name, data_type=helper.np_dtype_to_tensor_dtype(stored[name].dtype),
+                              dims=stored[name].shape)
     for adapter in adapters.values():
         for name in (adapter.a, adapter.b):
             graph.initializer.add(name=name, data_type=onnx.TensorProto.FLOAT, dims=shapes[name])

@@ -116,18 +116,24 @@ class Predictor:
             )
         generator = TextGenerator(self._session, self.decoder, self.tokenizer_json, weights=self._weights)
         generator.streamed = over_plan(self.manifest, sum(w.nbytes for w in self._weights.values()))
-        generator.reading = lambda: self._reading(generator.streamed)
+        if generator.streamed:
+            from .frozen import mapped_ranges
+
+            ranges = mapped_ranges(self._weights.values())
+            generator.reading = lambda: self._reading(ranges)
+        else:
+            generator.reading = self._reading
         return generator
 
     @contextlib.contextmanager
-    def _reading(self, stream: bool = False) -> Iterator[None]:
-        """Around a run: the mapped file checked before and after (a change ends it with a typed error), its pages
-        unmapped while the run reads them with ``stream``."""
-        from .frozen import mapped_ranges, streamed
+    def _reading(self, streamed_ranges: list[tuple[int, int]] | None = None) -> Iterator[None]:
+        """Around a run: the mapped file checked before and after (a change ends it with a typed error); with
+        ``streamed_ranges``, those pages unmapped while the run reads them."""
+        from .frozen import streamed
 
         if self._guard is not None:
             self._guard.check()
-        with streamed(mapped_ranges(self._weights.values())) if stream else contextlib.nullcontext():
+        with streamed(streamed_ranges) if streamed_ranges else contextlib.nullcontext():
             yield
         if self._guard is not None:
             self._guard.check()

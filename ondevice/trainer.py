@@ -640,8 +640,7 @@ class Trainer:
         graph, weights, sources = self._decoder_graph()
         # What the graph reads of frozen.bin as stored, every run feeds from the trainer's own mapping of it: read
         # in place (a session's initializers are copies: SmolLM2's int8 base took 450 MB more).
-        mapped = self._frozen.arrays if self._frozen is not None else {}
-        fed = {n: mapped.get(n, weights[n]) for n in sources}
+        fed = {n: weights[n] for n in sources}
         model = decoder_model(graph, weights, fed).SerializeToString()
         del graph
         session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
@@ -649,7 +648,7 @@ class Trainer:
         return_freed_memory()  # the graph's parsed messages (SmolLM2: 50 MB)
         generator = TextGenerator(session, decoder, (self.directory / tokenizer.file).read_text(), weights=fed)
         if self._frozen is not None:
-            read = sum(mapped[n].nbytes for n in fed if n in mapped)
+            read = sum(value.nbytes for value in fed.values())
             generator.streamed = self._frozen.stream or over_plan(self.manifest, read)
             generator.reading = lambda: self._frozen.reading(stream=generator.streamed)  # type: ignore[union-attr]
         return generator
@@ -667,17 +666,18 @@ class Trainer:
         from .narrow_decoder import narrow_decoder
 
         graph = onnx.load(self.directory / self.manifest.decoder.file)  # type: ignore[union-attr]
-        stored: dict[str, np.ndarray] = {}
-        if self.manifest.frozen_file is not None:
-            path = self.directory / self.manifest.frozen_file["file"]
-            data = np.memmap(path, np.uint8, "r")
-            stored = stored_arrays(data, self.manifest)
-        narrowed = narrow_decoder(graph, self.manifest, {n: (a.dtype.str, a.shape) for n, a in stored.items()})
+        frozen = self._frozen  # the trainer's one mapping of frozen.bin (none: every weight from LazyWeights)
+        stored = frozen.arrays if frozen is not None and frozen.mapping is not None else {}
+        narrowed = narrow_decoder(graph, self.manifest, stored)
         changed = {a.weight for a in self.manifest.adapters if a.weight not in narrowed}  # folded in
         changed |= narrow_matrices(self.manifest) - narrowed  # widened to float32
         reads = {t.name for t in graph.graph.initializer if t.name in stored and t.name.split("::")[0] not in changed}
         weights = ChainMap({n: stored[n] for n in reads}, LazyWeights(self, unfolded=narrowed))
-        sources = {n: (path, stored[n].ctypes.data - data.ctypes.data, stored[n].nbytes) for n in reads}
+        sources = {}
+        if reads:  # then frozen.bin is mapped
+            path = self.directory / self.manifest.frozen_file["file"]  # type: ignore[index]
+            start = frozen.mapping.ctypes.data  # type: ignore[union-attr]
+            sources = {n: (path, stored[n].ctypes.data - start, stored[n].nbytes) for n in reads}
         return graph, weights, sources
 
     def export(self, path: str | os.PathLike[str]) -> Path:
