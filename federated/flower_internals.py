@@ -33,29 +33,40 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 def _secagg() -> SimpleNamespace:
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes, ndarrays_to_parameters
     from flwr.common.secure_aggregation import ndarrays_arithmetic as arithmetic
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
     from flwr.common.secure_aggregation.quantization import dequantize
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
-    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen, share_keys_plaintext_separate
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_utils import (
+        pseudo_rand_gen,
+        share_keys_plaintext_concat,
+        share_keys_plaintext_separate,
+    )
+    from flwr.supercore.primitives.asymmetric import (
+        bytes_to_private_key,
+        bytes_to_public_key,
+        generate_key_pairs,
+        private_key_to_bytes,
+        public_key_to_bytes,
+    )
 
     # the package's __init__ shadows the module with the mod function of the same name
     mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
 
     return SimpleNamespace(
         CONFIGS=RECORD_KEY_CONFIGS, STATE=RECORD_KEY_STATE, Key=Key, Stage=Stage, State=mod.SecAggPlusState,
-        check_stage=mod.check_stage, check_configs=mod.check_configs, setup=mod._setup, share_keys=mod._share_keys,
+        check_stage=mod.check_stage, check_configs=mod.check_configs, setup=mod._setup,
         collect_masked_vectors=mod._collect_masked_vectors, unmask=mod._unmask,
         bytes_to_ndarray=bytes_to_ndarray, ndarray_to_bytes=ndarray_to_bytes,
         ndarrays_to_parameters=ndarrays_to_parameters,
         parameters_addition=arithmetic.parameters_addition, parameters_subtraction=arithmetic.parameters_subtraction,
         parameters_mod=arithmetic.parameters_mod, get_parameters_shape=arithmetic.get_parameters_shape,
         factor_extract=arithmetic.factor_extract, dequantize=dequantize, combine_shares=combine_shares,
-        pseudo_rand_gen=pseudo_rand_gen, generate_shared_key=generate_shared_key, decrypt=decrypt,
-        share_keys_plaintext_separate=share_keys_plaintext_separate,
+        create_shares=create_shares, pseudo_rand_gen=pseudo_rand_gen, generate_shared_key=generate_shared_key,
+        encrypt=encrypt, decrypt=decrypt, share_keys_plaintext_concat=share_keys_plaintext_concat,
+        share_keys_plaintext_separate=share_keys_plaintext_separate, generate_key_pairs=generate_key_pairs,
         bytes_to_private_key=bytes_to_private_key, bytes_to_public_key=bytes_to_public_key,
-        public_key_to_bytes=public_key_to_bytes,
+        private_key_to_bytes=private_key_to_bytes, public_key_to_bytes=public_key_to_bytes,
     )  # fmt: skip
 
 

@@ -13,8 +13,10 @@ stage functions: :mod:`federated.flower_internals`), not on home-made cryptograp
   its neighbours' shares). The strategy then receives ONE reply: the example-weighted average of
   the updates, as if one node had sent it. FedAvg of one reply is that reply; FedAvgM and FedAdam
   apply their server step to it; Flower's client-side DP wrapper adds its noise to it.
-- Client: :func:`secure_mod` answers the stages and, in the collect stage, masks what the
-  ClientApp's train handler returned (the update: trained minus global weights).
+- Client: :func:`secure_mod` (:mod:`federated.secure_client`) answers the stages and, in the collect
+  stage, masks what the ClientApp's train handler returned (the update: trained minus global
+  weights). Each ciphertext of shares goes under a one-off key, so that a node accused of sending
+  shares that do not open can prove otherwise, for that ciphertext only (the prove stage).
 
 The server never holds a client's update in the clear: only masked vectors, which are uniform
 modulo 2^32 until summed.
@@ -26,14 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from cryptography.fernet import InvalidToken
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from .flower_internals import SecAgg
-from .protocol import ARRAYS, METRICS, from_arrays
-from .secure_checks import REJECTED, group_size, levels_for
+from .secure_checks import group_size, levels_for
+from .secure_client import secure_mod
 from .secure_round import SecureRound
 
 __all__ = ["SecureSettings", "SecureRoundLog", "SecureGrid", "secure_mod", "group_size", "levels_for"]
@@ -90,69 +89,3 @@ class SecureGrid:
         self.rounds.append(record)
         reply = SecureRound(self._grid, self.settings, messages, timeout, record).run()
         return [] if reply is None else [reply]
-
-
-def secure_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """The client's side of SecAgg+: answers the stages with Flower's stage functions and masks the
-    update the ClientApp's train handler returns. Other messages pass through."""
-    if msg.metadata.message_type != MessageType.TRAIN or SecAgg.CONFIGS not in msg.content.config_records:
-        return call_next(msg, context)
-    state_record = context.state.config_records.get(SecAgg.STATE, ConfigRecord({}))
-    state = SecAgg.State(**state_record)
-    configs = msg.content.config_records[SecAgg.CONFIGS]
-    SecAgg.check_stage(state.current_stage, configs)
-    state.current_stage = str(configs.pop(SecAgg.Key.STAGE))
-    SecAgg.check_configs(state.current_stage, configs)
-    content = RecordDict()
-    if state.current_stage == SecAgg.Stage.SETUP:
-        state.nid = msg.metadata.dst_node_id
-        result = SecAgg.setup(state, configs)
-    elif state.current_stage == SecAgg.Stage.SHARE_KEYS:
-        result = SecAgg.share_keys(state, configs)
-    elif state.current_stage == SecAgg.Stage.COLLECT_MASKED_VECTORS:
-        start = from_arrays(msg.content[ARRAYS])
-        del msg.content[SecAgg.CONFIGS]  # the train task as the app's mods and handler know it (one ConfigRecord)
-        reply = call_next(msg, context)
-        if reply.has_error():
-            return reply
-        content = reply.content
-        trained = from_arrays(content[ARRAYS])
-        # float64: quantization shifts each value by clipping_range, where float32 would keep only ~7 digits
-        update = [trained[name].astype(np.float64) - start[name] for name in sorted(trained)]
-        count = int(content[METRICS]["num-examples"])
-        rejected = _keep_usable_sources(state, configs)
-        result = SecAgg.collect_masked_vectors(state, configs, count, SecAgg.ndarrays_to_parameters(update))
-        result[REJECTED] = rejected
-        masked = [SecAgg.bytes_to_ndarray(b) for b in result[SecAgg.Key.MASKED_PARAMETERS]]
-        # Values modulo 2^32 fit 32 bits: half of Flower's int64 on the wire, as many bytes as float32 weights
-        result[SecAgg.Key.MASKED_PARAMETERS] = [SecAgg.ndarray_to_bytes(m.astype(np.uint32)) for m in masked]
-        del content[ARRAYS]  # the update leaves the node masked only
-    else:
-        result = SecAgg.unmask(state, configs)
-    context.state.config_records[SecAgg.STATE] = ConfigRecord(state.to_dict())
-    content[SecAgg.CONFIGS] = ConfigRecord(result, False)
-    return Message(content, reply_to=msg)
-
-
-def _keep_usable_sources(state: Any, configs: ConfigRecord) -> list[int]:
-    """Drop from the collect stage's ``configs`` the ciphertexts this node cannot use (a source it has
-    no key with or saw before, a token that does not decrypt, a plaintext naming another sender or
-    receiver) and return their sources. Flower's client would raise on the first; a hostile peer
-    could then stop every round. The server breaks up the pairs named here."""
-    sources, ciphertexts, rejected = [], [], []
-    for source, ciphertext in zip(configs[SecAgg.Key.SOURCE_LIST], configs[SecAgg.Key.CIPHERTEXT_LIST]):
-        usable = source in state.ss2_dict and source not in sources
-        if usable:
-            try:
-                plaintext = SecAgg.decrypt(state.ss2_dict[source], ciphertext)
-                sender, receiver, _, _ = SecAgg.share_keys_plaintext_separate(plaintext)
-                usable = sender == source and receiver == state.nid
-            except (InvalidToken, ValueError, TypeError):
-                usable = False
-        if usable:
-            sources.append(source)
-            ciphertexts.append(ciphertext)
-        else:
-            rejected.append(source)
-    configs[SecAgg.Key.SOURCE_LIST], configs[SecAgg.Key.CIPHERTEXT_LIST] = sources, ciphertexts
-    return rejected

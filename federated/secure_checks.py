@@ -3,10 +3,10 @@
 A secure round must survive one hostile node, even an authenticated one: its keys, destinations,
 ciphertexts and shares are checked for what an honest node sends (:func:`key_problem`,
 :func:`destinations_problem`, :func:`token_problem`, :func:`share_problem`); a secret is rebuilt
-from any threshold-sized subset of its shares that the other shares confirm (:func:`recover`); a
-node that many honest peers could not decrypt is told apart from one that accuses many
-(:func:`broken_pair_cover`); and the unmasked sum must be one that honest inputs can produce
-(:func:`sum_problem`), because a masked vector reveals nothing on its own.
+from any threshold-sized subset of its shares that the other shares confirm (:func:`recover`); when
+a node says it could not open a peer's shares, the key the peer reveals for that one ciphertext
+tells who lies (:func:`accusation_verdict`); and the unmasked sum must be one that honest inputs
+can produce (:func:`sum_problem`), because a masked vector reveals nothing on its own.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from itertools import combinations
 from typing import Any, Callable, Iterable
 
 import numpy as np
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from flwr.app import RecordDict
@@ -29,6 +31,10 @@ from .protocol import METRICS
 __all__ = [
     "MOD_RANGE",
     "REJECTED",
+    "EPHEMERAL",
+    "PROVE",
+    "ACCUSERS",
+    "SECRETS",
     "group_size",
     "levels_for",
     "quantization_problem",
@@ -40,7 +46,8 @@ __all__ = [
     "share_problem",
     "recover",
     "RecoveryError",
-    "broken_pair_cover",
+    "shares_problem",
+    "accusation_verdict",
     "sum_problem",
     "MAX_COMBINES",
 ]
@@ -50,6 +57,17 @@ MOD_RANGE = 2**32
 REJECTED = "odt-rejected"
 """Sources a node's collect reply names because their ciphertexts were no use to it (this SDK's
 addition to Flower's SecAgg+: the pair's masks would not cancel, so the server must break it up)."""
+EPHEMERAL = "odt-ephemeral-keys"
+"""The public keys each ciphertext of the share_keys stage was encrypted with, one fresh key pair per
+ciphertext (this SDK's change to Flower's SecAgg+, which encrypts with the node's one key pk2): its
+sender can reveal the private key of one ciphertext without exposing any other."""
+PROVE = "odt-prove"
+"""The stage between collect and unmask, sent only to the nodes some peer named under :data:`REJECTED`:
+each reveals the ephemeral private keys of the ciphertexts those peers say they could not open."""
+ACCUSERS = "odt-accusers"
+"""The prove stage's task: the peers whose ciphertexts from this node they could not open."""
+SECRETS = "odt-ephemeral-secrets"
+"""The prove stage's reply: the ephemeral private key (PEM) of the ciphertext to each accuser, in order."""
 MAX_STEP = 1e-5
 """The largest quantization step (2 x clipping range / levels) a round accepts: a weighted update
 element moves in such steps, and example weights (count / max-examples) are often 1e-3 or less."""
@@ -101,9 +119,11 @@ def reply_problem(stage: str, content: RecordDict, shapes: list[tuple[int, ...]]
         return "no SecAgg+ record in its reply"
     needs = {
         SecAgg.Stage.SETUP: {SecAgg.Key.PUBLIC_KEY_1: bytes, SecAgg.Key.PUBLIC_KEY_2: bytes},
-        SecAgg.Stage.SHARE_KEYS: {SecAgg.Key.DESTINATION_LIST: int, SecAgg.Key.CIPHERTEXT_LIST: bytes},
+        SecAgg.Stage.SHARE_KEYS: {SecAgg.Key.DESTINATION_LIST: int, SecAgg.Key.CIPHERTEXT_LIST: bytes,
+                                  EPHEMERAL: bytes},
         SecAgg.Stage.COLLECT_MASKED_VECTORS: {SecAgg.Key.MASKED_PARAMETERS: bytes},
         SecAgg.Stage.UNMASK: {SecAgg.Key.NODE_ID_LIST: int, SecAgg.Key.SHARE_LIST: bytes},
+        PROVE: {SECRETS: bytes},
     }[stage]
     for key, kind in needs.items():
         value = configs.get(key)
@@ -234,19 +254,34 @@ def recover(
     raise RecoveryError(f"no subset of {len(senders)} shares is confirmed by the others")
 
 
-def broken_pair_cover(pairs: Iterable[tuple[int, int]]) -> set[int]:
-    """The nodes to take out so that no broken pair is left: ``pairs`` are (receiver, sender) pairs
-    whose ciphertext the receiver could not use. The node in most broken pairs goes first (one
-    hostile node breaks many pairs); a pair alone costs both its nodes (who lied cannot be told)."""
-    edges = {frozenset(p) for p in pairs if p[0] != p[1]}
-    out: set[int] = set()
-    while edges:
-        degree = Counter(n for e in edges for n in e)
-        node, count = max(sorted(degree.items()), key=lambda item: item[1])
-        taken = {node} if count > 1 else set().union(*edges)
-        out |= taken
-        edges = {e for e in edges if not e & taken}
-    return out
+def shares_problem(key: bytes, token: bytes, sender: int, receiver: int) -> str | None:
+    """Why ``token`` under the Fernet ``key`` is not ``sender``'s shares for ``receiver`` (None when it
+    is): what a receiver checks before it takes shares, and what the server checks for it when the
+    receiver says they do not open."""
+    try:
+        plaintext = SecAgg.decrypt(key, token)
+        named = SecAgg.share_keys_plaintext_separate(plaintext)[:2]
+    except (InvalidToken, ValueError, TypeError, IndexError):
+        return "the ciphertext does not decrypt to shares"
+    if tuple(named) != (sender, receiver):
+        return f"the shares name nodes {named[0]} -> {named[1]}, not {sender} -> {receiver}"
+    return None
+
+
+def accusation_verdict(secret: bytes, ephemeral: bytes, receiver_key: bytes, token: bytes, sender: int,
+                       receiver: int) -> str | None:  # fmt: skip
+    """Who is at fault when ``receiver`` says it could not open ``token`` from ``sender``: the reason
+    the sender is (the key it revealed, ``secret``, is not the private key of the ``ephemeral`` public
+    key it sent the token with, or the token does not open under it to its shares for the receiver,
+    whose encryption key is ``receiver_key``), or None when the token opens, so the receiver lied."""
+    try:
+        key = SecAgg.bytes_to_private_key(secret)
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or SecAgg.public_key_to_bytes(key.public_key()) != ephemeral:
+            raise ValueError
+        shared = SecAgg.generate_shared_key(key, SecAgg.bytes_to_public_key(receiver_key))
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return "the key it revealed is not the one it encrypted with"
+    return shares_problem(shared, token, sender, receiver)
 
 
 def sum_problem(vector: list[np.ndarray], nodes: int, levels: int, factor: int) -> str | None:

@@ -21,13 +21,18 @@ from .errors import RoundFailedError
 from .flower_internals import SecAgg, aggregate_metricrecords
 from .protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 from .secure_checks import (
+    ACCUSERS,
+    EPHEMERAL,
     MOD_RANGE,
+    PROVE,
     REJECTED,
+    SECRETS,
     RecoveryError,
-    broken_pair_cover,
+    accusation_verdict,
     destinations_problem,
     group_size,
     key_pair_problem,
+    key_problem,
     levels_for,
     quantization_problem,
     recover,
@@ -74,9 +79,11 @@ class SecureRound:
             raise RoundFailedError(f"secure aggregation: {problem}")
 
     def exchange(self, stage: str, outgoing: dict[int, RecordDict],
-                 check: Callable[[int, RecordDict], str | None] | None = None) -> dict[int, RecordDict]:  # fmt: skip
+                 check: Callable[[int, RecordDict], str | None] | None = None,
+                 required: bool = True) -> dict[int, RecordDict]:  # fmt: skip
         """Send one stage's tasks; the sound replies by node. A node that does not answer is dropped;
-        one whose reply the stage cannot use (``check(node, content)`` names why) is excluded."""
+        one whose reply the stage cannot use (``check(node, content)`` names why) is excluded. A
+        ``required`` stage fails the round when fewer than the threshold answer usably."""
         sent = [Message(c, dst_node_id=n, message_type=MessageType.TRAIN, group_id=self.group)
                 for n, c in outgoing.items()]  # fmt: skip
         record = self.record
@@ -101,7 +108,8 @@ class SecureRound:
                 record.flagged[node] = "it left at the unmask stage (its update is in the sum)"
             else:
                 record.dropped[node] = stage
-        self.enough(len(replies), stage)
+        if required:
+            self.enough(len(replies), stage)
         return replies
 
     def exclude(self, node: int, reason: str, stage: str = "") -> None:
@@ -143,34 +151,33 @@ class SecureRound:
         def sent_shares(node: int, content: RecordDict) -> str | None:
             configs = _configs(content)
             tokens = (token_problem(t) for t in configs[SecAgg.Key.CIPHERTEXT_LIST])
+            keys = (key_problem(k) and f"a one-off key that is {key_problem(k)}" for k in configs[EPHEMERAL])
             return destinations_problem(configs[SecAgg.Key.DESTINATION_LIST], peers[node]) or next(
-                (p for p in tokens if p), None)  # fmt: skip
+                (p for p in (*tokens, *keys) if p), None)  # fmt: skip
 
         shared = self.exchange(SecAgg.Stage.SHARE_KEYS, {n: share_keys(n) for n in public}, sent_shares)
-        forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in shared}
-        for src, reply in shared.items():
-            sent_to = _configs(reply)
-            for dst, ciphertext in zip(sent_to[SecAgg.Key.DESTINATION_LIST], sent_to[SecAgg.Key.CIPHERTEXT_LIST]):
-                if dst in forward:
-                    forward[dst][0].append(src)
-                    forward[dst][1].append(ciphertext)
+        sent = {src: dict(zip(_configs(reply)[SecAgg.Key.DESTINATION_LIST],
+                              zip(_configs(reply)[SecAgg.Key.CIPHERTEXT_LIST], _configs(reply)[EPHEMERAL])))
+                for src, reply in shared.items()}  # fmt: skip
+        forward = {dst: {src: sent[src][dst] for src in shared if dst in sent[src]} for dst in shared}
 
         def collect(node: int) -> RecordDict:
             task = RecordDict({k: v for k, v in self.content[node].items()})
             task[SecAgg.CONFIGS] = ConfigRecord({SecAgg.Key.STAGE: SecAgg.Stage.COLLECT_MASKED_VECTORS,
-                                                 SecAgg.Key.SOURCE_LIST: forward[node][0],
-                                                 SecAgg.Key.CIPHERTEXT_LIST: forward[node][1]})  # fmt: skip
+                                                 SecAgg.Key.SOURCE_LIST: list(forward[node]),
+                                                 SecAgg.Key.CIPHERTEXT_LIST: [c for c, _ in forward[node].values()],
+                                                 EPHEMERAL: [k for _, k in forward[node].values()]})  # fmt: skip
             return task
 
         def rejections(node: int, content: RecordDict) -> str | None:
             rejected = _configs(content).get(REJECTED, [])
-            if not isinstance(rejected, list) or not set(rejected) <= set(forward[node][0]):
+            if not isinstance(rejected, list) or not set(rejected) <= set(forward[node]):
                 return f"{REJECTED!r} must list sources it was sent"
             return None
 
         masked = self.exchange(SecAgg.Stage.COLLECT_MASKED_VECTORS, {n: collect(n) for n in forward}, rejections)
-        accepted = {n: set(forward[n][0]) - set(_configs(c).get(REJECTED, [])) for n, c in masked.items()}
-        active = self.without_broken_pairs(set(masked), accepted)
+        accepted = {n: set(forward[n]) - set(_configs(c).get(REJECTED, [])) for n, c in masked.items()}
+        active = self.settle_accusations(set(masked), accepted, sent, public)
         dead = set(shared) - active
         active = self.unmaskable(active, accepted, dead)
         for node in sorted(active):
@@ -197,16 +204,41 @@ class SecureRound:
         self.enough(len(public), SecAgg.Stage.SETUP)
         return public
 
-    def without_broken_pairs(self, active: set[int], accepted: dict[int, set[int]]) -> set[int]:
-        """The nodes left when every pair with a ciphertext its receiver could not use is broken up
-        (:func:`broken_pair_cover`): a pair's masks cancel only if both ends added them."""
-        pairs = [(n, src) for n in active for src in set(self.groups[n]) & active - accepted[n] - {n}]
-        for node in sorted(broken_pair_cover(pairs) & active):
-            accusers = sorted(r for r, s in pairs if s == node)
-            accused = sorted(s for r, s in pairs if r == node)
-            said = [f"nodes {accusers} could not decrypt the shares it sent them"] if accusers else []
-            said += [f"it could not decrypt the shares of nodes {accused}"] if accused else []
-            self.exclude(node, "its shares and its peers' do not pair up: " + "; ".join(said))
+    def settle_accusations(self, active: set[int], accepted: dict[int, set[int]],
+                           sent: dict[int, dict[int, tuple[bytes, bytes]]], public: dict[int, list[bytes]]) -> set[int]:
+        """The nodes left when every accusation is settled: a summed node that did not accept a summed
+        peer's shares accuses it, and the peer reveals the one-off key of that ciphertext (the prove
+        stage). The server opens it: the liar, or a peer that sent shares that do not open (or would
+        not reveal the key), is excluded and named; the other stays. A pair's masks cancel only if both
+        ends added them, so no accusation is left standing."""  # fmt: skip
+        accusers: dict[int, list[int]] = {}
+        for node in sorted(active):
+            for peer in sorted((set(sent) & active) - accepted[node] - {node}):
+                if node in sent[peer]:
+                    accusers.setdefault(peer, []).append(node)
+        if not accusers:
+            return active
+
+        def answers(node: int, content: RecordDict) -> str | None:
+            count = len(_configs(content)[SECRETS])
+            return None if count == len(accusers[node]) else f"{count} keys for {len(accusers[node])} accusers"
+
+        tasks = {n: self.stage(PROVE, **{ACCUSERS: a}) for n, a in accusers.items()}
+        proofs = self.exchange(PROVE, tasks, answers, required=False)
+        faults: dict[int, list[str]] = {}
+        for peer, nodes in sorted(accusers.items()):
+            if peer in self.record.excluded:  # its prove reply broke the protocol
+                active.discard(peer)
+            elif peer not in proofs:
+                faults.setdefault(peer, []).append(f"it did not reveal the keys of its shares to nodes {nodes}, "
+                                                   "which said they could not decrypt them")  # fmt: skip
+            else:
+                for node, secret in zip(nodes, _configs(proofs[peer])[SECRETS]):
+                    who, why = _verdict(peer, node, secret, sent[peer][node], public[node][1])
+                    faults.setdefault(who, []).append(why)
+        for node, reasons in sorted(faults.items()):
+            self.record.dropped.pop(node, None)
+            self.exclude(node, "; ".join(reasons))
             active.discard(node)
         self.enough(len(active), SecAgg.Stage.COLLECT_MASKED_VECTORS)
         return active
@@ -324,6 +356,15 @@ def unmask_sum(
             combine = SecAgg.parameters_addition if absent > other else SecAgg.parameters_subtraction
             vector = combine(vector, SecAgg.pseudo_rand_gen(shared, MOD_RANGE, shapes))
     return SecAgg.parameters_mod(vector, MOD_RANGE)
+
+
+def _verdict(peer: int, node: int, secret: bytes, sent: tuple[bytes, bytes], key: bytes) -> tuple[int, str]:
+    """The node at fault when ``node`` accused ``peer``, and why: ``secret`` is the key ``peer`` revealed
+    for its ciphertext and one-off public key ``sent``, ``key`` the accuser's encryption key."""
+    problem = accusation_verdict(secret, sent[1], key, sent[0], peer, node)
+    if problem is None:
+        return node, f"it said it could not decrypt the shares of node {peer}, which open under the key {peer} revealed"
+    return peer, f"node {node} could not decrypt its shares: {problem}"
 
 
 def _opens(public_key: bytes) -> Callable[[bytes], bool]:

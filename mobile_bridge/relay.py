@@ -24,6 +24,7 @@ from federated.codec import encode
 from federated.flower_internals import KEY_CLIPPING_NORM
 from federated.pacing import MIN_WAIT
 from federated.protocol import ARRAYS, CONFIG, flatten, from_arrays, train_reply, unflatten
+from federated.secure_checks import REJECTED
 from federated.task import Settings, manifest_sha256
 from ondevice import Manifest
 
@@ -161,8 +162,9 @@ def relay_stage(msg: Message, context: Context) -> Message:
         secagg=stage_task(configs, node, order=order, clipping_norm=None if clipping is None else float(clipping)),
     )
     update = bridge.exchange(task, "masked update")
-    if update.get("secagg") is not None:
-        _stage_reply(msg, bridge.device, stage, update["secagg"])  # a declined stage raises
+    answered = update.get("secagg") or {}
+    if "declined" in answered:
+        _stage_reply(msg, bridge.device, stage, answered)  # raises: the device left the round
     masked = np.frombuffer(base64.b64decode(update["weights_b64"]), dtype="<u4")
     shapes = [(1,), *(by_name[n].shape for n in sorted(by_name))]
     bounds = np.cumsum([0, *(int(np.prod(s)) for s in shapes)])
@@ -170,8 +172,9 @@ def relay_stage(msg: Message, context: Context) -> Message:
     reply = train_reply(msg, {}, int(update["num_examples"]), sha, **_device_metrics(update))
     del reply.content[ARRAYS]  # the update left the device masked only
     reply.content[SecAgg.CONFIGS] = ConfigRecord(
-        {SecAgg.Key.MASKED_PARAMETERS: [SecAgg.ndarray_to_bytes(v) for v in vectors]}, False
-    )
+        {SecAgg.Key.MASKED_PARAMETERS: [SecAgg.ndarray_to_bytes(v) for v in vectors],
+         REJECTED: [int(n) for n in answered.get("rejected", [])]}, False
+    )  # fmt: skip
     return reply
 
 

@@ -18,14 +18,19 @@ stage                  task                                                     
 =====================  ========================================================  =================================
 setup                  node, sample_num, share_num, threshold, clipping_range,   pk1, pk2
                        target_range, mod_range, max_weight
-share_keys             node, keys: [[node, pk1, pk2], ...]                       destinations, ciphertexts
-collect_masked_vectors node, sources, ciphertexts, order: [[offset, size], ...],  (binary, see above)
-                       clipping_norm (or null)
+share_keys             node, keys: [[node, pk1, pk2], ...]                       destinations, ciphertexts,
+                                                                                 ephemeral
+collect_masked_vectors node, sources, ciphertexts, ephemeral,                    (binary, see above; the sources
+                       order: [[offset, size], ...], clipping_norm (or null)     it could not decrypt as the
+                                                                                 update's ``rejected`` query)
+odt-prove              node, accusers                                            secrets
 unmask                 node, active, dead                                        nodes, shares
 =====================  ========================================================  =================================
 
-Any stage may be answered ``{"declined": "why"}`` (a device that lost the round's state, say):
-its relay then fails the stage, and the server counts the node as dropped.
+``ephemeral`` is the one-off public key each ciphertext is encrypted with, ``secrets`` the one-off
+private keys of the ciphertexts sent to ``accusers`` (:mod:`federated.secure_client`). Any stage may
+be answered ``{"declined": "why"}`` (a device that lost the round's state, say): its relay then
+fails the stage, and the server counts the node as dropped (or, in the prove stage, excludes it).
 """
 
 from __future__ import annotations
@@ -38,11 +43,21 @@ from typing import Any
 from flwr.app import ConfigRecord
 
 from federated.flower_internals import SecAgg
-from federated.secure_checks import destinations_problem, key_pair_problem, share_problem, token_problem
+from federated.secure_checks import (
+    ACCUSERS,
+    EPHEMERAL,
+    PROVE,
+    SECRETS,
+    destinations_problem,
+    key_pair_problem,
+    key_problem,
+    share_problem,
+    token_problem,
+)
 
-__all__ = ["stage_task", "answer_problem", "stage_values", "masked_size", "KEY_STAGES"]
+__all__ = ["stage_task", "answer_problem", "stage_values", "rejected_problem", "masked_size", "KEY_STAGES"]
 
-KEY_STAGES = (SecAgg.Stage.SETUP, SecAgg.Stage.SHARE_KEYS, SecAgg.Stage.UNMASK)
+KEY_STAGES = (SecAgg.Stage.SETUP, SecAgg.Stage.SHARE_KEYS, PROVE, SecAgg.Stage.UNMASK)
 """Stages a device answers in JSON; the collect stage's answer is the masked vector."""
 
 MAX_BYTES = 4096
@@ -50,7 +65,8 @@ MAX_BYTES = 4096
 _NODE = re.compile(r"^[0-9]{1,20}$")
 _ANSWERS = {
     SecAgg.Stage.SETUP: {"pk1": bytes, "pk2": bytes},
-    SecAgg.Stage.SHARE_KEYS: {"destinations": list[int], "ciphertexts": list[bytes]},
+    SecAgg.Stage.SHARE_KEYS: {"destinations": list[int], "ciphertexts": list[bytes], "ephemeral": list[bytes]},
+    PROVE: {"secrets": list[bytes]},
     SecAgg.Stage.UNMASK: {"nodes": list[int], "shares": list[bytes]},
 }
 _FLOWER_KEYS = {
@@ -58,6 +74,8 @@ _FLOWER_KEYS = {
     "pk2": SecAgg.Key.PUBLIC_KEY_2,
     "destinations": SecAgg.Key.DESTINATION_LIST,
     "ciphertexts": SecAgg.Key.CIPHERTEXT_LIST,
+    "ephemeral": EPHEMERAL,
+    "secrets": SECRETS,
     "nodes": SecAgg.Key.NODE_ID_LIST,
     "shares": SecAgg.Key.SHARE_LIST,
 }
@@ -94,8 +112,11 @@ def stage_task(
             raise ValueError("the collect stage needs the order of the weight buffer's tensors")
         task["sources"] = [str(n) for n in configs[SecAgg.Key.SOURCE_LIST]]
         task["ciphertexts"] = [_b64(c) for c in configs[SecAgg.Key.CIPHERTEXT_LIST]]
+        task["ephemeral"] = [_b64(k) for k in configs[EPHEMERAL]]
         task["order"] = [list(segment) for segment in order]
         task["clipping_norm"] = clipping_norm
+    elif stage == PROVE:
+        task["accusers"] = [str(n) for n in configs[ACCUSERS]]
     elif stage == SecAgg.Stage.UNMASK:
         task["active"] = [str(n) for n in configs[SecAgg.Key.ACTIVE_NODE_ID_LIST]]
         task["dead"] = [str(n) for n in configs[SecAgg.Key.DEAD_NODE_ID_LIST]]
@@ -138,7 +159,7 @@ def answer_problem(stage: str, answer: Any, task: dict[str, Any]) -> str | None:
     wanted = _ANSWERS[stage]
     if set(answer) != set(wanted):
         return f"the {stage} answer must hold exactly {sorted(wanted)}, found {sorted(answer)}"
-    peers = len(task.get("keys", [])) + len(task.get("active", [])) + len(task.get("dead", []))
+    peers = sum(len(task.get(k, [])) for k in ("keys", "accusers", "active", "dead"))
     values = {}
     for key, kind in wanted.items():
         if isinstance(answer[key], list) and len(answer[key]) > peers:
@@ -158,8 +179,11 @@ def _protocol_problem(stage: str, values: dict[str, Any], task: dict[str, Any]) 
         return key_pair_problem({_FLOWER_KEYS[k]: v for k, v in values.items()})
     if stage == SecAgg.Stage.SHARE_KEYS:
         expected = {int(k[0]) for k in task.get("keys", [])} - {int(task["node"])}
-        problems = (token_problem(t) for t in values["ciphertexts"])
+        problems = (*map(token_problem, values["ciphertexts"]), *map(key_problem, values["ephemeral"]))
         return destinations_problem(values["destinations"], expected) or next((p for p in problems if p), None)
+    if stage == PROVE:
+        wanted = len(task.get("accusers", []))
+        return None if len(values["secrets"]) == wanted else f"secrets must hold {wanted} keys, one per accuser"
     asked = [int(n) for n in (*task.get("active", []), *task.get("dead", []))]
     if values["nodes"] != asked:
         return "nodes must list the task's active nodes, then its dead ones, each once and in that order"
@@ -170,3 +194,13 @@ def _protocol_problem(stage: str, values: dict[str, Any], task: dict[str, Any]) 
 def stage_values(stage: str, answer: dict[str, Any]) -> dict[str, Any]:
     """A checked answer as the values of Flower's SecAgg+ reply ConfigRecord."""
     return {_FLOWER_KEYS[key]: _value(kind, answer[key]) for key, kind in _ANSWERS[stage].items()}
+
+
+def rejected_problem(rejected: str, task: dict[str, Any]) -> str | None:
+    """Why ``rejected`` (the collect stage's update query: comma-separated node ids) does not name
+    sources of ``task`` whose ciphertexts the device could not decrypt (None when it does)."""
+    named = [n for n in rejected.split(",") if n]
+    if not all(_NODE.match(n) for n in named) or len(set(named)) != len(named):
+        return "rejected must list node ids (decimal, comma-separated), each once"
+    foreign = sorted(set(named) - set(task.get("sources", [])))
+    return f"rejected names node {foreign[0]}, which sent this task no shares" if foreign else None

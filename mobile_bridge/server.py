@@ -41,7 +41,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from .bundle import verify_bundle
-from .secagg import KEY_STAGES, SecAgg, answer_problem, masked_size
+from .secagg import KEY_STAGES, SecAgg, answer_problem, masked_size, rejected_problem
 from .store import Store, Task, Update
 
 __all__ = ["create_app", "BodyGuard"]
@@ -409,9 +409,12 @@ def create_app(
         num_examples: int,
         bundle_sha256: str,
         metrics: str = "{}",
+        rejected: str = "",
         device_id: str = Depends(device),
     ) -> dict[str, str]:
-        """Query: `num_examples` (1..max), `bundle_sha256`, `metrics` (a JSON object of at most 32 numbers)."""
+        """Query: `num_examples` (1..max), `bundle_sha256`, `metrics` (a JSON object of at most 32 numbers);
+        in a secure round's collect stage, `rejected`: the sources whose shares the device could not
+        decrypt (comma-separated node ids)."""
         if bundle_sha256 != sha:
             raise _error(409, "the update was trained on another bundle (bundle_sha256 differs)")
         if not 0 < num_examples <= max_examples:
@@ -421,11 +424,18 @@ def create_app(
         task = open_task(task_id, device_id)
         if _stage(task) in KEY_STAGES:
             raise _error(409, f"this task is the SecAgg+ {_stage(task)} stage: answer it at /v1/tasks/{task_id}/secagg")
+        secagg = None
         if _stage(task) == SecAgg.Stage.COLLECT_MASKED_VECTORS:
             check_masked(raw, size)
+            problem = rejected_problem(rejected, task.secagg or {})
+            if problem:
+                raise _error(422, problem)
+            secagg = {"rejected": [n for n in rejected.split(",") if n]}
+        elif rejected:
+            raise _error(422, "rejected is for a secure round's collect stage only")
         else:
             check_weights(raw, size)
-        if not store.put_update(task_id, Update(raw, num_examples, values, bundle_sha256)):
+        if not store.put_update(task_id, Update(raw, num_examples, values, bundle_sha256, secagg)):
             raise _error(409, "this task already has an update (replay refused)")
         return {"status": "accepted"}
 

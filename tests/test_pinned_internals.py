@@ -105,17 +105,29 @@ def test_flower_1_41_internals_the_apps_use():
 def test_flower_1_41_secagg_pieces_the_secure_rounds_use():
     """federated.secure runs SecAgg+ with the stage functions and state of Flower's legacy client mod
     (private module flwr.client.mod.secure_aggregation.secaggplus_mod) and its server's primitives."""
+    import dataclasses
     import inspect
 
     from federated.flower_internals import SecAgg
 
-    stages = {"setup": ["state", "configs"], "share_keys": ["state", "configs"], "unmask": ["state", "configs"],
+    stages = {"setup": ["state", "configs"], "unmask": ["state", "configs"],
               "collect_masked_vectors": ["state", "configs", "num_examples", "updated_parameters"]}  # fmt: skip
     for name, parameters in stages.items():
         assert list(inspect.signature(getattr(SecAgg, name)).parameters) == parameters, name
     assert tuple(SecAgg.Stage.all()) == ("setup", "share_keys", "collect_masked_vectors", "unmask")
     state = SecAgg.State(current_stage="setup", nid=3)
     assert SecAgg.State(**state.to_dict()).nid == 3  # the state round-trips through a ConfigRecord's values
+    # the fields federated.secure_client's share_keys stage fills in for Flower's later stages
+    fields = {"nid", "sk1", "sk2", "pk1", "pk2", "threshold", "share_num", "rd_seed", "public_keys_dict",
+              "rd_seed_share_dict", "sk1_share_dict", "ss2_dict"}  # fmt: skip
+    assert fields <= {f.name for f in dataclasses.fields(SecAgg.State)}
+    secret, public = SecAgg.generate_key_pairs()  # a one-off key pair, revealed as PEM and loaded back
+    again = SecAgg.bytes_to_private_key(SecAgg.private_key_to_bytes(secret))
+    assert SecAgg.public_key_to_bytes(again.public_key()) == SecAgg.public_key_to_bytes(public)
+    key = SecAgg.generate_shared_key(secret, public)
+    plaintext = SecAgg.share_keys_plaintext_concat(5, 6, b"seed share", b"key share")
+    opened = SecAgg.share_keys_plaintext_separate(SecAgg.decrypt(key, SecAgg.encrypt(key, plaintext)))
+    assert list(opened) == [5, 6, b"seed share", b"key share"]
     seed = bytes(range(32))
     masks = SecAgg.pseudo_rand_gen(seed, 2**32, [(3,)])
     assert np.array_equal(masks[0], SecAgg.pseudo_rand_gen(seed, 2**32, [(3,)])[0])  # the same seed, the same mask

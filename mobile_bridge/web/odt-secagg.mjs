@@ -252,7 +252,8 @@ export class SecAggError extends Error {
   }
 }
 
-const STAGES = ["setup", "share_keys", "collect_masked_vectors", "unmask"];
+const STAGES = ["setup", "share_keys", "collect_masked_vectors", "odt-prove", "unmask"];
+const OPTIONAL = new Set(["odt-prove"]); // only a node a peer accuses is asked to prove its shares
 
 function littleEndian(value, bytes) {
   const out = new Uint8Array(bytes);
@@ -277,8 +278,9 @@ export class SecureRound {
 
   /** Check that `secagg` is the stage after the last one answered, for this node. */
   begin(secagg) {
-    const expected = this.stage === null ? "setup" : STAGES[STAGES.indexOf(this.stage) + 1];
-    if (secagg.stage !== expected) throw new SecAggError(`expected the ${expected} stage, got ${secagg.stage}`);
+    const next = this.stage === null ? 0 : STAGES.indexOf(this.stage) + 1;
+    const allowed = [STAGES[next], ...(OPTIONAL.has(STAGES[next]) ? [STAGES[next + 1]] : [])];
+    if (!allowed.includes(secagg.stage)) throw new SecAggError(`expected the ${allowed.join(" or ")} stage, got ${secagg.stage}`);
     if (this.stage !== null && secagg.node !== this.node) throw new SecAggError("the stage is for another node");
     this.stage = secagg.stage;
   }
@@ -288,6 +290,7 @@ export class SecureRound {
     this.begin(secagg);
     if (secagg.stage === "setup") return this.setup(secagg);
     if (secagg.stage === "share_keys") return this.shareKeys(secagg);
+    if (secagg.stage === "odt-prove") return this.prove(secagg);
     if (secagg.stage === "unmask") return this.unmask(secagg);
     throw new SecAggError(`the ${secagg.stage} stage is answered with collect()`);
   }
@@ -301,7 +304,7 @@ export class SecureRound {
     this.pair2 = await generateKeyPair(); // encrypting shares to the other nodes
     this.seedShares = new Map();
     this.keyShares = new Map();
-    this.channels = new Map();
+    this.sent = new Map(); // node -> the one-off private key (PEM) of the ciphertext sent to it
     return { pk1: toBase64(this.pair1.publicPem), pk2: toBase64(this.pair2.publicPem) };
   }
 
@@ -319,50 +322,66 @@ export class SecureRound {
     const keyShares = createShares(this.pair1.privatePem, this.threshold, this.shareNum);
     const destinations = [];
     const ciphertexts = [];
+    const ephemeral = [];
     let index = 0;
     for (const [node, [, pk2]] of this.publicKeys) {
       if (node === this.node) {
         this.seedShares.set(node, seedShares[index]);
         this.keyShares.set(node, keyShares[index]);
       } else {
-        const key = await sharedKey(this.pair2.privateKey, pk2);
-        this.channels.set(node, key);
+        // each ciphertext under a one-off key pair, so that this node can prove one without the others
+        const oneOff = await generateKeyPair();
+        const key = await sharedKey(oneOff.privateKey, pk2);
+        this.sent.set(node, oneOff.privatePem);
         const share = seedShares[index];
         const plaintext = new Uint8Array([...littleEndian(this.node, 8), ...littleEndian(node, 8),
                                           ...littleEndian(share.length, 4), ...share, ...keyShares[index]]);
         destinations.push(node);
         ciphertexts.push(toBase64(await fernetEncrypt(key, plaintext)));
+        ephemeral.push(toBase64(oneOff.publicPem));
       }
       index++;
     }
-    return { destinations, ciphertexts };
+    return { destinations, ciphertexts, ephemeral };
+  }
+
+  /** The shares `source` sent under one-off public key `ephemeral` (PEM), or null when they do not open. */
+  async open(source, token, ephemeral) {
+    let plain;
+    try {
+      plain = await fernetDecrypt(await sharedKey(this.pair2.privateKey, ephemeral), token);
+    } catch {
+      return null;
+    }
+    if (plain.length < 20) return null;
+    const view = new DataView(plain.buffer, plain.byteOffset, plain.byteLength);
+    const [from, to, length] = [view.getBigUint64(0, true), view.getBigUint64(8, true), view.getUint32(16, true)];
+    if (String(from) !== source || String(to) !== this.node || 20 + length > plain.length) return null;
+    return [plain.slice(20, 20 + length), plain.slice(20 + length)];
   }
 
   /**
    * The collect stage: the global and trained weight buffers (Float32Array, manifest order) and the
    * example count -> the masked vector (Uint32Array: the weight factor, then the update's values in
-   * `secagg.order`), quantized, weighted and masked as Flower's client does.
+   * `secagg.order`), quantized, weighted and masked as Flower's client does. The sources whose
+   * shares do not open are left out and listed in `this.rejected` (the update's `rejected`): the
+   * server asks each to prove its ciphertext, and excludes whoever lied.
    */
   async collect(secagg, start, trained, numExamples) {
     this.begin(secagg);
     if (secagg.ciphertexts.length + 1 < this.threshold) throw new SecAggError("fewer neighbours than the threshold");
     const available = [];
+    this.rejected = [];
     for (let i = 0; i < secagg.sources.length; i++) {
       const source = secagg.sources[i];
-      const key = this.channels.get(source);
-      if (!key) throw new SecAggError(`no channel with node ${source}`);
-      let plain; // a peer's token that does not open is a SecAggError: the device declines, the round goes on
-      try {
-        plain = await fernetDecrypt(key, fromBase64(secagg.ciphertexts[i]));
-      } catch (error) {
-        throw new SecAggError(`the shares node ${source} sent cannot be decrypted (${error.message})`);
+      const usable = this.publicKeys.has(source) && source !== this.node && !available.includes(source);
+      const ephemeral = secagg.ephemeral?.[i];
+      const shares = usable && typeof ephemeral === "string" ? await this.open(source, fromBase64(secagg.ciphertexts[i]), fromBase64(ephemeral)) : null;
+      if (!shares) {
+        this.rejected.push(source);
+        continue;
       }
-      if (plain.length < 20) throw new SecAggError(`the shares node ${source} sent are too short`);
-      const view = new DataView(plain.buffer, plain.byteOffset, plain.byteLength);
-      const [from, to, length] = [view.getBigUint64(0, true), view.getBigUint64(8, true), view.getUint32(16, true)];
-      if (String(from) !== source || String(to) !== this.node) throw new SecAggError("a share names the wrong nodes");
-      this.seedShares.set(source, plain.slice(20, 20 + length));
-      this.keyShares.set(source, plain.slice(20 + length));
+      [this.seedShares, this.keyShares].forEach((held, k) => held.set(source, shares[k]));
       available.push(source);
     }
     const update = new Float64Array(trained.length);
@@ -399,6 +418,14 @@ export class SecureRound {
       add(masks(key, range, [[vector.length]])[0], own > BigInt(node) ? 1 : -1);
     }
     return Uint32Array.from(vector);
+  }
+
+  /** The prove stage: the one-off private key of the ciphertext sent to each accuser, once a round. */
+  prove(s) {
+    const secrets = s.accusers.map((node) => this.sent.get(node));
+    if (!secrets.length || secrets.some((secret) => !secret)) throw new SecAggError("asked to prove shares it did not send");
+    this.sent.clear(); // answered once: a second request reveals nothing more
+    return { secrets: secrets.map(toBase64) };
   }
 
   unmask(s) {

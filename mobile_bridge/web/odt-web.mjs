@@ -939,10 +939,11 @@ export class BridgeClient {
 
   /** The trained weights go up binary (float32 little-endian), or in a secure round the masked vector
    * (Uint32Array); counts and metrics in the query. */
-  async pushUpdate(task, weights, numExamples, metrics = {}) {
+  async pushUpdate(task, weights, numExamples, metrics = {}, rejected = []) {
     const query = new URLSearchParams({
       num_examples: String(numExamples), bundle_sha256: task.bundle_sha256, metrics: JSON.stringify(metrics),
     });
+    if (rejected.length) query.set("rejected", rejected.join(","));
     const response = await fetch(`${this.base}/v1/tasks/${task.task_id}/update?${query}`, {
       method: "POST",
       headers: { ...this.headers, "Content-Type": "application/octet-stream" },
@@ -988,7 +989,7 @@ export class BridgeClient {
           const start = Float32Array.from(task.weights); // train() may hand task.weights to a worker
           trained = await train(task);
           const masked = await secure.collect(task.secagg, start, await client.getWeights(), trained.count);
-          await this.pushUpdate(task, masked, trained.count, trained.metrics);
+          await this.pushUpdate(task, masked, trained.count, trained.metrics, secure.rejected);
         } else {
           await this.pushAnswer(task, await secure.answer(task.secagg));
           if (stage === "unmask") return { round: task.round, secure: true, ...trained };

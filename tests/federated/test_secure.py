@@ -19,7 +19,7 @@ from federated.flower_internals import KEY_CLIPPING_NORM, SecAgg
 from federated.loopback import LoopbackGrid
 from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 from federated.secure import SecureGrid, SecureSettings, group_size, levels_for, secure_mod
-from federated.secure_checks import REJECTED
+from federated.secure_checks import ACCUSERS, EPHEMERAL, PROVE, REJECTED, SECRETS
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (5, 40)}
 
@@ -309,15 +309,21 @@ HOSTILE_ROWS = [
     ("setup", _copy_key, ALSO_101, "same public key"),  # who copied whom cannot be told: both leave
     # share_keys: where its shares go
     ("share_keys", _set(DEST, [1.5]), EXCLUDED, "lacks"),
-    ("share_keys", lambda c, m: [_configs(c)[k].append(_configs(c)[k][0]) for k in (DEST, CIPHER)], EXCLUDED,
-     "more than once"),
+    ("share_keys", lambda c, m: [_configs(c)[k].append(_configs(c)[k][0]) for k in (DEST, CIPHER, EPHEMERAL)],
+     EXCLUDED, "more than once"),
     ("share_keys", _set(DEST, lambda v, m: [999, *v[1:]]), EXCLUDED, "not one of the 5 peers"),
-    ("share_keys", lambda c, m: [_configs(c)[k].pop() for k in (DEST, CIPHER)], EXCLUDED, "sent no shares"),
+    ("share_keys", lambda c, m: [_configs(c)[k].pop() for k in (DEST, CIPHER, EPHEMERAL)], EXCLUDED,
+     "sent no shares"),
+    ("share_keys", lambda c, m: _configs(c).pop(EPHEMERAL), EXCLUDED, "lacks 'odt-ephemeral-keys'"),
+    ("share_keys", _set(EPHEMERAL, lambda v, m: [m["keys"][101], *v[1:]]), EXCLUDED,  # another node's key
+     "could not decrypt its shares: the key it revealed is not the one it encrypted with"),
+    ("share_keys", _set(EPHEMERAL, lambda v, m: [b"junk", *v[1:]]), EXCLUDED, "a one-off key that is not a PEM"),
     ("share_keys", _set(CIPHER, lambda v, m: [b"garbage", *v[1:]]), EXCLUDED, "not url-safe base64"),
-    ("share_keys", _forge(), EXCLUDED, "could not decrypt the shares it sent them"),
+    # its peers accuse it, it reveals the one-off keys, the server opens the tokens: they do not open
+    ("share_keys", _forge(), EXCLUDED, "node 103 could not decrypt its shares: the ciphertext does not decrypt"),
     # 101 alone took its shares, so 101's masks with 102 cannot be removed: 101 leaves too
-    ("share_keys", _forge(spare=101), ALSO_101, "could not decrypt the shares it sent them"),
-    ("share_keys", _forge(101), ALSO_101, "could not decrypt"),  # one broken pair: both of its nodes leave
+    ("share_keys", _forge(spare=101), ALSO_101, "could not decrypt its shares"),
+    ("share_keys", _forge(101), EXCLUDED, "node 101 could not decrypt its shares"),  # the accuser stays
     # collect_masked_vectors: its masked vector and its weight
     ("collect_masked_vectors", _set(SecAgg.Key.MASKED_PARAMETERS, [SecAgg.ndarray_to_bytes(np.zeros(3, np.uint32))]),
      EXCLUDED, "shapes"),
@@ -325,8 +331,10 @@ HOSTILE_ROWS = [
      "example count is -5"),
     ("collect_masked_vectors", lambda c, m: c.metric_records[METRICS].__setitem__("num-examples", 10**6),
      EXCLUDED, "example count is 1000000"),
+    # a false accuser: the accused reveal their one-off keys and the server opens their tokens
     ("collect_masked_vectors", _set(REJECTED, lambda v, m: [101, 103, 104, 105]), EXCLUDED,
-     "could not decrypt the shares of nodes [101, 103, 104, 105]"),  # a false accuser
+     "it said it could not decrypt the shares of node 101, which open under the key 101 revealed"),
+    ("collect_masked_vectors", _set(REJECTED, [101]), EXCLUDED, "it said it could not decrypt the shares of node 101"),
     ("collect_masked_vectors", _masked_add(None, 2**31), None, REFUSED),
     ("collect_masked_vectors", _masked_add(7, 2**31), None, REFUSED),  # one element
     ("collect_masked_vectors", _masked_add(0, 2**31), None, REFUSED),  # the weight factor
@@ -402,6 +410,110 @@ def test_one_hostile_node_is_named_and_left_out_or_the_sum_is_refused(stage, dam
     aggregate = from_arrays(reply.content[ARRAYS])
     for name in SHAPES:
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
+
+
+class Liars(Nodes):
+    """``liars`` mask with every peer as honest nodes do, then say they could not decrypt the shares of
+    ``targets`` (in the collect reply)."""
+
+    def __init__(self, updates, liars, targets):
+        super().__init__(updates)
+        self.liars, self.targets = liars, targets
+
+    def _node(self, message: Message, context: Context) -> Message:
+        current = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]
+        reply = super()._node(message, context)
+        if context.node_id in self.liars and current == "collect_masked_vectors":
+            _configs(reply.content)[REJECTED] = [t for t in self.targets if t != context.node_id]
+        return reply
+
+
+@pytest.mark.parametrize("nodes", [6, 9])
+@pytest.mark.parametrize("liars", [1, 2, 3])
+@pytest.mark.parametrize("targets", ["one", "all"])
+def test_false_accusers_are_named_and_excluded_and_the_accused_stay(nodes, liars, targets):
+    """Colluding nodes below the threshold say they could not decrypt honest peers' shares (node 101's,
+    or every honest node's) while masking with them: each accused reveals the one-off keys of those
+    ciphertexts, the server opens them, and only the liars leave. The aggregate is the honest nodes'
+    FedAvg within the quantization bound."""
+    updates = _updates(nodes, seed=nodes + liars)
+    liar_ids = {102 + i for i in range(liars)}
+    honest = [n for n in updates if n not in liar_ids]
+    settings = SecureSettings(threshold=0.5, max_weight=1000.0)
+    grid = Liars(updates, liar_ids, [101] if targets == "one" else honest)
+    secure, aggregate, _ = _round(grid, list(updates), settings, START)
+    log = secure.rounds[-1]
+    assert log.refused is None and not log.dropped and not log.flagged
+    assert set(log.excluded) == liar_ids, log.excluded
+    assert all("which open under the key 101 revealed" in log.excluded[n] for n in liar_ids)
+    expected = _expected(updates, honest, START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, honest), rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("proof", "said"),
+    [
+        (lambda r: _configs(r.content).__setitem__(SECRETS, [b"junk"] * len(_configs(r.content)[SECRETS])),
+         "node 100 could not decrypt its shares: the key it revealed is not the one it encrypted with"),
+        (lambda r: _configs(r.content).__setitem__(SECRETS, []), "its odt-prove reply broke the protocol: 0 keys"),
+        (lambda r: _configs(r.content).pop(SECRETS), "its odt-prove reply broke the protocol: it lacks"),
+        (lambda r: r.content.config_records.clear(), "its odt-prove reply broke the protocol: no SecAgg+ record"),
+    ],
+    ids=["wrong keys", "too few", "no keys", "no record"],
+)
+def test_an_accused_node_that_does_not_prove_its_shares_leaves_and_its_accuser_stays(proof, said):
+    """Node 102 sends 100 shares that do not open, and answers the prove stage wrongly: 102 is excluded
+    and named, 100 stays (an accused node that cannot show its ciphertext opens is at fault)."""
+
+    class Forger(Hostile):
+        def _node(self, message, context):
+            current = _configs(message.content)[SecAgg.Key.STAGE]
+            reply = super()._node(message, context)
+            if context.node_id == HOSTILE and current == PROVE:
+                proof(reply)
+            return reply
+
+    updates = _updates(6, seed=11)
+    grid = Forger(updates, "share_keys", _forge(100))
+    settings = SecureSettings(max_weight=1000.0)
+    secure, aggregate, _ = _round(grid, list(updates), settings, START)
+    log = secure.rounds[-1]
+    assert set(log.excluded) == {102} and said in log.excluded[102], log.excluded
+    survivors = [n for n in updates if n != 102]
+    expected = _expected(updates, survivors, START)
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
+
+
+def test_a_node_reveals_one_off_keys_once_and_only_for_peers_it_sent_shares_to():
+    """The client's prove stage: once per round, after the collect stage, for peers it sent shares to;
+    a request naming another node, or a second request, is refused (the server can collect no more
+    than the accusers already hold)."""
+    refused = []
+
+    def prove(context, accusers):
+        task = RecordDict({SecAgg.CONFIGS: ConfigRecord({SecAgg.Key.STAGE: PROVE, ACCUSERS: accusers})})
+        message = Message(task, dst_node_id=102, message_type="train", group_id="1")
+        try:
+            return secure_mod(message, context, lambda m, c: pytest.fail("the prove stage trains nothing"))
+        except ValueError as exc:
+            refused.append(str(exc))
+
+    class Asked(Liars):
+        def _node(self, message, context):
+            if message.content.config_records[SecAgg.CONFIGS].get(SecAgg.Key.STAGE) == PROVE:
+                prove(context, [100, 999])  # 999 is no peer of 102
+                reply = super()._node(message, context)
+                prove(context, [100])  # the same request again
+                return reply
+            return super()._node(message, context)
+
+    updates = _updates(4, seed=12)
+    secure, _, _ = _round(Asked(updates, {100}, [102]), list(updates), SecureSettings(max_weight=1000.0), START)
+    assert set(secure.rounds[-1].excluded) == {100}  # 102's real answer proved its shares
+    assert len(refused) == 2
+    assert "must name peers this node sent shares to" in refused[0] and "once, after the collect stage" in refused[1]
 
 
 def test_a_refused_sum_leaves_the_global_model_and_the_report_says_so(digits_artifacts):

@@ -1,5 +1,5 @@
 """The server's SecAgg+ checks as pure functions: share recovery against Flower's own Shamir shares,
-the broken-pair cover, the honest-sum range, and the quantization settings."""
+accusations settled by the key the accused reveals, the honest-sum range, and the quantization settings."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key
 from federated.secure_checks import (
     MOD_RANGE,
     RecoveryError,
-    broken_pair_cover,
+    accusation_verdict,
     destinations_problem,
     key_problem,
     levels_for,
@@ -86,20 +86,34 @@ def test_a_checkable_secret_is_found_with_no_spare_share():
     assert recover(shares, 3, opens) == (key, {100})
 
 
-@pytest.mark.parametrize(
-    "pairs, out",
-    [
-        ([], set()),
-        ([(1, 9)], {1, 9}),  # one broken pair: who lied cannot be told
-        ([(1, 9), (2, 9), (3, 9)], {9}),  # 9 sent bad ciphertexts to three nodes
-        ([(9, 1), (9, 2), (9, 3)], {9}),  # 9 accuses three nodes
-        ([(9, 1), (9, 2), (3, 4)], {9, 3, 4}),
-        ([(1, 9), (9, 1)], {1, 9}),  # both directions are one pair
-        ([(5, 5)], set()),
-    ],
-)
-def test_the_node_in_most_broken_pairs_leaves_first(pairs, out):
-    assert broken_pair_cover(pairs) == out
+def _sent(sender: int, receiver: int, receiver_public, *, names=None, key=None):
+    """A ciphertext of shares as a client sends it: under a one-off key pair's ECDH with the receiver's
+    key (Flower's key derivation); ``names`` overrides the (sender, receiver) in the plaintext, ``key``
+    encrypts under another Fernet key."""
+    from federated.flower_internals import SecAgg
+
+    secret, public = generate_key_pairs()
+    shared = key or SecAgg.generate_shared_key(secret, receiver_public)
+    plaintext = SecAgg.share_keys_plaintext_concat(*(names or (sender, receiver)), b"s" * 20, b"k" * 52)
+    return private_key_to_bytes(secret), public_key_to_bytes(public), SecAgg.encrypt(shared, plaintext)
+
+
+def test_an_accusation_blames_the_liar_or_the_sender_by_the_revealed_key():
+    """accusation_verdict: None (the accuser lied) exactly when the revealed key is the one-off key and
+    the ciphertext opens to the sender's shares for the accuser; otherwise why the sender is at fault."""
+    _, receiver_public = generate_key_pairs()  # the receiver's private key is never needed
+    receiver_key = public_key_to_bytes(receiver_public)
+    secret, ephemeral, token = _sent(7, 9, receiver_public)
+    assert accusation_verdict(secret, ephemeral, receiver_key, token, 7, 9) is None
+    other, _, _ = _sent(7, 9, receiver_public)
+    assert "not the one it encrypted with" in accusation_verdict(other, ephemeral, receiver_key, token, 7, 9)
+    assert "not the one it encrypted with" in accusation_verdict(b"junk", ephemeral, receiver_key, token, 7, 9)
+    secret, ephemeral, token = _sent(7, 9, receiver_public, key=Fernet.generate_key())
+    assert "does not decrypt" in accusation_verdict(secret, ephemeral, receiver_key, token, 7, 9)
+    secret, ephemeral, token = _sent(7, 9, receiver_public, names=(7, 8))
+    assert "name nodes 7 -> 8" in accusation_verdict(secret, ephemeral, receiver_key, token, 7, 9)
+    secret, ephemeral, token = _sent(7, 9, receiver_public)
+    assert "does not decrypt" in accusation_verdict(secret, ephemeral, receiver_key, token[:-8] + b"AAAAAAAA", 7, 9)
 
 
 def test_an_honest_sum_passes_and_shifted_or_garbled_ones_do_not():

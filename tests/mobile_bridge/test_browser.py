@@ -508,7 +508,8 @@ def test_browser_and_python_refuse_a_damaged_description_alike(digits_artifacts,
 def test_browser_secagg_primitives_interoperate_with_flowers(site, tmp_path):
     """Masks bit for bit with Flower's generator (numpy's legacy Mersenne Twister), ECDH P-384 + HKDF
     keys both ways (and the browser's private key loads in Python, as SecAgg+ rebuilds a dropped
-    node's from shares), Fernet tokens both ways, Shamir shares both ways."""
+    node's from shares, and as the server opens an accused node's ciphertext with its revealed
+    one-off key), Fernet tokens both ways, Shamir shares both ways."""
     import base64
     import os
 
@@ -554,5 +555,9 @@ def test_browser_secagg_primitives_interoperate_with_flowers(site, tmp_path):
     shares = [base64.b64decode(s) for s in result["shares"]]
     assert combine_shares(shares[:3]) == secret and combine_shares(shares[2:]) == secret
     assert base64.b64decode(result["combined"]) == python_secret
-    # shares under a key the pair does not share: the device declines the stage (a SecAggError), it does not crash
-    assert result["forged"].startswith("SecAggError: the shares node 1 sent cannot be decrypted"), result["forged"]
+    # shares under a key the pair does not share: the device reports their sender (the server then asks it to
+    # prove them), and the sender's proof is the one-off private key (PEM) of its real ciphertext, once
+    forged = result["forged"]
+    assert forged["rejected"] == ["1"] and forged["again"] == "SecAggError", forged
+    revealed = bytes_to_private_key(base64.b64decode(forged["secret"]))
+    assert public_key_to_bytes(revealed.public_key()) == base64.b64decode(forged["ephemeral"])

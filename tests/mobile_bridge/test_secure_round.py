@@ -17,14 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.fernet import Fernet
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from federated.client_app import clipping_when_asked, secure_or_relayed
-from federated.flower_internals import KEY_CLIPPING_NORM
+from federated.flower_internals import KEY_CLIPPING_NORM, SecAgg
 from federated.loopback import LoopbackGrid
 from federated.processes import ProcessGroup, flower_env, free_port
 from federated.protocol import ARRAYS, CONFIG, METRICS, from_arrays, to_arrays
 from federated.secure import SecureGrid, SecureSettings, levels_for, secure_mod
+from federated.secure_checks import REJECTED
 from federated.task import manifest_sha256
 from mobile_bridge import make_bundle
 from ondevice import Manifest, Trainer
@@ -33,11 +35,14 @@ from . import WEB, wait_for
 
 pytestmark = [pytest.mark.browser]
 
-BROWSER, PYTHON = 103, (101, 102)
+BROWSER, PYTHON = 103, (101, 102, 104, 105)
+LIAR, FORGER = 101, 102
 
 
-def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]]):
-    """A node's train handler that returns its known update (the app's SecAgg+ mod around it)."""
+def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]], hostile: str | None = None):
+    """A node's train handler that returns its known update (the app's SecAgg+ mod around it). With
+    ``hostile``, node 101 says it could not decrypt the browser's shares ("liar"), or node 102 sends
+    the browser shares under a key nobody shares ("forger")."""
 
     def train(message: Message, context: Context) -> Message:
         update, count = updates[context.node_id]
@@ -46,16 +51,35 @@ def _known(updates: dict[int, tuple[dict[str, np.ndarray], int]]):
         metrics = MetricRecord({"num-examples": count, "train-loss": 1.0, "manifest-tag": 7})
         return Message(RecordDict({ARRAYS: to_arrays(trained), METRICS: metrics}), reply_to=message)
 
-    return lambda message, context: secure_mod(message, context, lambda m, c: clipping_when_asked(m, c, train))
+    def node(message: Message, context: Context) -> Message:
+        stage = message.content.config_records[SecAgg.CONFIGS][SecAgg.Key.STAGE]
+        reply = secure_mod(message, context, lambda m, c: clipping_when_asked(m, c, train))
+        configs = reply.content.config_records.get(SecAgg.CONFIGS)
+        if hostile == "liar" and context.node_id == LIAR and stage == "collect_masked_vectors":
+            configs[REJECTED] = [BROWSER]
+        if hostile == "forger" and context.node_id == FORGER and stage == "share_keys":
+            forged = Fernet(Fernet.generate_key()).encrypt(b"x" * 400)
+            sent = zip(configs[SecAgg.Key.DESTINATION_LIST], configs[SecAgg.Key.CIPHERTEXT_LIST])
+            configs[SecAgg.Key.CIPHERTEXT_LIST] = [forged if d == BROWSER else c for d, c in sent]
+        return reply
+
+    return node
 
 
 @pytest.mark.parametrize(
-    ("vanish", "clip"),
-    [({}, None), ({102: "collect_masked_vectors"}, None), ({}, 0.2)],
-    ids=["all", "python-node-drops", "dp-clipping"],
-)
-def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data_dir, tmp_path, vanish, clip):
-    """With client-side DP (``clip``) every node, the browser too, clips its update before it masks it."""
+    ("vanish", "clip", "hostile"),
+    [({}, None, None), ({102: "collect_masked_vectors"}, None, None), ({}, 0.2, None), ({}, None, "liar"),
+     ({}, None, "forger")],
+    ids=["all", "python-node-drops", "dp-clipping", "python-node-accuses-the-browser-falsely",
+         "python-node-sends-the-browser-bad-shares"],
+)  # fmt: skip
+def test_a_browser_masks_its_own_update_in_a_secure_round(
+    digits_artifacts, data_dir, tmp_path, vanish, clip, hostile
+):
+    """With client-side DP (``clip``) every node, the browser too, clips its update before it masks it.
+    A Python node that says it could not decrypt the browser's shares is excluded once the browser
+    reveals the one-off key of that ciphertext; one that sends the browser shares that do not open is
+    reported by the browser, cannot prove them, and is excluded; the browser stays in both."""
     bundle = tmp_path / "bundle"
     make_bundle(digits_artifacts, bundle)
     manifest = Manifest.load(digits_artifacts)
@@ -80,7 +104,8 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
         browser = subprocess.Popen([*driver, str(tmp_path / "task.json")], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            grid = LoopbackGrid({**{n: _known(updates) for n in PYTHON}, BROWSER: secure_or_relayed_node}, vanish)
+            nodes = {**{n: _known(updates, hostile) for n in PYTHON}, BROWSER: secure_or_relayed_node}
+            grid = LoopbackGrid(nodes, vanish)
             relay = {"bridge-url": f"http://127.0.0.1:{port}", "bridge-device": "browser-1",
                      "bridge-secret": "relay-secret", "artifacts": str(digits_artifacts)}  # fmt: skip
             run = {"round-timeout": 60.0, "local-epochs": 1, "local-steps": 0, "batch-size": 32}
@@ -114,7 +139,9 @@ def test_a_browser_masks_its_own_update_in_a_secure_round(digits_artifacts, data
             norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in update.values()))
             assert norm > clip
             everyone[node] = ({k: v * np.float32(clip / norm) for k, v in update.items()}, count)
-    survivors = [n for n in everyone if n not in vanish]
+    out = {"liar": {LIAR}, "forger": {FORGER}}.get(hostile, set())
+    assert set(secure.rounds[-1].excluded) == out, secure.rounds[-1].excluded
+    survivors = [n for n in everyone if n not in vanish and n not in out]
     total = sum(everyone[n][1] for n in survivors)
     aggregate = from_arrays(reply.content[ARRAYS])
     level = 2 * settings.clipping_range / levels_for(len(everyone))

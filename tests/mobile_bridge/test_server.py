@@ -343,6 +343,7 @@ def _answer(api, task_id, headers, answer):
 NODE, PEER = str(2**64 - 5), "17"  # node ids beyond 2^53 travel as decimal strings
 SHARE_KEYS = {"stage": "share_keys", "node": NODE, "keys": [[NODE, "YQ==", "Yg=="], [PEER, "Yw==", "ZA=="]]}
 UNMASK = {"stage": "unmask", "node": NODE, "active": [NODE, PEER], "dead": []}
+PROVE = {"stage": "odt-prove", "node": NODE, "accusers": [PEER]}
 
 
 def _pem_keys() -> list[str]:
@@ -378,21 +379,30 @@ def test_a_secure_rounds_stages_pass_through_the_bridge(api):
     assert _answer(api, task_id, headers, keys).status_code == 409  # replay
 
     shared = _stage(api, SHARE_KEYS)
-    answer = {"destinations": [PEER], "ciphertexts": [_token()]}
+    answer = {"destinations": [PEER], "ciphertexts": [_token()], "ephemeral": [pk1]}
     assert _answer(api, shared, headers, answer).status_code == 202
+    prove = _stage(api, PROVE)
+    assert _answer(api, prove, headers, {"secrets": [SECRET_KEY]}).status_code == 202
+    assert api.get(f"/internal/tasks/{prove}/update", headers=relay).json()["secagg"] == {"secrets": [SECRET_KEY]}
     unmask = _stage(api, UNMASK)
     assert _answer(api, unmask, headers, {"nodes": [NODE, PEER], "shares": _shares()}).status_code == 202
 
     collect = {"stage": "collect_masked_vectors", "node": NODE, "sources": [PEER], "ciphertexts": ["dA=="],
-               "order": [[0, SIZE]], "clipping_norm": None}  # fmt: skip
+               "ephemeral": [pk1], "order": [[0, SIZE]], "clipping_norm": None}  # fmt: skip
     masked_task = _stage(api, collect, weights=np.arange(SIZE, dtype=np.float32))
     task = api.get("/v1/task", headers=headers).json()
     assert task["secagg"] == collect and task["weights_size"] == SIZE
     masked = np.random.default_rng(0).integers(0, 2**32, SIZE + 1, dtype=np.uint64).astype("<u4")
     assert _push(api, masked_task, headers, np.ones(SIZE, "<f4").tobytes()).status_code == 422  # not a masked vector
-    assert _push(api, masked_task, headers, masked.tobytes()).status_code == 202
+    for rejected, why in [("18", "rejected names node 18"), (f"{PEER},{PEER}", "each once"), ("x", "node ids")]:
+        response = _push(api, masked_task, headers, masked.tobytes(), rejected=rejected)
+        assert response.status_code == 422 and why in response.json()["detail"], response.text
+    assert _push(api, masked_task, headers, masked.tobytes(), rejected=PEER).status_code == 202
     update = api.get(f"/internal/tasks/{masked_task}/update", headers=relay).json()
     np.testing.assert_array_equal(np.frombuffer(base64.b64decode(update["weights_b64"]), "<u4"), masked)
+    assert update["secagg"] == {"rejected": [PEER]}  # the relay reports the sources it could not decrypt
+    plain = _task(api)
+    assert _push(api, plain, headers, rejected=PEER).status_code == 422  # only a collect stage rejects
 
     plain = _task(api)  # a plain task is not answered in JSON
     assert _answer(api, plain, headers, {"declined": "no"}).status_code == 409
@@ -400,6 +410,7 @@ def test_a_secure_rounds_stages_pass_through_the_bridge(api):
 
 PK1, PK2 = _pem_keys()
 TOKEN, SHARES = _token(), _shares()
+SECRET_KEY = base64.b64encode(b"-----BEGIN PRIVATE KEY-----\nMIG2\n-----END PRIVATE KEY-----\n").decode()
 
 
 def _rsa_pem() -> str:
@@ -414,25 +425,36 @@ def _rsa_pem() -> str:
 SETUP = {"stage": "setup", "node": NODE, "sample_num": 2, "share_num": 2, "threshold": 2}
 
 
+def _sent(answer: dict) -> dict:
+    """A share_keys answer with a one-off public key beside each ciphertext."""
+    ciphertexts = answer.get("ciphertexts")
+    return {**answer, "ephemeral": [PK1] * len(ciphertexts)} if isinstance(ciphertexts, list) else answer
+
+
 @pytest.mark.parametrize(
     ("stage", "answer", "message"),
     [
         (SHARE_KEYS, [1, 2], "JSON object"),
-        (SHARE_KEYS, {"destinations": [PEER]}, "exactly ['ciphertexts', 'destinations']"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [TOKEN], "extra": 1}, "exactly"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["not base64!"]}, "ciphertexts must be base64"),
-        (SHARE_KEYS, {"destinations": [17], "ciphertexts": [TOKEN]}, "node ids as decimal strings"),  # a number
-        (SHARE_KEYS, {"destinations": [str(2**64)], "ciphertexts": [TOKEN]}, "node ids as decimal strings"),
-        (SHARE_KEYS, {"destinations": [PEER] * 3, "ciphertexts": [TOKEN] * 3}, "more than the 2 nodes"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [TOKEN, TOKEN]}, "lists of the same length"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["YQ" * 4000]}, "base64"),  # longer than any token
+        (SHARE_KEYS, {"destinations": [PEER]}, "exactly ['ciphertexts', 'destinations', 'ephemeral']"),
+        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [TOKEN], "ephemeral": [TOKEN]}, "not a PEM public key"),
+        (PROVE, {"secrets": []}, "secrets must hold 1 keys"),
+        (PROVE, {"secrets": [SECRET_KEY] * 2}, "more than the 1 nodes"),
+        (PROVE, {"keys": [SECRET_KEY]}, "exactly ['secrets']"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": [TOKEN], "extra": 1}), "exactly"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": ["not base64!"]}), "ciphertexts must be base64"),
+        (SHARE_KEYS, _sent({"destinations": [17], "ciphertexts": [TOKEN]}), "node ids as decimal strings"),  # a number
+        (SHARE_KEYS, _sent({"destinations": [str(2**64)], "ciphertexts": [TOKEN]}), "node ids as decimal strings"),
+        (SHARE_KEYS, _sent({"destinations": [PEER] * 3, "ciphertexts": [TOKEN] * 3}), "more than the 2 nodes"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": [TOKEN, TOKEN]}), "lists of the same length"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": ["YQ" * 4000]}), "base64"),  # longer than any token
         (SHARE_KEYS, {"declined": "x" * 301}, "at most 300"),
         # what the server would refuse too: the protocol, not only the types
-        (SHARE_KEYS, {"destinations": [PEER, PEER], "ciphertexts": [TOKEN] * 2}, "more than once"),
-        (SHARE_KEYS, {"destinations": ["18"], "ciphertexts": [TOKEN]}, "not one of the 1 peers"),
-        (SHARE_KEYS, {"destinations": [], "ciphertexts": []}, "sent no shares to node 17"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": ["YQ=="]}, "a ciphertext that is not"),
-        (SHARE_KEYS, {"destinations": [PEER], "ciphertexts": [base64.b64encode(b"YWJj").decode()]}, "not a Fernet"),
+        (SHARE_KEYS, _sent({"destinations": [PEER, PEER], "ciphertexts": [TOKEN] * 2}), "more than once"),
+        (SHARE_KEYS, _sent({"destinations": ["18"], "ciphertexts": [TOKEN]}), "not one of the 1 peers"),
+        (SHARE_KEYS, _sent({"destinations": [], "ciphertexts": []}), "sent no shares to node 17"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": ["YQ=="]}), "a ciphertext that is not"),
+        (SHARE_KEYS, _sent({"destinations": [PEER], "ciphertexts": [base64.b64encode(b"YWJj").decode()]}),
+         "not a Fernet"),
         (SETUP, {"pk1": base64.b64encode(b"key one").decode(), "pk2": PK2}, "pk1: not a PEM public key"),
         (SETUP, {"pk1": PK1, "pk2": _rsa_pem()}, "pk2: not a secp384r1 key"),
         (SETUP, {"pk1": PK1, "pk2": PK1}, "the same"),
@@ -469,7 +491,7 @@ def test_json_nested_thousands_deep_is_refused_not_a_500(api):
 
 
 def test_the_relay_cannot_send_an_unknown_stage(api):
-    body = {"artifacts_sha256": _artifacts_sha(api), "round": 1, "timeout_s": 5, "secagg": {"stage": "reveal"}}
+    body = {"artifacts_sha256": _artifacts_sha(api), "round": 1, "timeout_s": 5, "secagg": {"stage": "reveal-all"}}
     response = api.post("/internal/devices/phone-1/tasks", headers={"X-Relay-Secret": SECRET}, json=body)
     assert response.status_code == 422 and "unknown SecAgg+ stage" in response.json()["detail"]
 

@@ -42,7 +42,8 @@ try {
     process.exit(0);
   }
   const run = async (task) => {
-    // Two SecureRound nodes through share_keys; node 2 then gets `token` as node 1's shares: the error it raises.
+    // Two SecureRound nodes through share_keys; node 2 then gets `token` as node 1's shares: the sources
+    // it rejects, and node 1's proof (the one-off key of its real ciphertext to node 2, with its public key).
     async function forgedShares(s, token) {
       const [one, two] = [new s.SecureRound(), new s.SecureRound()];
       const setup = { stage: "setup", sample_num: 2, share_num: 2, threshold: 2, clipping_range: 4,
@@ -52,15 +53,13 @@ try {
         const answer = await round.answer({ ...setup, node });
         keys.push([node, answer.pk1, answer.pk2]);
       }
-      for (const [node, round] of [["1", one], ["2", two]]) await round.answer({ stage: "share_keys", node, keys });
+      const sent = await one.answer({ stage: "share_keys", node: "1", keys });
+      await two.answer({ stage: "share_keys", node: "2", keys });
       const collect = { stage: "collect_masked_vectors", node: "2", sources: ["1"], ciphertexts: [s.toBase64(token)],
-                        order: [[0, 2]], clipping_norm: null };
-      try {
-        await two.collect(collect, new Float32Array(2), new Float32Array(2), 10);
-        return "accepted";
-      } catch (error) {
-        return `${error.name}: ${error.message}`;
-      }
+                        ephemeral: sent.ephemeral, order: [[0, 2]], clipping_norm: null };
+      await two.collect(collect, new Float32Array(2), new Float32Array(2), 10);
+      return { rejected: two.rejected, secret: one.prove({ accusers: ["2"] }).secrets[0], ephemeral: sent.ephemeral[0],
+               again: (() => { try { return one.prove({ accusers: ["2"] }); } catch (error) { return error.name; } })() };
     }
     if (task.secagg) {
       // The SecAgg+ primitives against Flower's Python ones: inputs and outputs as base64.
@@ -105,12 +104,13 @@ try {
         const answer = await timed("setup", i, () => rounds[i].answer({ ...setup, node: ids[i] }));
         keys.push([ids[i], answer.pk1, answer.pk2]);
       }
-      const inbox = new Map(ids.map((id) => [id, { sources: [], ciphertexts: [] }]));
+      const inbox = new Map(ids.map((id) => [id, { sources: [], ciphertexts: [], ephemeral: [] }]));
       for (let i = 0; i < count; i++) {
         const answer = await timed("share_keys", i, () => rounds[i].answer({ stage: "share_keys", node: ids[i], keys }));
         answer.destinations.forEach((to, k) => {
           inbox.get(to).sources.push(ids[i]);
           inbox.get(to).ciphertexts.push(answer.ciphertexts[k]);
+          inbox.get(to).ephemeral.push(answer.ephemeral[k]);
         });
       }
       const start = new Float32Array(size).map((_, k) => Math.sin(k));
@@ -119,6 +119,7 @@ try {
         const stage = { stage: "collect_masked_vectors", node: ids[i], ...inbox.get(ids[i]), order: [[0, size]],
                         clipping_norm: null };
         await timed("collect_masked_vectors", i, () => rounds[i].collect(stage, start, trained, 100));
+        if (rounds[i].rejected.length) throw new Error(`node ${ids[i]} rejected the shares of ${rounds[i].rejected}`);
       }
       for (let i = 0; i < count; i++) {
         await timed("unmask", i, () => rounds[i].answer({ stage: "unmask", node: ids[i], active: ids, dead: [] }));
