@@ -32,6 +32,8 @@ def round_row(server_round: int, central: dict[str, Any], seen: Any, seconds: fl
             row["flagged"] = {seen.key(k): v for k, v in seen.flagged.items()}
         if seen.refused:
             row["refused"] = seen.refused
+        if seen.shift_bound is not None:
+            row["secure_shift_bound"] = seen.shift_bound
         if seen.tiers:
             row["tier_per_client"] = {seen.key(k): v for k, v in seen.tiers.items()}
         if seen.eval_by_client:

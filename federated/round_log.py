@@ -21,6 +21,7 @@ class RoundLog:
     clipped: dict[int, str] = field(default_factory=dict)
     flagged: dict[int, str] = field(default_factory=dict)  # node -> a protocol fault after its update was summed
     refused: str | None = None  # why the round's (secure) sum was not applied
+    shift_bound: float | None = None  # a secure round: the most one client could move an element of the average
     train_metrics: dict[str, Any] = field(default_factory=dict)  # the strategy's aggregate of client metrics
     eval_metrics: dict[str, Any] = field(default_factory=dict)
     dp_sampled: int | None = None  # clients the DP noise is calibrated to (this round's sample)

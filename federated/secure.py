@@ -65,6 +65,7 @@ class SecureRoundLog:
     excluded: dict[int, str] = field(default_factory=dict)  # node -> how it broke the protocol (not in the sum)
     flagged: dict[int, str] = field(default_factory=dict)  # node -> what went wrong after its update was summed
     refused: str | None = None  # why the unmasked sum was not applied (None: it was)
+    shift_bound: float | None = None  # the most one client could move an element of the average (shift_bound)
     masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node -> its masked vector
     bytes_up: dict[int, int] = field(default_factory=dict)  # node -> bytes it sent in all stages
     bytes_down: dict[int, int] = field(default_factory=dict)

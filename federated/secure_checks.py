@@ -49,6 +49,7 @@ __all__ = [
     "shares_problem",
     "accusation_verdict",
     "sum_problem",
+    "shift_bound",
     "MAX_COMBINES",
 ]
 
@@ -299,3 +300,13 @@ def sum_problem(vector: list[np.ndarray], nodes: int, levels: int, factor: int) 
             return (f"{outside} of {array.size} elements of tensor {index} lie outside 0..{top}, the range "
                     f"of {nodes} quantized updates")  # fmt: skip
     return None
+
+
+def shift_bound(nodes: int, clipping_range: float, levels: int, factor: int) -> float:
+    """The most one client can move an element of a secure round's average while the sum still
+    passes :func:`sum_problem`: masked values stay in the field, so nothing bounds one client's
+    input on its own, only the sum (each element in 0..``nodes`` x ``levels``). One client can move
+    an element of that sum by up to ``nodes`` x ``levels`` levels of 2 x ``clipping_range`` /
+    ``levels`` each, and the average divides the sum by the weight ``factor`` / ``levels``. An
+    honest client moves it by at most 2 x ``clipping_range`` / that weight (its own range)."""
+    return 2 * nodes * clipping_range * levels / factor

@@ -38,6 +38,7 @@ from .secure_checks import (
     recover,
     reply_problem,
     share_problem,
+    shift_bound,
     sum_problem,
     token_problem,
 )
@@ -302,6 +303,7 @@ class SecureRound:
         vector = unmask_sum(vectors, {n: secrets[n] for n in active}, keys, accepted, public)
         counts = {n: int(c[METRICS]["num-examples"]) for n, c in masked.items()}
         factor = sum(round(count / self.settings.max_weight * self.levels) for count in counts.values())
+        self.record.shift_bound = shift_bound(len(active), self.settings.clipping_range, self.levels, factor)
         problem = sum_problem(vector, len(active), self.levels, factor)
         if problem:
             return self.refuse(f"the unmasked sum of {len(active)} nodes is not one honest updates can make: {problem}")

@@ -212,6 +212,7 @@ class GuardedStrategy(Strategy):
             record.excluded.update({n: f"dropped out in the {stage} stage" for n, stage in secure.dropped.items()})
             record.excluded.update(secure.excluded)
             record.flagged.update(secure.flagged)
+            record.shift_bound = secure.shift_bound
             answered = len(secure.sampled) - len(secure.dropped)
             if secure.refused:  # nothing is applied: the global model stays as it was
                 record.refused = secure.refused

@@ -412,6 +412,38 @@ def test_one_hostile_node_is_named_and_left_out_or_the_sum_is_refused(stage, dam
         np.testing.assert_allclose(aggregate[name], expected[name], atol=_bound(settings, updates, survivors), rtol=0)
 
 
+@pytest.mark.parametrize("multiple", [0.5, 2.5, 3.5])
+def test_a_shift_inside_the_field_moves_the_average_at_most_by_the_rounds_shift_bound(multiple):
+    """A client that adds ``multiple`` x levels to every element of its masked vector (its weight
+    factor left alone) stays in the field: the sum check cannot tell it from honest inputs while the
+    sum stays in 0..nodes x levels (6 inputs near levels / 2 each: up to about 3 x levels more), and
+    the average moves by exactly that many levels, within the round's reported shift bound. Beyond
+    it, the round is refused."""
+    updates = _updates(6, seed=5)
+    settings = SecureSettings(max_weight=1000.0)
+    levels = levels_for(len(updates))
+    shift = int(multiple * levels)
+    grid = Hostile(updates, "collect_masked_vectors", _masked_add(slice(1, None), shift))
+    secure = SecureGrid(grid, settings)
+    tasks = [Message(RecordDict({ARRAYS: to_arrays(START), CONFIG: ConfigRecord({"server-round": 1})}),
+                     dst_node_id=n, message_type="train", group_id="1") for n in updates]  # fmt: skip
+    replies = list(secure.send_and_receive(tasks))
+    log = secure.rounds[-1]
+    assert not log.excluded and not log.flagged  # nothing tells the shift apart
+    if multiple > 3:
+        assert replies == [] and "outside 0.." in log.refused
+        return
+    factor = sum(round(c / settings.max_weight * levels) for _, c in updates.values())
+    moved = shift * 2 * settings.clipping_range / factor
+    assert log.refused is None and moved <= log.shift_bound
+    assert log.shift_bound == pytest.approx(2 * 6 * settings.clipping_range * levels / factor)
+    (reply,) = replies
+    aggregate, expected = from_arrays(reply.content[ARRAYS]), _expected(updates, list(updates), START)
+    atol = _bound(settings, updates, list(updates)) + 4e-6  # float32 weights near 37
+    for name in SHAPES:
+        np.testing.assert_allclose(aggregate[name] - expected[name], moved, atol=atol, rtol=0)
+
+
 class Liars(Nodes):
     """``liars`` mask with every peer as honest nodes do, then say they could not decrypt the shares of
     ``targets`` (in the collect reply)."""
@@ -555,4 +587,8 @@ def test_a_refused_sum_leaves_the_global_model_and_the_report_says_so(digits_art
     for name, value in from_arrays(arrays).items():
         np.testing.assert_allclose(value, expected[name], atol=_bound(SecureSettings(max_weight=1000.0), updates,
                                                                       list(updates)), rtol=0)  # fmt: skip
-    assert "refused" not in round_row(2, {}, strategy.rounds[2], 1.0)
+    row = round_row(2, {}, strategy.rounds[2], 1.0)
+    assert "refused" not in row
+    levels = levels_for(len(updates))
+    weight = sum(round(c / 1000.0 * levels) for _, c in updates.values())
+    assert row["secure_shift_bound"] == pytest.approx(2 * len(updates) * 4.0 * levels / weight)  # the report states it
