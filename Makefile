@@ -101,6 +101,7 @@ bench: $(STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks.fl_sweep
 	$(PY) -m benchmarks.browser
 	$(PY) -m benchmarks.faults
+	$(PY) -m benchmarks.red_team
 	$(PY) -m benchmarks.finetune
 	$(PY) -m benchmarks.engines
 

@@ -454,6 +454,9 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.resume
         else Trainer.load(args.directory, **options)
     )
+    if args.stream_weights and not trainer.streams_weights:
+        print(f"warning: --stream-weights has no effect on {args.directory}: it keeps no frozen.bin, so there is "
+              "nothing to stream.", file=sys.stderr)  # fmt: skip
     train = load_data(args.data, args.directory)
     if args.batch_size is None:
         args.batch_size = trainer.manifest.train_batch_size

@@ -167,6 +167,11 @@ class FrozenWeights:
         self.mapping, self.arrays = mapped, arrays  # the same views as numpy arrays, for runs that feed them
         self.values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
+    @property
+    def streams(self) -> bool:
+        """Whether runs stream the file (asked for, and there is a file to stream)."""
+        return bool(self.stream and self._whole)
+
     def release_rows(self) -> None:
         """Unmap the lookup tables' pages from this process (Linux; elsewhere the system decides)."""
         if self._tables:

@@ -53,7 +53,11 @@ class Predictor:
         except OSError as exc:
             raise OndeviceError(f"cannot load inference model {path}: {exc.strerror or exc}.") from None
         except Exception as exc:
-            raise OndeviceError(f"cannot load inference model {path}: {ort_error_message(exc)}") from exc
+            said = ort_error_message(exc)
+            if "Protobuf parsing failed" in said:  # ORT's words for a file that is no ONNX model, or one cut short
+                said = (f"it is not a whole ONNX model ({os.path.getsize(path):,} bytes; cut short, damaged or another "
+                        "kind of file). Export it again with `odt export`.")  # fmt: skip
+            raise OndeviceError(f"cannot load inference model {path}: {said}") from exc
         metadata = self._session.get_modelmeta().custom_metadata_map
         self.tokenizer_json: str | None = metadata.get(METADATA_TOKENIZER)
         if manifest is None:

@@ -362,6 +362,11 @@ class Trainer:
                     break
         return history
 
+    @property
+    def streams_weights(self) -> bool:
+        """Whether steps stream ``frozen.bin`` (``stream_weights``, and the artifacts keep one)."""
+        return self._frozen is not None and self._frozen.streams
+
     def micro_batches(self, batch_size: int) -> tuple[int, int]:
         """``(micro-batch, accumulate)`` for optimizer steps of ``batch_size`` examples.
 

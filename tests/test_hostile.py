@@ -32,6 +32,7 @@ def files(tmp_path, digits_artifacts, digits_data) -> dict[str, str]:
     np.savez(tmp_path / "labels.npz", input=good["input"], labels=good["labels"] + 100)
     np.savez(tmp_path / "cube.npz", input=np.zeros((8, 4, 64), np.float32), labels=np.zeros(8, np.int64))
     np.savez(tmp_path / "floatlabels.npz", input=good["input"], labels=good["labels"] + 0.5)
+    (tmp_path / "cut.onnx").write_bytes(b"\x08\x07\x12\x04" + bytes(40))  # an ONNX header, cut short
     (tmp_path / "private").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
     model = "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(64, 10))\n"
     (tmp_path / "model.py").write_text(model)
@@ -73,6 +74,7 @@ CASES = [
     # artifacts that are not artifacts
     (["train", "{tmp}", "--data", "{good}"], 1, "not an artifact directory"),
     (["predict", "{tmp}/none.onnx", "--data", "{good}", "--artifacts", "{art}"], 1, "cannot load inference model"),
+    (["predict", "{cut}", "--data", "{good}", "--artifacts", "{art}"], 1, "it is not a whole ONNX model"),
     # federated run config
     (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}", "--set", "rounds=3"], 2, "mean 'num-server-rounds'"),
     (["fl", "simulate", "--artifacts", "{art}", "--data", "{tmp}"], 2, "has no train.npz"),

@@ -261,3 +261,16 @@ def test_generate_help_states_the_rates_and_models_it_takes(capsys):
     assert f"{HF_LORA_LR:.0e}".replace("e-0", "e-") + " for hf: models" in text
     assert f"{HF_FINETUNE_LR:.0e}".replace("e-0", "e-") + " when their own weights" in text
     assert "encoder only" not in text and ".gguf" in text and "causal-lm" in text
+
+
+def test_stream_weights_on_artifacts_without_a_frozen_file_says_it_does_nothing(digits_artifacts, digits_data,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    """`--stream-weights` on artifacts that keep no frozen.bin trained silently as if it applied; now the
+    run says the flag has no effect (and still trains)."""
+    path = tmp_path / "train.npz"
+    np.savez(path, **digits_data["train"])
+    assert main(["train", str(digits_artifacts), "--data", str(path), "--epochs", "1", "--stream-weights",
+                 "--checkpoint", str(tmp_path / "ck")]) == 0  # fmt: skip
+    assert "--stream-weights has no effect" in capsys.readouterr().err
+    assert (tmp_path / "ck" / "latest.ckpt").exists()
+    assert not Trainer.load(digits_artifacts, stream_weights=True).streams_weights

@@ -230,6 +230,7 @@ def test_streaming_unmaps_the_pages_while_a_run_is_still_going(frozen_body):
         assert _resident_pages(address, length) == 0
     assert "odt-stream-weights" not in [thread.name for thread in threading.enumerate()]
     assert not Trainer.load(out)._frozen.stream  # off unless asked for or planned
+    assert Trainer.load(out, stream_weights=True).streams_weights and not Trainer.load(out).streams_weights
     with pytest.raises(ConfigError, match="stream_weights must be True, False or None, got 'yes'"):
         Trainer.load(out, stream_weights="yes")
 
