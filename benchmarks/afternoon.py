@@ -46,9 +46,12 @@ COMMANDS = ["enciende la luz de la cocina", "apaga el ventilador del salÃ³n", "Â
             "pon un temporizador de 10 minutos", "sube las persianas del dormitorio"]  # fmt: skip
 
 
-def odt(*args: str, cwd: Path, python: str = sys.executable, timeout: float = 3600) -> tuple[str, float]:
-    """Run ``odt ARGS`` with ``python`` in a fresh process: its stdout and its peak RSS in MB."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, wherever the command runs
+def odt(
+    *args: str, cwd: Path, python: str = sys.executable, timeout: float = 3600, root: Path = ROOT
+) -> tuple[str, float]:
+    """Run ``odt ARGS`` with ``python`` in a fresh process: its stdout and its peak RSS in MB. ``root`` is the
+    checkout whose code runs (default this one, wherever the command runs; another commit's to compare)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
     run = subprocess.run([python, "-c", PEAK, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                          env=env)  # fmt: skip
     if run.returncode != 0:

@@ -96,34 +96,54 @@ PLANS = {
 """The documented commands with a memory plan (the pretrained guide's)."""
 
 
-def planned(work: Path) -> list[dict[str, object]]:
-    """Each of :data:`PLANS` generated in a fresh process: seconds, peak RSS and the stages it reported."""
+def planned(work: Path, against: str | None = None) -> list[dict[str, object]]:
+    """Each of :data:`PLANS` generated in a fresh process: seconds, peak RSS and the stages it reported. With
+    ``against`` (a commit), each command runs with that commit's code too, the two taking turns (the
+    older first for one command, second for the next), so both sides see the same machine."""
     import re
+    import subprocess
 
+    from benchmarks.afternoon import ROOT as HERE
     from benchmarks.afternoon import odt
 
+    sides = {"this tree": HERE}
+    if against:
+        old = work / "against"
+        subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(old), against], check=True,
+                       capture_output=True)  # fmt: skip
+        sides = {f"at {against}": old, **sides}
     rows = []
-    for name, options in PLANS.items():
-        out = work / re.sub(r"\W+", "-", name)
-        started = time.perf_counter()
-        printed, peak = odt("generate", *options, "--out", str(out), cwd=work, timeout=7200)
-        seconds = time.perf_counter() - started
-        stages = [m.groups() for m in re.finditer(r"^odt generate: (.+): ([0-9.]+) s$", printed, re.MULTILINE)]
-        plan = json.loads((out / "manifest.json").read_text())["plan"]
-        rows.append({"command": name, "seconds": seconds, "peak_mb": peak, "chosen": plan["chosen"],
-                     "stages": [{"stage": stage, "seconds": float(took)} for stage, took in stages]})  # fmt: skip
-        print(f"{name}: {seconds:.0f} s", flush=True)
+    try:
+        for turn, (name, options) in enumerate(PLANS.items()):
+            for side, root in (list(sides.items()) if turn % 2 == 0 else list(sides.items())[::-1]):
+                out = work / re.sub(r"\W+", "-", f"{name} {side}")
+                started = time.perf_counter()
+                printed, peak = odt("generate", *options, "--out", str(out), cwd=work, timeout=7200, root=root)
+                seconds = time.perf_counter() - started
+                stages = re.finditer(r"^odt generate: (.+): ([0-9.]+) s$", printed, re.MULTILINE)
+                plan = json.loads((out / "manifest.json").read_text())["plan"]
+                rows.append({"command": name, "code": side, "seconds": seconds, "peak_mb": peak,
+                             "chosen": plan["chosen"], "micro_batch": plan.get("micro_batch_size"),
+                             "stages": [{"stage": m[1], "seconds": float(m[2])} for m in stages]})  # fmt: skip
+                print(f"{name} ({side}): {seconds:.0f} s", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if against:
+            subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(work / "against")],
+                           capture_output=True)  # fmt: skip
     return rows
 
 
 def plans_markdown(rows: list[dict[str, object]], where: dict[str, object]) -> str:
     lines = [f"`odt generate` with a memory plan, each command in a fresh process ({where['cpu']}, {where['cores']} "
-             "cores; one run each):", "", "| command | seconds | peak RSS | chosen | slowest stages (s) |",
-             "|---|---:|---:|---|---|"]  # fmt: skip
+             "cores; one run each, in one run of the benchmark):", "",
+             "| command | code | seconds | peak RSS | chosen | slowest stages (s) |",
+             "|---|---|---:|---:|---|---|"]  # fmt: skip
     for r in rows:
         stages = sorted(r["stages"], key=lambda s: -s["seconds"])[:4]  # type: ignore[index, union-attr]
         slowest = "; ".join(f"{s['stage'].strip()} {s['seconds']:.1f}" for s in stages)
-        lines.append(f"| {r['command']} | {r['seconds']:.0f} | {r['peak_mb']:.0f} MB | {r['chosen']} | {slowest} |")
+        lines.append(f"| {r['command']} | {r.get('code', 'this tree')} | {r['seconds']:.0f} | {r['peak_mb']:.0f} MB | "
+                     f"{r['chosen']} | {slowest} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -131,12 +151,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plans", action="store_true", help="the documented commands with a memory plan instead")
+    parser.add_argument("--against", help="with --plans: also run each command with this commit's code, taking turns")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plans:
         with tempfile.TemporaryDirectory(prefix="odt-plans-") as work:
-            rows = planned(Path(work))
+            rows = planned(Path(work), args.against)
         (out / "generation_plans.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
         (out / "generation_plans.md").write_text(plans_markdown(rows, machine()) + "\n")
         print(plans_markdown(rows, machine()))
