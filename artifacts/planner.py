@@ -8,10 +8,10 @@ order, are built (unverified) and MEASURED: a fresh torch-free process does what
 tokenizer, train steps, validation, a checkpoint save), and its peak RSS is read from the kernel. Each is measured first
 at the largest micro-batch its estimate fits (the runtime trains the same effective batch with
 gradient accumulation, so activations shrink and the result is the same), then at smaller ones
-while it is over: at each, first in the way that holds the least (without ORT's arena and, for
-artifacts with a ``frozen.bin``, on the portable engine with streamed weights), then, when that
-fits, in the faster ways. The first candidate that fits is chosen, with the micro-batch and the
-fastest way that fit.
+while it is over: at each, in the fastest way first, then without ORT's arena; artifacts with a
+``frozen.bin`` also on the portable engine with streamed weights, and for them the way that holds
+the least is measured first, so a micro-batch over in every way costs one process. The first
+candidate that fits is chosen, with the micro-batch and the fastest way that fit.
 Estimates only order and prune the work; a choice always rests on a measurement.
 
 Order: everything, then LoRA (largest rank first), then the last-N sets and biases (largest
@@ -208,7 +208,8 @@ def plan(
             for micro in sizes[sizes.index(start) :]:
                 with stage(f"{candidate.name}: measuring in a fresh process at micro-batch {micro}"):
                     measured = _fit(directory, _batch(manifest, longest, micro, work / "batch.npz"), steps, budget,
-                                    streamable=bool(manifest.frozen_file and manifest.portable_files))  # fmt: skip
+                                    streamable=bool(manifest.frozen_file and manifest.portable_files),
+                                    held=candidate.footprint.frozen)  # fmt: skip
                 if measured["fits"] or micro == 1:
                     break
                 over[str(micro)] = measured["peak_rss"]
@@ -268,30 +269,46 @@ def _key(options: Mapping[str, Any]) -> str:
         "_lean" if options.get("lean_memory") else "")  # fmt: skip
 
 
-def _fit(directory: Path, batch: Path, steps: int, budget: int, streamable: bool) -> dict[str, Any]:
-    """One micro-batch: the fastest mode (:data:`_MODES`, then with ``streamable`` :data:`_STREAMED`) whose
-    peak fits ``budget``. The last mode holds the least memory, so it is measured first: when it is over,
-    every mode is, and the micro-batch costs one process instead of four (SmolLM2: 10 s, not 43). When it
-    fits, the faster modes are measured in order and the first that fits is taken, else the last.
+HELD_SHARE = 0.8
+"""Of the frozen weights' estimated bytes, the share a step that does not stream them surely holds more than
+one that does (a step reads every frozen matrix whole; SmolLM2 int8: 131 MiB)."""
 
-    The row holds the taken (or, over, the last) mode's figures and options, every measured mode's peak
-    (``peak_rss_lean``, ``peak_rss_streamed``, ...; the default's as ``peak_rss_arena`` when another
-    mode is taken). A peak within the budget is measured once more in another fresh process and the
+
+def _fit(directory: Path, batch: Path, steps: int, budget: int, streamable: bool, held: int = 0) -> dict[str, Any]:
+    """One micro-batch: the fastest way (:data:`_MODES`, then with ``streamable`` :data:`_STREAMED`) whose
+    peak fits ``budget``. With four ways, the one that holds the least (streamed, lean) is measured first:
+    when it is over, every way is, and the micro-batch costs one process instead of four (SmolLM2: 10 s,
+    not 43); when it fits, the faster ways are measured in order and the first that fits is taken, else
+    the least. The ways that hold the frozen weights (``held`` bytes, estimated) are skipped when the least
+    peak plus :data:`HELD_SHARE` of them is over. With two ways, the faster is measured first (it mostly fits).
+
+    The row holds the taken (or, over, the first measured) way's figures and options, every measured way's
+    peak (``peak_rss_lean``, ``peak_rss_streamed``, ...; the default's as ``peak_rss_arena`` when another
+    way is taken). A peak within the budget is measured once more in another fresh process and the
     larger one counts: without the arena, peaks of one batch spread by up to 9 % between processes
     here (MiniLM LoRA at 2 x 64: 157 to 171 MB), and a plan must hold when the device measures it again."""
-    modes = _MODES + (_STREAMED if streamable else ())
-    least = modes[-1]
-    floor = measure(directory, batch, steps, **least)
-    peaks = {_key(least): floor["peak_rss"]}
-    if floor["peak_rss"] > budget:
-        return {**floor, **least, **peaks, "lean_memory": bool(least.get("lean_memory")), "fits": False}
-    for options in modes[:-1]:
+    peaks: dict[str, float] = {}
+    modes: list[Mapping[str, Any]] = list(_MODES)
+    first: dict[str, Any] = {}
+    least = _STREAMED[-1]
+    if streamable:
+        first = measure(directory, batch, steps, **least)
+        peaks[_key(least)] = first["peak_rss"]
+        if first["peak_rss"] > budget:
+            return {**first, **least, **peaks, "lean_memory": True, "fits": False}
+        if first["peak_rss"] + HELD_SHARE * held > budget:
+            modes = []  # holding the frozen weights too would be over: not measured
+        modes.append(_STREAMED[0])
+    for options in modes:
         found = _peak(directory, batch, steps, budget, options)
         peaks[_key(options)] = found["peak_rss"]
+        first = first or found
         if found["fits"]:
             return _taken(found, options, peaks)
-    second = measure(directory, batch, steps, **least)  # the floor fits: measured once more, the larger counts
-    found = max(floor, second, key=lambda m: m["peak_rss"])
+    if not streamable:
+        return {**first, **peaks, "lean_memory": False, "fits": False}
+    second = measure(directory, batch, steps, **least)  # the least fits: measured once more, the larger counts
+    found = max(first, second, key=lambda m: m["peak_rss"])
     peaks[_key(least)] = found["peak_rss"]
     return _taken({**found, "fits": found["peak_rss"] <= budget}, least, peaks)
 

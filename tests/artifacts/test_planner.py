@@ -373,3 +373,47 @@ def test_a_plan_of_a_small_set_trains_at_the_adapter_rate(tmp_path):
                         verify=False)  # fmt: skip
     assert manifest.trainable_size < 0.01 * whole.trainable_size, manifest.plan.chosen
     assert manifest.optimizer.lr == 2e-3 and probe.optimizer.lr == whole.optimizer.lr != 2e-3
+
+
+@pytest.mark.parametrize(
+    ("streamable", "held", "peaks", "taken", "calls"),
+    [
+        # four ways: the least first; over, it is the only process (SmolLM2 at micro-batch 4: one instead of four)
+        (True, 0, {"": 500, "lean": 450, "streamed": 400, "streamed lean": 380}, None, ["streamed lean"]),
+        # within: the faster ways in order, each within measured twice, the fastest within taken
+        (True, 0, {"": 500, "lean": 330, "streamed": 300, "streamed lean": 280}, "lean",
+         ["streamed lean", "", "lean", "lean"]),
+        (True, 0, {"": 500, "lean": 450, "streamed": 400, "streamed lean": 300}, "streamed lean",
+         ["streamed lean", "", "lean", "streamed", "streamed lean"]),
+        # the least plus 80 % of the frozen weights is over: the ways that hold them are not measured
+        (True, 100e6, {"": 500, "lean": 450, "streamed": 400, "streamed lean": 300}, "streamed lean",
+         ["streamed lean", "streamed", "streamed lean"]),
+        # two ways: the faster first, as before
+        (False, 0, {"": 300, "lean": 280}, "", ["", ""]),
+        (False, 0, {"": 500, "lean": 300}, "lean", ["", "lean", "lean"]),
+        (False, 0, {"": 500, "lean": 400}, None, ["", "lean"]),
+    ],
+)  # fmt: skip
+def test_the_ways_a_micro_batch_is_measured_in(monkeypatch, tmp_path, streamable, held, peaks, taken, calls):
+    """The processes one micro-batch costs at a 350 MB budget, and the way taken: the fastest way that fits,
+    every measured way's peak kept on the row."""
+    from artifacts import planner
+
+    made = []
+
+    def measure(directory, batch, steps, *, lean_memory=False, stream_weights=False, engine="auto"):
+        mode = " ".join(w for w, on in (("streamed", stream_weights), ("lean", lean_memory)) if on)
+        made.append(mode)
+        return {"peak_rss": peaks[mode] * 1e6, "step_ms": 1.0}
+
+    monkeypatch.setattr(planner, "measure", measure)
+    row = planner._fit(tmp_path, tmp_path / "batch.npz", 4, int(350e6), streamable=streamable, held=int(held))
+    assert made == calls
+    if taken is None:
+        assert row["fits"] is False and all(row[planner._key(m)] > 350e6 for m in (
+            {"lean_memory": "lean" in w, "stream_weights": "streamed" in w} for w in made))  # fmt: skip
+        return
+    assert row["fits"] is True and row["peak_rss"] == peaks[taken] * 1e6
+    assert row["lean_memory"] is ("lean" in taken) and bool(row.get("stream_weights")) is ("streamed" in taken)
+    if taken and "" in made:
+        assert row["peak_rss_arena"] == peaks[""] * 1e6  # the default way was measured over, and said so
