@@ -80,8 +80,8 @@ def _frozen_body() -> nn.Module:
 
 
 def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path):
-    """A budget the head fits only streamed: the planner measures the portable engine with streamed
-    weights after the arena and lean memory, records both, and Trainer.load follows the plan."""
+    """A budget the head fits only streamed: the planner measures the portable engine with streamed weights,
+    records it, and Trainer.load follows the plan."""
     generate(_frozen_body(), EXAMPLE, tmp_path / "head", verify=False, train_last=1)
     plain = min(_peak(tmp_path / "head", tmp_path, batch=256, lean_memory=lean) for lean in (False, True))
     streamed = measure(tmp_path / "head", tmp_path / "batch.npz", stream_weights=True, engine="portable")["peak_rss"]
@@ -95,7 +95,9 @@ def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path
     assert plan.stream_weights is True and plan.engine == "portable" and plan.micro_batch_size is None
     chosen = next(row for row in plan.rows if row["candidate"] == plan.chosen)
     assert chosen["trainable"] == 2048 * 10 + 10  # the head: nothing bigger fits even streamed
-    assert chosen["peak_rss"] <= budget < min(chosen["peak_rss_arena"], chosen["peak_rss_lean"])
+    # the ways that hold the frozen weights are over (measured above): the planner measured them over, or skipped
+    # them because the streamed peak plus most of the frozen weights' estimated bytes is over
+    assert chosen["peak_rss"] <= budget < min(chosen.get("peak_rss_arena", plain), chosen.get("peak_rss_lean", plain))
     trainer = Trainer.load(tmp_path / "planned")
     assert trainer.engine == "portable" and trainer._frozen.stream
     assert Trainer.load(tmp_path / "planned", engine="classic", stream_weights=False).engine == "classic"  # asked
