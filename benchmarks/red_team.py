@@ -34,13 +34,11 @@ from typing import Callable
 import numpy as np
 
 from benchmarks._machine import machine
+from tests.artifacts.test_causal_lm import PAIRS, save_tiny_lm  # the tests' tiny Llama and its word tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ODT = str(Path(sys.executable).parent / "odt")
-WORDS = ("<pad> <unk> </s> turn on off the kitchen living room bedroom lights fan heater please set to "
-         "{ } intent name area : , HassTurnOn HassTurnOff").split()  # fmt: skip
-PAIRS = [("turn on the kitchen lights", " { intent : HassTurnOn , area : kitchen }"),
-         ("turn off the bedroom fan", " { intent : HassTurnOff , area : bedroom }")]  # fmt: skip
+PAIRS = PAIRS[:2]
 
 
 @dataclass
@@ -53,27 +51,6 @@ class Case:
     timeout: float = 300.0
     warns: bool = False  # valid input with a flag that does nothing: it must say so
     serves: bool = False  # a server: still running at the timeout means it accepted the input
-
-
-def _tiny_lm(folder: Path) -> Path:
-    """A tiny Llama with a word-level tokenizer, saved as Hugging Face saves one (no download)."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(["</s>"])
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
-                                      eos_token_id=2, tie_word_embeddings=True)  # fmt: skip
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
 
 
 def _free_port() -> int:
@@ -283,7 +260,7 @@ def cases() -> list[Case]:
 def prepare_all(work: Path) -> None:
     """The tiny LM's artifacts (float32 and int8), its export, a bundle of it (unsigned and signed), the
     digits artifacts and data: made once, before any case."""
-    _tiny_lm(work / "tiny")
+    save_tiny_lm(work / "tiny")
     _write(work / "pairs.jsonl", _jsonl([{"prompt": p, "completion": c} for p, c in PAIRS]))
     generate = [ODT, "generate", "--model", f"hf:{work / 'tiny'}", "--task", "causal-lm", "--max-length", "24"]
     subprocess.run([*generate, "--out", str(work / "lm")], check=True, capture_output=True)
