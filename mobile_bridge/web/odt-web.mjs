@@ -966,8 +966,9 @@ export class BridgeClient {
    * Take part in one round: pull tasks until this device's part is done, and resolve to
    * `{ round, secure, count, metrics }`. `train(task)` sets `task.weights` on `client`, trains and
    * resolves to `{ count, metrics }`. A plain round is one task: train, push the weights. A secure
-   * round (`task.secagg`) is four: the device answers the SecAgg+ key stages itself, trains in the
-   * collect stage and pushes only its masked update (odt-secagg.mjs); neither the bridge nor its
+   * round (`task.secagg`) is four (five when a peer accuses this device and it proves its shares): the
+   * device answers the SecAgg+ key stages itself, trains in the collect stage and pushes only its masked
+   * update, naming the peers whose shares it could not open (odt-secagg.mjs); neither the bridge nor its
    * relay sees the update. A stage this device cannot answer (it joined after the round's setup,
    * say) is declined: the server counts it as dropped, and the device waits for the next round.
    */
