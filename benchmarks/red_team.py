@@ -47,7 +47,7 @@ class Case:
     name: str
     argv: Callable[[Path], list[str | bytes]]  # the work directory -> odt's arguments
     control: bool = False  # valid input: it must succeed
-    prepare: Callable[[Path], None] | None = None
+    prepare: Callable[[Path], object] | None = None  # makes the case's input in the work directory
     timeout: float = 300.0
     warns: bool = False  # valid input with a flag that does nothing: it must say so
     serves: bool = False  # a server: still running at the timeout means it accepted the input
@@ -149,22 +149,22 @@ def cases() -> list[Case]:
         Case("causal LM", "predict --prompt (control)", a("predict", lm, "--prompt", PAIRS[0][0], "--max-new-tokens",
                                                           "4"), control=True),  # fmt: skip
         Case("causal LM", ".npz labels past the vocabulary", a(*train, "{w}/ck-1", "--data", "{w}/big.npz"),
-             prepare=lambda w: _npz(w / "big.npz", np.full((2, 8), 999)) and None),  # fmt: skip
+             prepare=lambda w: _npz(w / "big.npz", np.full((2, 8), 999))),  # fmt: skip
         Case("causal LM", ".npz labels -5", a(*train, "{w}/ck-2", "--data", "{w}/neg.npz"),
-             prepare=lambda w: _npz(w / "neg.npz", np.full((2, 8), -5)) and None),
+             prepare=lambda w: _npz(w / "neg.npz", np.full((2, 8), -5))),
         Case("causal LM", "evaluate .npz labels past the vocabulary", a("evaluate", lm, "--data", "{w}/big.npz")),
         Case("causal LM", "every label -100", a(*train, "{w}/ck-3", "--data", "{w}/ignored.npz"),
-             prepare=lambda w: _npz(w / "ignored.npz", np.full((2, 8), -100)) and None),
+             prepare=lambda w: _npz(w / "ignored.npz", np.full((2, 8), -100))),
         Case("causal LM", "empty prompts and completions", a(*train, "{w}/ck-4", "--data", "{w}/empty.jsonl"),
-             prepare=lambda w: _write(w / "empty.jsonl", _jsonl([{"prompt": "", "completion": ""}] * 3)) and None),
+             prepare=lambda w: _write(w / "empty.jsonl", _jsonl([{"prompt": "", "completion": ""}] * 3))),
         Case("causal LM", "texts of spaces", a(*train, "{w}/ck-5", "--data", "{w}/spaces.jsonl"),
-             prepare=lambda w: _write(w / "spaces.jsonl", _jsonl([{"text": "   "}] * 3)) and None),
+             prepare=lambda w: _write(w / "spaces.jsonl", _jsonl([{"text": "   "}] * 3))),
         Case("causal LM", "a prompt that is a number", a(*train, "{w}/ck-6", "--data", "{w}/number.jsonl"),
-             prepare=lambda w: _write(w / "number.jsonl", _jsonl([{"prompt": 7, "completion": " on"}])) and None),
+             prepare=lambda w: _write(w / "number.jsonl", _jsonl([{"prompt": 7, "completion": " on"}]))),
         Case("causal LM", "a line that is not JSON", a(*train, "{w}/ck-7", "--data", "{w}/broken.jsonl"),
-             prepare=lambda w: _write(w / "broken.jsonl", _jsonl([{"text": "turn on"}]) + "{not json\n") and None),
+             prepare=lambda w: _write(w / "broken.jsonl", _jsonl([{"text": "turn on"}]) + "{not json\n")),
         Case("causal LM", "jsonl with neither text nor prompt", a(*train, "{w}/ck-8", "--data", "{w}/keys.jsonl"),
-             prepare=lambda w: _write(w / "keys.jsonl", _jsonl([{"sentence": "turn on"}])) and None),
+             prepare=lambda w: _write(w / "keys.jsonl", _jsonl([{"sentence": "turn on"}]))),
         Case("causal LM", "--lr nan", a(*train, "{w}/ck-9", "--data", data, "--lr", "nan")),
         Case("causal LM", "--batch-size 0", a(*train, "{w}/ck-10", "--data", data, "--batch-size", "0")),
         Case("causal LM", "predict --prompt ''", a("predict", lm, "--prompt", "")),
@@ -177,7 +177,7 @@ def cases() -> list[Case]:
                                                            "-3")),  # fmt: skip
         Case("causal LM", "predict --data rows on an LM", a("predict", lm, "--data", data)),
         Case("causal LM", "predict a truncated exported LM", a("predict", "{w}/cut.onnx", "--prompt", "turn on"),
-             prepare=lambda w: _write(w / "cut.onnx", (w / "lm.onnx").read_bytes()[:5000]) and None),
+             prepare=lambda w: _write(w / "cut.onnx", (w / "lm.onnx").read_bytes()[:5000])),
         Case("causal LM", "a prompt longer than the model's positions", a("predict", lm, "--prompt", "turn on " * 40)),
         Case("causal LM", "predict with another model's checkpoint", a("predict", lm, "--checkpoint", "{w}/ck-d",
                                                                        "--prompt", "turn on")),  # fmt: skip
@@ -186,15 +186,15 @@ def cases() -> list[Case]:
         Case("causal LM", "manifest.json edited by hand", a("predict", "{w}/lm-edited", "--prompt", "turn on"),
              prepare=lambda w: _copy(w / "lm", w / "lm-edited") and _write(
                  w / "lm-edited" / "manifest.json",
-                 (w / "lm" / "manifest.json").read_text().replace('"max_length": 24', '"max_length": 2400'))
-             and None),  # fmt: skip
+                 (w / "lm" / "manifest.json").read_text().replace('"max_length": 24', '"max_length": 2400')),
+             ),  # fmt: skip
         Case("causal LM", "an exported LM cut to its first half", a("predict", "{w}/half.onnx", "--prompt", "turn on"),
              prepare=lambda w: _write(w / "half.onnx", (w / "lm.onnx").read_bytes()[: (w / "lm.onnx").stat().st_size
-                                                                                    // 2]) and None),  # fmt: skip
+                                                                                    // 2])),  # fmt: skip
         # GGUF files
         *[Case("GGUF", f"generate from a GGUF file with {name}",
                a("generate", "--model", f"hf:{{w}}/{slug}.gguf", "--task", "causal-lm", "--out", f"{{w}}/g-{slug}"),
-               prepare=lambda w, s=slug, d=damage: _gguf(w, s, d) and None)  # fmt: skip
+               prepare=lambda w, s=slug, d=damage: _gguf(w, s, d))  # fmt: skip
           for name, slug, damage in [
               ("version 99", "version", _set(4, struct.pack("<I", 99))),
               ("2^40 metadata entries", "kv", _set(16, struct.pack("<Q", 2**40))),
@@ -224,7 +224,7 @@ def cases() -> list[Case]:
              prepare=lambda w: _bundle_json(w, "bundle-files", lambda d: d.__setitem__("files", [1]))),
         Case("bundle", "bundle.json that is not JSON", a("verify-bundle", "{w}/bundle-json"),
              prepare=lambda w: _copy(w / "bundle", w / "bundle-json") and _write(w / "bundle-json" / "bundle.json",
-                                                                                 "{") and None),  # fmt: skip
+                                                                                 "{")),  # fmt: skip
         Case("bundle", "a listed file missing", a("verify-bundle", "{w}/bundle-missing"),
              prepare=lambda w: _copy(w / "bundle", w / "bundle-missing") and (w / "bundle-missing" / _first_file(w))
              .unlink()),  # fmt: skip
