@@ -4,7 +4,6 @@ model with the classic engine's losses; no documented install resolves to two ON
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from ondevice import Trainer
+from tests import emulation
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_LOCK = ROOT / "requirements" / "device-lock.txt"
@@ -109,59 +109,16 @@ def test_no_documented_install_resolves_to_two_onnx_runtimes(extras, wheel, tmp_
 
 # -- Linux arm64: Debian under qemu-user-static (make test sets up the emulation: `make arm64`) ---------
 
-ARM64_ROOT_CACHE = (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "odt"
-                    / f"debian-bookworm-arm64-{hashlib.sha256(DEVICE_LOCK.read_bytes()).hexdigest()[:12]}.tar")
-"""A Debian arm64 root with python3 and the device lock's packages in /opt/venv, built once per machine and
-device lock (debootstrap took 5.5 min here, the packages 2 min under emulation), outside the clone."""
-ARM64_PLATFORMS = ["--platform", "manylinux_2_28_aarch64", "--platform", "manylinux2014_aarch64", "--platform",
-                   "manylinux_2_17_aarch64", "--python-version", "3.11", "--implementation", "cp"]  # fmt: skip
-
-
-def _chroot(root: Path, command: str, timeout: float = 1800) -> str:
-    # /proc and /sys stay unmounted: with the host's /sys, `import onnxruntime` segfaults under qemu
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
-    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-    result = subprocess.run([chroot, str(root), "/bin/sh", "-c", command], capture_output=True, text=True,
-                            timeout=timeout, env=env)  # fmt: skip
-    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
-
-
-def _arm64_root(where: Path) -> Path:
-    """Unpack the cached arm64 root into ``where`` (building the cache first when it is absent)."""
-    root = where / "root"
-    if not ARM64_ROOT_CACHE.is_file():
-        debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
-        subprocess.run([debootstrap, "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
-                        str(root), "http://deb.debian.org/debian"], check=True, capture_output=True, timeout=3600)
-        _chroot(root, "python3 -m venv /opt/venv", 1800)
-        # the device lock's aarch64 wheels go in from the host's pip (emulated pip took 2 min here, and cannot
-        # verify the TLS of this network); the SDK's own wheel is installed by the root's pip in the test
-        site = root / "opt" / "venv" / "lib" / "python3.11" / "site-packages"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary",
-                        ":all:", *ARM64_PLATFORMS, "--target", str(site), "--upgrade", "-r", str(DEVICE_LOCK)],
-                       check=True, capture_output=True)  # fmt: skip
-        ARM64_ROOT_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        partial = ARM64_ROOT_CACHE.with_suffix(".partial")
-        subprocess.run(["tar", "-cf", str(partial), "-C", str(root), "."], check=True)
-        os.replace(partial, ARM64_ROOT_CACHE)
-    else:
-        root.mkdir()
-        subprocess.run(["tar", "-xf", str(ARM64_ROOT_CACHE), "-C", str(root)], check=True)
-    return root
-
 
 def test_the_wheel_trains_digits_on_linux_arm64_under_emulation(wheel, epoch, tmp_path):
-    assert Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists(), "arm64 emulation is off: run `make arm64` as root"
     artifacts, data, expected = epoch
-    root = _arm64_root(tmp_path)
+    root = emulation.arm64_root(tmp_path)
+    emulation.install_wheel(root, wheel)
     work = root / "work"
     shutil.copytree(artifacts, work / "art")
-    for source in (wheel, data):
-        shutil.copyfile(source, work / source.name)
+    shutil.copyfile(data, work / data.name)
     (work / "steps.py").write_text(STEPS)
-    assert _chroot(root, "uname -m").strip() == "aarch64"
-    _chroot(root, f"/opt/venv/bin/pip install -q --disable-pip-version-check --no-index --no-deps /work/{wheel.name}")
-    found = json.loads(_chroot(root, f"cd /work && /opt/venv/bin/python steps.py art {data.name}").splitlines()[-1])
+    found = json.loads(emulation.in_arm64(root, f"cd /work && /opt/venv/bin/python steps.py art {data.name}")
+                       .splitlines()[-1])
     assert found["engine"] == "portable" and found["onnxruntime"] == "1.32.0", found
     np.testing.assert_allclose(found["losses"], expected, rtol=1e-4)

@@ -112,6 +112,18 @@ def losses(artifacts: str, name: str, engine: str) -> list[float]:
     return found
 
 
+def workstation_admits(installed: str) -> bool:
+    """Whether the installed wheel's [workstation] extra, its markers evaluated on this platform, asks for
+    exactly one torch requirement and admits ``installed``."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    wanted = [Requirement(line) for line in requires("ondevice-training") or []]
+    torch_wanted = [r for r in wanted if r.name == "torch" and r.marker and r.marker.evaluate({"extra": "workstation"})]
+    return len(torch_wanted) == 1 and torch_wanted[0].specifier.contains(installed.split("+")[0])
+
+
 if __name__ == "__main__":  # in the environment without the training build: generate, then train
     import onnxruntime
 
@@ -119,6 +131,7 @@ if __name__ == "__main__":  # in the environment without the training build: gen
 
     made = generate_all(sys.argv[1])
     report = {"python": "%d.%d" % sys.version_info[:2], "torch": torch.__version__,
+              "workstation_admits_torch": workstation_admits(torch.__version__),
               "onnxruntime": onnxruntime.__version__, "engines_installed": list(installed_engines()),
               "made": made, "losses": {name: losses(sys.argv[1], name, "auto") for name in MODELS}}
     print(json.dumps(report))
