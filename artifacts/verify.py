@@ -296,6 +296,7 @@ def merge_reports(reports: Sequence[Verification], examples: Sequence[Sequence[t
 def likely_causes(report: Verification, manifest: Manifest, per_batch: Sequence[bool]) -> list[str]:
     """What a failed verification most likely means, from which rows failed."""
     failed = [r.item for r in report.rows if not r.passed]
+    checks = [i.split(": ")[-1] for i in failed]  # without the graph's name ("training_model.portable.onnx: ")
     causes = []
     if per_batch[0] and not all(per_batch):
         causes.append(
@@ -303,27 +304,27 @@ def likely_causes(report: Verification, manifest: Manifest, per_batch: Sequence[
             "graph, e.g. a reshape to a constant; use x.shape[...] in forward or name the axis dynamic"
         )
     weights = _embedding_weights(manifest)
-    embeddings = [i for i in failed if i.removeprefix("dropout ").startswith("grad ")
-                  and i.removeprefix("dropout ")[5:] in weights]  # fmt: skip
+    embeddings = [i for i, check in zip(failed, checks) if check.removeprefix("dropout ").startswith("grad ")
+                  and check.removeprefix("dropout ")[5:] in weights]  # fmt: skip
     if embeddings:
         causes.append(
             f"{', '.join(embeddings)}: an embedding's padding row gets a gradient in ORT but not in PyTorch "
             "(a padding_idx passed to F.embedding is not seen; use nn.Embedding(padding_idx=...))"
         )
-    if any(i.startswith("buffer ") for i in failed):
+    if any(check.startswith("buffer ") for check in checks):
         causes.append(
             "BatchNorm running statistics differ: momentum=None (cumulative average) is not supported; "
             "set a momentum or freeze the statistics (model.eval() on that layer)"
         )
-    dropout = [i for i in failed if i.split(": ")[-1].startswith("dropout ")]
+    dropout = [check for check in checks if check.startswith("dropout ")]
     if dropout and len(dropout) == len(failed):
         causes.append(
             "only the train step with dropout on fails: a Dropout in the training graph does not drop where "
             "PyTorch does (or drops where it does not), or its gradient is scaled differently; a Dropout2d or "
             "AlphaDropout variant, or random code that tracing does not see, would do this"
         )
-    train_only = [i for i in failed if i.split(": ")[-1].startswith(("train ", "grad ", "step "))]
-    if train_only and not any(i.startswith("eval ") for i in failed) and not embeddings:
+    train_only = [check for check in checks if check.startswith(("train ", "grad ", "step "))]
+    if train_only and not any(check.startswith("eval ") for check in checks) and not embeddings:
         causes.append(
             "eval agrees but the train step does not: a layer behaves differently in training mode "
             "(Dropout variants other than nn.Dropout, BatchNorm on a batch of 1, custom train-mode code)"

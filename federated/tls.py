@@ -22,8 +22,16 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey, fmt: serialization.P
     path.chmod(0o600)
 
 
+def _usage(**granted: bool) -> x509.KeyUsage:
+    flags = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+             "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")  # fmt: skip
+    return x509.KeyUsage(**{flag: granted.get(flag, False) for flag in flags})
+
+
 def make_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict[str, Path]:
-    """A one-day CA and a server certificate for ``hosts``; returns paths ``ca``, ``cert``, ``key``."""
+    """A one-day CA and a server certificate for ``hosts``; returns paths ``ca``, ``cert``, ``key``. Both carry
+    the extensions strict X.509 checking asks for (key usages, key identifiers: Python 3.13's default TLS context
+    refuses a chain without them)."""
     import ipaddress
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -38,6 +46,8 @@ def make_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(key_cert_sign=True, crl_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP384R1())
@@ -56,6 +66,11 @@ def make_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(digital_signature=True), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     paths = {"ca": directory / "ca.crt", "cert": directory / "server.crt", "key": directory / "server.key"}

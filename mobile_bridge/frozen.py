@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ondevice import Manifest, Trainer
 from ondevice.frozen import stored_arrays
-from ondevice.session import C
+from ondevice.ort_checkpoint import CheckpointData, write_checkpoint
 
 __all__ = ["internalize_frozen", "frozen_arrays", "read_from_parameters"]
 
@@ -54,13 +54,9 @@ def internalize_frozen(source: Path, work: Path, manifest: Manifest, graphs: tup
             for n, a in arrays.items() if n in used and n not in inputs
         )  # fmt: skip
         onnx.save(model, work / graph)
-    trainable = [p.name for p in manifest.trainable]
-
-    def proto(name: str, array: np.ndarray) -> bytes:
-        return numpy_helper.from_array(np.ascontiguousarray(array), name).SerializeToString()
-
-    trained = [proto(n, trainer.parameter(n)) for n in trainable]
-    C.save_checkpoint(trained, [proto(n, a) for n, a in arrays.items()], str(work / "checkpoint"), False)
+    trained = {p.name: trainer.parameter(p.name) for p in manifest.trainable}
+    frozen = {n: np.ascontiguousarray(a) for n, a in arrays.items()}
+    (work / "checkpoint").write_bytes(write_checkpoint(CheckpointData(trainable=trained, frozen=frozen)))
 
 
 def read_from_parameters(model: onnx.ModelProto, layout: list[dict], parameters: str) -> onnx.ModelProto:
