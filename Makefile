@@ -1,8 +1,20 @@
-# Quick start: `make demo` and `make test` bootstrap .venv from requirements/lock.txt.
-PYTHON ?= python3
+# Quick start: `make demo` and `make test` bootstrap .venv from requirements/lock.txt: the newest CPython here that
+# the lock supports (3.13, 3.12, then 3.11; on PATH or under pyenv), stock onnxruntime, the portable engine. The
+# classic engine's tests run in .venv-classic (requirements/classic-lock.txt: ONNX Runtime's training build, which
+# installs on CPython 3.11 only); without CPython 3.11, make test says in one line that they did not run.
+find_python = $(firstword $(foreach v,$(1),$(shell for p in python$(v) $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(v).*/bin/python; \
+  do "$$p" -c "" >/dev/null 2>&1 && { echo "$$p"; break; }; done)))
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(or $(call find_python,3.13 3.12 3.11),python3)
+endif
+ifeq ($(origin CLASSIC_PYTHON),undefined)
+CLASSIC_PYTHON := $(call find_python,3.11)
+endif
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CLASSIC_VENV := .venv-classic
+CLASSIC_STAMP := $(CLASSIC_VENV)/.installed
 WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
@@ -10,10 +22,17 @@ OUT ?= out
 .PHONY: demo test check bench clean chromium arm64 wheel nextword assistant
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/no-deps.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+$(CLASSIC_STAMP): pyproject.toml requirements/classic-lock.txt requirements/no-deps.txt
+	$(CLASSIC_PYTHON) -m venv --clear $(CLASSIC_VENV)
+	$(CLASSIC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements/classic-lock.txt
+	$(CLASSIC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/no-deps.txt
+	$(CLASSIC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
 # The browser client's pinned npm packages (onnxruntime-web, its 1.19.2 training build, playwright-core), from
@@ -80,17 +99,25 @@ arm64:
 	  fi; }
 
 # Everything CI runs: lint, every test (real Flower processes, headless Chromium, wheel installs on other
-# Pythons and on arm64 under emulation, the docs site built with --strict), and the 15 slowest tests listed.
-test: $(STAMP) $(WEB_STAMP) chromium arm64
+# Pythons and on arm64 under emulation, the docs site built with --strict), and the 15 slowest tests listed; then the
+# classic engine's tests in .venv-classic where CPython 3.11 exists.
+test: $(STAMP) $(WEB_STAMP) chromium arm64 $(if $(CLASSIC_PYTHON),$(CLASSIC_STAMP))
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not classic"
+ifneq ($(CLASSIC_PYTHON),)
+	$(CLASSIC_VENV)/bin/python -m pytest -q --durations=5 -m classic
+else
+	@echo "the classic engine's tests were not run: they need CPython 3.11 (ONNX Runtime's training build installs there only)"
+endif
 
 # The edit loop's subset: no Flower processes, no browser, no wheel builds.
 check: $(STAMP)
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
 	$(PY) -m pytest -q -m "not slow and not browser and not flower" -x
 
-bench: $(STAMP) $(WEB_STAMP)
+# Benchmarks set the engines side by side: they run where both are installed (.venv-classic).
+bench: PY := $(CLASSIC_VENV)/bin/python
+bench: $(CLASSIC_STAMP) $(WEB_STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.generation
 	$(PY) -m benchmarks.gradient_builder --smollm2
@@ -113,4 +140,4 @@ wheel: $(WEB_STAMP)
 	rm -rf build
 
 clean:
-	rm -rf $(VENV) $(OUT)
+	rm -rf $(VENV) $(CLASSIC_VENV) $(OUT)

@@ -15,7 +15,7 @@ them, each in a fresh process whose peak RSS (VmHWM) is read at exit:
 with budgets of 150 and 200 MB and without one: the rate each generate wrote, the epochs training
 took, the accuracy on the unseen homes, and each command's peak against the budget.
 
-Run: .venv/bin/python -m benchmarks.afternoon [--budgets 200MB,none]   (writes benchmarks/results/afternoon.*)
+Run: .venv-classic/bin/python -m benchmarks.afternoon [--budgets 200MB,none]   (writes benchmarks/results/afternoon.*)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ threads; the page's longest stall while it trains (the longest gap between ticks
 timer); page open to first step; bundle size. Then the kernels' own speed on both sides: a
 one-node MatMul model in an inference session (the wide model's layer shape, and a square one),
 which says how much of the step's gap is the matrix multiply alone.
-Run: .venv/bin/python -m benchmarks.browser
+Run: .venv-classic/bin/python -m benchmarks.browser
 """
 
 from __future__ import annotations

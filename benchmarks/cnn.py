@@ -5,7 +5,7 @@ moved before ReLU, ReLU's gradient rewritten), of its NCHWc variant (what an x86
 the convolutions on ORT's blocked kernels), without the pooling swap, and without either ReLU
 rewrite (ORT's own ReluGrad); the step time of each, and of the generated graph with thread
 spinning off, in interleaved blocks on the same batch (batch 64, 2 threads).
-Run: .venv/bin/python -m benchmarks.cnn [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.cnn [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ fine-tuning benchmark's full fine-tuning (lr 1e-4) on the sample's homes, with d
 shipped, from artifacts generated without and with the pass: the same epochs and schedule, three
 seeds (data order and dropout masks) each, accuracy on the unseen homes.
 
-Run: .venv/bin/python -m benchmarks.dropout [--quick]   (writes benchmarks/results/dropout.*)
+Run: .venv-classic/bin/python -m benchmarks.dropout [--quick]   (writes benchmarks/results/dropout.*)
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ runs put that directory on the path of child processes of this venv's Python (wh
 ExecuTorch side is first tried alone for a few steps (it may crash, or train wrongly), then the sides that train
 the row take turns.
 
-Run: .venv/bin/python -m benchmarks.executorch [--setup]   (writes benchmarks/results/executorch.*)
+Run: .venv-classic/bin/python -m benchmarks.executorch [--setup]   (writes benchmarks/results/executorch.*)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fault benchmark: bit flips, kill -9 loops and hostile uploads against the real runtime and bridge.
 
-Run: .venv/bin/python -m benchmarks.faults [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.faults [--out benchmarks/results]
 Writes faults.json and faults.md (the README's reliability table). Every figure is a count or a
 measurement of this run; nothing is assumed.
 """

@@ -7,7 +7,7 @@ local epochs, lr 0.003, no minimum steps), against centralized training at both 
 clients x 30 rounds (10 sampled per round): rounds to 90 % test accuracy, the wall time of a round
 once running (from the run's report) and of start-up, and what a client task's SDK work costs
 (artifacts, data) the first time and from the process's caches.
-Run: .venv/bin/python -m benchmarks.federation [--quick]
+Run: .venv-classic/bin/python -m benchmarks.federation [--quick]
 """
 
 from __future__ import annotations

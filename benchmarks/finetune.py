@@ -10,7 +10,7 @@ C. federated rounds over the 8 homes (2 local epochs): LoRA + head against full-
 D. SmolLM2-135M on a phone's budget: LoRA r8 with the frozen base in int8 on both engines against PyTorch + PEFT
    (``benchmarks/_smollm2_budget.py``; part ``smollm2``, not in the default parts: it generates SmolLM2).
 
-Run: .venv/bin/python -m benchmarks.finetune [--quick]   (writes benchmarks/results/finetune.*)
+Run: .venv-classic/bin/python -m benchmarks.finetune [--quick]   (writes benchmarks/results/finetune.*)
 """
 
 from __future__ import annotations

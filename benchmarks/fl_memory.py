@@ -7,7 +7,7 @@ options but 2 rounds of 1 local epoch, for 2, 4 and 8 clients. The figure is the
 SuperLink and `flwr run`, its ServerApp and ClientApps, Ray's workers), sampled every second, at
 its peak; and the wall time of the run.
 
-Run: .venv/bin/python -m benchmarks.fl_memory   (writes benchmarks/results/fl_memory.*)
+Run: .venv-classic/bin/python -m benchmarks.fl_memory   (writes benchmarks/results/fl_memory.*)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ messages, so that many settings x seeds fit in minutes. Per local setting (epoch
 local steps): 10 clients x 20 rounds, and 100 clients x 30 rounds with 10 sampled per round
 (seeded), each for three seeds (partitions, data order, sampling); the final accuracy on the
 central test set per seed, their mean, and the round at which 90 % is first reached.
-Run: .venv/bin/python -m benchmarks.fl_sweep
+Run: .venv-classic/bin/python -m benchmarks.fl_sweep
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 ``odt generate`` in a fresh process as a user runs it: its time, its peak RSS and each stage's time (what
 ``odt generate`` prints when its output is piped), in ``generation_plans.*``.
 
-Run: .venv/bin/python -m benchmarks.generation [--out benchmarks/results] [--plans]
+Run: .venv-classic/bin/python -m benchmarks.generation [--out benchmarks/results] [--plans]
 """
 
 from __future__ import annotations

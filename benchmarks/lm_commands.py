@@ -11,7 +11,7 @@ artifacts, each in a fresh process whose peak RSS (VmHWM) is read at exit:
 The device commands run twice: on this checkout's Python (the training build where installed: the plan's engine)
 and on stock onnxruntime (``.venv-stock``, the portable engine every other device has).
 
-Run: .venv/bin/python -m benchmarks.lm_commands [--artifacts A]   (writes benchmarks/results/lm_commands.*)
+Run: .venv-classic/bin/python -m benchmarks.lm_commands [--artifacts A]   (writes benchmarks/results/lm_commands.*)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ For each model and trainable set below, at several micro-batch sizes: the estima
 artifacts. ``--fit`` also prints the least-squares BASE_BYTES and ACTIVATION_FACTOR for these
 rows, to compare with the constants in ``artifacts/estimate.py``.
 
-Run: .venv/bin/python -m benchmarks.planner [--fit]   (writes benchmarks/results/planner.*)
+Run: .venv-classic/bin/python -m benchmarks.planner [--fit]   (writes benchmarks/results/planner.*)
 """
 
 from __future__ import annotations

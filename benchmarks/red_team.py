@@ -1,6 +1,6 @@
 """Red-team sweep of the newest surfaces: causal LMs, GGUF files, bundles and streamed weights.
 
-Run: .venv/bin/python -m benchmarks.red_team [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.red_team [--out benchmarks/results]
 
 Each case runs ``odt`` as a user would (a fresh process, nothing mocked) on what a clumsy user or a
 hostile peer could hand it, and is classified by what the process did:

@@ -1,6 +1,6 @@
 """Runtime benchmark on the digits model: trainer overhead over raw ORT calls, cold start, peak RSS.
 
-Run: .venv/bin/python -m benchmarks.runtime [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.runtime [--out benchmarks/results]
 Each figure is a median of interleaved repetitions in one run; RSS and cold start come from
 separate subprocesses so that neither side pays for the other's imports.
 """

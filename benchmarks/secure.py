@@ -15,7 +15,7 @@
    SecureRound, Web Crypto and BigInt), each client's seconds per stage, beside the Python client
    (Flower's stage functions) on the same vector sizes and group: the digits model and the intents
    sample's MiniLM LoRA r8 + head (86,433 trainable values).
-Run: .venv/bin/python -m benchmarks.secure [--quick]
+Run: .venv-classic/bin/python -m benchmarks.secure [--quick]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
    `generate` on the same weights (batch 1, 32 tokens forced, equal threads, interleaved rounds,
    medians), with how many of their token sequences are equal.
 
-Run: .venv/bin/python -m benchmarks.smollm2 [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.smollm2 [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
    of every side are compared with Python's classic engine on the artifacts (Python's own losses on the bundle
    come from onnxruntime-training 1.19.2 in this process: the stock runtime's workers only time their steps).
 
-Run: .venv/bin/python -m benchmarks.smollm2_bundle [--out benchmarks/results]
+Run: .venv-classic/bin/python -m benchmarks.smollm2_bundle [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -101,3 +101,27 @@ def stock_python(tmp_path_factory) -> list[str]:
     subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", lock, *text],
                    check=True, capture_output=True)  # fmt: skip
     return ["env", f"PYTHONPATH={ROOT}", python]
+
+
+# -- Tests of the classic engine (ONNX Runtime's training build: CPython 3.11 on Linux x86_64) ----------------------
+# They carry @pytest.mark.classic. `make test` runs them in .venv-classic, the rest in .venv (the newest Python, stock
+# onnxruntime); where the training build is not installed they are left out, and the summary says so in one line.
+CLASSIC_NOT_RUN = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    from ondevice.engines import installed_engines
+
+    if "classic" in installed_engines():
+        return
+    classic = [item for item in items if item.get_closest_marker("classic")]
+    if classic:
+        config.hook.pytest_deselected(items=classic)
+        items[:] = [item for item in items if not item.get_closest_marker("classic")]
+        config.stash[CLASSIC_NOT_RUN] = len(classic)
+
+
+def pytest_terminal_summary(terminalreporter, config):  # type: ignore[no-untyped-def]
+    if count := config.stash.get(CLASSIC_NOT_RUN, 0):
+        terminalreporter.write_line(f"{count} tests of the classic engine not run here: ONNX Runtime's training build "
+                                    "is not installed (make test runs them in .venv-classic on CPython 3.11)")

@@ -13,10 +13,12 @@ PINS = {"onnxruntime-training": "1.19.2", "onnx": "1.17.0", "flwr": "1.41.0"}
 
 
 @pytest.mark.parametrize("package, version", PINS.items())
+@pytest.mark.classic
 def test_the_pinned_versions_are_installed(package, version):
     assert metadata.version(package) == version, f"the SDK's private uses below were checked on {package} {version}"
 
 
+@pytest.mark.classic
 def test_ort_1_19_private_bindings_the_runtime_uses(digits_artifacts):
     """ondevice.session reaches into onnxruntime.capi._pybind_state (CheckpointState, Module,
     Optimizer, save_checkpoint, the logger) and passes OrtValue._ortvalue to Module's buffer copies:

@@ -59,12 +59,7 @@ def _venv(path: Path, wheel: Path, extra: str) -> tuple[Path, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = f"{path / 'bin'}{os.pathsep}{env['PATH']}"
     install = [str(path / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
-    # stock onnxruntime at the device lock's version (requirements/lock.txt pins the training build instead)
-    runtime = next(line for line in (ROOT / "requirements" / "device-lock.txt").read_text().splitlines()
-                   if line.startswith("onnxruntime=="))  # fmt: skip
-    (path / "runtime.txt").write_text(runtime + "\n")
-    _run([*install, "-c", str(ROOT / "requirements" / "lock.txt"), "-c", str(path / "runtime.txt"), f"{wheel}{extra}"],
-         path, env)  # fmt: skip
+    _run([*install, "-c", str(ROOT / "requirements" / "lock.txt"), f"{wheel}{extra}"], path, env)
     return path / "bin", env
 
 

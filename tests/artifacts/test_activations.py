@@ -80,6 +80,7 @@ def test_frozen_path_keeps_the_original_operator(tmp_path):
     assert "HardSwish" in ops
 
 
+@pytest.mark.classic
 def test_relu_gradient_rewrite_matches_orts_relugrad_bit_for_bit(tmp_path, monkeypatch):
     import shutil
 
@@ -126,6 +127,7 @@ class _BiasGelu(nn.Module):
     ],
     ids=["GeluGrad", "BiasGeluGrad_dX"],
 )
+@pytest.mark.classic
 def test_gelu_gradient_rewrite_matches_pytorch_and_orts_kernel(tmp_path, monkeypatch, model, shape, kernel):
     from artifacts import passes
     from artifacts.passes.gelugrad import rewrite_gelu_grad
@@ -169,6 +171,7 @@ class _ShiftedHardswish(nn.Module):
         return self.head(nn.functional.hardswish(x + self.shift))
 
 
+@pytest.mark.classic
 def test_hardswish_runs_orts_kernel_with_pytorchs_gradient(tmp_path):
     from ondevice.engines.classic import OrtTraining
 
@@ -195,6 +198,7 @@ def test_hardswish_runs_orts_kernel_with_pytorchs_gradient(tmp_path):
         np.testing.assert_allclose(session.get_gradient(name), parameter.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.classic
 def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_path, monkeypatch):
     from artifacts import passes
     from ondevice.engines.classic import OrtTraining
@@ -217,6 +221,7 @@ def test_max_pooling_moves_before_relu_with_identical_values_and_gradients(tmp_p
     np.testing.assert_array_equal(swapped.eval_step(batch)[1], plain.eval_step(batch)[1])
 
 
+@pytest.mark.classic
 def test_max_pool_gradient_without_indices_equals_orts_and_pytorchs(tmp_path, monkeypatch):
     """The 2x2 pooling's gradient routed from its input: verified against PyTorch on windows of tied
     maxima, and bit for bit ORT's MaxPoolGrad over three AdamW steps; a pooling of an odd side

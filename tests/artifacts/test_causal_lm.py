@@ -72,6 +72,7 @@ def data(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.classic
 def test_a_causal_lm_generates_with_lora_on_its_attention_and_one_tied_embedding(artifacts):
     manifest = Manifest.load(artifacts)
     assert manifest.verification.passed and manifest.loss.kind == "model"
@@ -307,6 +308,7 @@ def test_a_prompt_that_fills_max_length_is_refused_with_the_fix(artifacts, tmp_p
 
 
 @pytest.mark.parametrize("engine", ["classic", "portable"])
+@pytest.mark.classic
 def test_next_token_labels_are_checked_before_any_step(artifacts, data, engine):
     """Labels outside the vocabulary (other than -100) and data with no token to count are refused with a
     DataError naming the array and example, on both engines and in evaluate (ORT read them silently, or failed

@@ -33,6 +33,7 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.classic
 def test_convolution_gradients_match_pytorch_without_convgrad(tmp_path, name):
     """Verification compares every gradient, the input's included, with PyTorch's; the training graph
     keeps ConvGrad for weights and biases only."""
@@ -48,6 +49,7 @@ def test_convolution_gradients_match_pytorch_without_convgrad(tmp_path, name):
 
 @pytest.mark.parametrize("stride, pads, group", [(1, [1, 1, 1, 1], 1), (2, [1, 0, 1, 1], 1), (3, [0, 0, 0, 0], 1),
                                                 (1, [1, 1, 1, 1], 4), (1, [0, 1, 0, 0], 4)])  # fmt: skip
+@pytest.mark.classic
 def test_the_input_gradient_equals_convgrads(stride, pads, group):
     """The pass alone on one ConvGrad: ORT's results before and after agree, all three gradients
     (group 4: a depthwise convolution of 4 channels)."""

@@ -63,6 +63,7 @@ def _without_dropout(model: nn.Module) -> nn.Module:
     [("llama", True), ("llama", False), ("qwen2", True), ("mistral", False), ("qwen3", True), ("phi3", True),
      ("gemma", True), ("gemma2", True)],
 )  # fmt: skip
+@pytest.mark.classic
 def test_a_grouped_query_decoder_generates_verifies_and_has_a_portable_graph(tmp_path, family, mask):
     """Without an attention mask, transformers calls SDPA with enable_gqa=True, which torch's exporter
     refused; the export repeats the key/value heads (exact), and verification compares with PyTorch.
@@ -80,6 +81,7 @@ def _batches(count: int, mask: bool) -> list[dict[str, np.ndarray]]:
     return [{k: v.numpy() for k, v in _example(seed=10 + i, mask=mask).items()} for i in range(count)]
 
 
+@pytest.mark.classic
 def test_a_decoder_trains_alike_on_both_engines_and_on_stock_onnxruntime(tmp_path, stock_python):
     """20 AdamW steps of a Llama with grouped-query attention and its token loss (prompts ignored):
     the portable graphs (RMSNorm, SiLU and the ignore-index cross-entropy gradients lowered to
@@ -139,6 +141,7 @@ class GPT2Classifier(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).logits
 
 
+@pytest.mark.classic
 def test_gpt2_gets_a_portable_graph_that_trains_like_the_classic_engine(tmp_path):
     """FastGeluGrad and the GatherGrad of the last-token pick lower to standard operators: GPT-2 had
     no portable engine before."""

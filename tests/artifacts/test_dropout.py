@@ -88,6 +88,7 @@ def _dropouts(path) -> list[tuple[str, float, bool | None]]:  # type: ignore[no-
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.classic
 def test_every_dropout_drops_in_training_and_matches_pytorchs_masks(tmp_path, family):
     build, count = FAMILIES[family]
     torch.manual_seed(0)
@@ -219,6 +220,7 @@ print(json.dumps({"onnxruntime": trainer.ort_version, "losses": losses}))
 
 
 @pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.classic
 def test_a_dropout_on_a_frozen_path_still_drops_on_the_portable_engine(tmp_path, stock_python, monkeypatch, keep):
     # no gradient reads the Dropout's mask when only the last layer trains; stock ORT's optimizer then deletes
     # the node from the ONNX graph it loads (the training build's does not), unless the portable-dropout-masks

@@ -18,7 +18,7 @@ from tests import emulation
 from tests.artifacts import generate_anywhere_models as models  # the file runs alone in the new environment too
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.classic]  # today's pipeline is the training build's
 
 
 NEWER_TORCH = "torch==2.14.1"

@@ -14,6 +14,7 @@ from .parity import gradients_close_then_step
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.classic
 def test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch(tmp_path, monkeypatch, reduction):
     from artifacts import passes
     from artifacts.passes.crossentropy import rewrite_cross_entropy
@@ -46,6 +47,7 @@ def test_cross_entropy_rewrite_keeps_orts_values_and_matches_pytorch(tmp_path, m
     np.testing.assert_allclose(candidate.get_flat(), reference.get_flat(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.classic
 def test_weighted_cross_entropy_keeps_orts_kernels_in_the_training_graph(tmp_path):
     """The classic training graph keeps ORT's kernels for a weighted loss; the eval graph, which stock ORT loads
     too (in ORT format on phones, where ONNX's function for the loss is not inlined), spells it out and gives

@@ -146,7 +146,7 @@ def test_a_narrow_base_stores_a_quarter_or_a_half_and_verifies_against_the_widen
         np.testing.assert_array_equal(trainer.parameter(name), reference.parameter(name))
 
 
-@pytest.mark.parametrize("engine", ["classic", "portable"])
+@pytest.mark.parametrize("engine", [pytest.param("classic", marks=pytest.mark.classic), "portable"])
 def test_it_trains_and_exports_as_its_widened_float_twin(pair, engine, tmp_path):
     data = _data()
     trainers = [Trainer.load(d, engine=engine) for d in pair]
@@ -186,6 +186,7 @@ def test_a_float16_base_is_refused_by_a_bundle_and_nothing_is_written(pair, tmp_
 
 
 @pytest.mark.parametrize("base", ["int8"])
+@pytest.mark.classic
 def test_a_narrow_base_travels_in_a_bundle_as_stored_and_trains_as_the_artifacts(base, monkeypatch, tmp_path):
     """Blocks of 4 rows (every 32-column matrix over 4 x 128 values is multiplied in 8 blocks): parameters.bin holds
     each array the portable graph reads as the artifacts store it (int8 matrices and float32 scales, or float16

@@ -42,6 +42,7 @@ def _batch(step: int) -> list[np.ndarray]:
     return [rng.standard_normal((4, 3, 12, 12)).astype(np.float32), rng.integers(0, 5, 4)]
 
 
+@pytest.mark.classic
 def test_nchwc_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
     manifest = generate(_separable(), EXAMPLE, tmp_path / "a")
     assert manifest.variants == {"nchwc": "training_model.nchwc.onnx"}
@@ -70,6 +71,7 @@ def test_nchwc_variant_trains_like_the_portable_graph_and_pytorch(tmp_path):
     np.testing.assert_allclose(blocked_run.get_flat(), plain.get_flat(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.classic
 def test_the_portable_engine_loads_its_own_nchwc_variant_and_trains_like_the_plain_graph(tmp_path):
     """The portable graph gets the same rewrite (stock ORT has the NCHWc kernels on x86): the portable engine
     loads it here and trains like the portable graph without it, and like the classic engine."""

@@ -79,6 +79,7 @@ def _frozen_body() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(2048, 10))
 
 
+@pytest.mark.classic
 def test_a_plan_that_fits_only_with_streamed_weights_is_loaded_that_way(tmp_path):
     """A budget the head fits only streamed: the planner measures the portable engine with streamed weights,
     records it, and Trainer.load follows the plan."""
@@ -112,6 +113,7 @@ def _wide() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 8192), nn.ReLU(), nn.Linear(8192, 10))
 
 
+@pytest.mark.classic
 def test_micro_batches_make_the_whole_model_fit_at_the_users_batch(tmp_path):
     """Over budget at the whole batch but within it in micro-batches: the planner keeps everything
     trainable and records the micro-batch, which the runtime then follows."""

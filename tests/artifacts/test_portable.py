@@ -131,6 +131,7 @@ def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda case: case[0])
+@pytest.mark.classic
 def test_each_lowering_matches_orts_training_kernel(case):
     op, inputs, attrs, outputs, shapes = case
     expected = _run(_one_node(op, inputs, attrs, outputs, shapes), inputs)  # ORT 1.19.2's training kernel
@@ -178,6 +179,7 @@ def test_a_gradient_lowering_computes_nothing_before_its_gradient_exists(case):
 
 
 @pytest.mark.parametrize("training", [True, False])
+@pytest.mark.classic
 def test_a_dropout_gradient_with_a_constant_rate_and_mode_folds_them(training):
     """The exported model's ratio and training mode are constants: the lowering folds the mode (nothing reads it)
     and divides by 1 - ratio computed from the ratio (one Sub reads it), and gives what it gives with them as inputs,
@@ -224,6 +226,7 @@ def test_accumulators_become_gradient_outputs(digits_artifacts):
     assert not any(n.op_type == "InPlaceAccumulatorV2" for n in model.graph.node)
 
 
+@pytest.mark.classic
 def test_portable_step_equals_the_classic_engine_step_for_step(digits_artifacts, digits_data):
     """Dropout on (same seeds): the digits model's losses and weights agree bit for bit or within rounding."""
     train = {k: v[:256] for k, v in digits_data["train"].items()}
@@ -253,6 +256,7 @@ def _without_dropout(build):  # type: ignore[no-untyped-def]
 BENCHMARK_MODELS = [case.name for case in cases()]
 
 
+@pytest.mark.classic
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARK_MODELS)
 def test_every_benchmark_model_trains_alike_on_both_engines(name, tmp_path):

@@ -76,6 +76,7 @@ def _ancestors(nodes: list[onnx.NodeProto], name: str) -> set[str]:
     return seen
 
 
+@pytest.mark.classic
 def test_recomputed_layers_train_bit_for_bit_like_kept_ones(pair):
     kept, recomputed = pair
     assert Manifest.load(recomputed).verification.passed  # against PyTorch's gradients
@@ -101,6 +102,7 @@ def test_recomputed_layers_train_bit_for_bit_like_kept_ones(pair):
             np.testing.assert_array_equal(a, b, err_msg=f"{engine}: {name}")
 
 
+@pytest.mark.classic
 def test_swiglu_activations_are_made_again_in_the_backward_bit_for_bit(pair, tmp_path, monkeypatch):
     """Without --recompute, the backward's readers of each layer's SiLU output read a copy that waits for the
     backward, so the forward's output is read by the forward alone; the step is the same to the bit as without
@@ -166,6 +168,7 @@ def deep(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("engine", ["classic", "portable"])
+@pytest.mark.classic
 def test_the_step_holds_far_less_memory(deep, engine):
     """A step's peak RSS over the loaded trainer, measured in fresh processes."""
     runs = {}

@@ -115,6 +115,7 @@ def test_grus_and_rnns_generate_and_verify(tmp_path, layer):
     assert manifest.verification.passed and any(p.name.endswith("_reverse") for p in manifest.trainable)
 
 
+@pytest.mark.classic
 def test_recurrent_weight_gradients_are_one_gemm_and_match_pytorch(tmp_path):
     """The training graph sums no per-step weight gradients: each recurrent weight's gradient is one
     Gemm over the stacked steps, each bias's one ReduceSum over all steps' rows (both biases are the

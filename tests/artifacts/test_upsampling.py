@@ -94,6 +94,7 @@ class Head(nn.Module):
 @pytest.mark.parametrize(
     "row", [1, 2, 4, 5, 8], ids=["stride-pad-outpad", "groups-dilation", "2d-rect", "2d-crop", "2d-blocks"]
 )
+@pytest.mark.classic
 def test_every_kind_of_transposed_convolution_verifies_in_ort(tmp_path, row):
     """Crops (padding over the kernel's reach), groups, dilations and output padding through ORT's gradients."""
     from artifacts import MSE

@@ -383,6 +383,7 @@ def test_tls_deployment_with_secure_aggregation(digits_artifacts, data_dir, tmp_
     assert _alive_with_home(tmp_path / "w" / "flwr-home") == []
 
 
+@pytest.mark.classic
 def test_a_round_with_a_classic_and_a_portable_node_averages_like_numpy(digits_no_dropout, data_dir, tmp_path):
     """Real SuperNodes, one training on the classic engine and one on the portable engine (node config
     ``engine``): the round's global weights are numpy's example-weighted average of what each engine

@@ -176,13 +176,15 @@ def test_browser_trains_on_webgpu_like_python(digits_no_dropout, digits_data, si
     np.testing.assert_allclose(fallback["losses"], losses[:2], atol=1e-5)
 
 
+@pytest.mark.classic
 def test_webgpu_reads_a_text_models_token_ids_as_zeros_pinned(site, tmp_path):
     """Why WebGPU stays opt-in for text models: onnxruntime-web 1.30's WebGPU build on Chromium's SwiftShader
     adapter reads a BERT's token ids as zeros in the word-embedding Gather (every row comes out as the padding
     row) once the token-type Gather is in the same graph; WASM is right. The smallest graph found is BERT's
     embeddings up to those two Gathers (39 nodes); it stays wrong with graph optimizations off, while either
     Gather alone, or the last five nodes fed the shapes the others compute, is right. Pinned: when this fails,
-    re-test MiniLM on WebGPU and lift the opt-in for it."""
+    re-test MiniLM on WebGPU and lift the opt-in for it. (Pinned on the export of the training build's artifacts:
+    the export of artifacts made without it, in the default environment, read the ids right once, untested.)"""
     import onnx
     from onnx.utils import extract_model
 
@@ -209,7 +211,7 @@ def test_webgpu_reads_a_text_models_token_ids_as_zeros_pinned(site, tmp_path):
     np.testing.assert_allclose(result["outputs"]["webgpu"][words], padding, atol=1e-6)
 
 
-@pytest.mark.parametrize("build", ["current", "training"])
+@pytest.mark.parametrize("build", ["current", pytest.param("training", marks=pytest.mark.classic)])
 def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_data, site, tmp_path, build):
     """A plan's micro-batch splits each browser step into parts: the portable engine averages the parts'
     gradients, 1.19.2's training build scales each part's loss gradient by part / batch and accumulates. With
@@ -238,6 +240,7 @@ def test_browser_trains_a_memory_plans_micro_batches_like_whole_batches(digits_d
     assert np.abs(weights - result["initial"]).max() > 1e-2  # it trained
 
 
+@pytest.mark.classic
 def test_browser_trains_an_sgd_bundle_and_the_training_build_refuses_it(digits_sgd, digits_data, site, tmp_path):
     """SGD runs on the portable graphs like Python's; ONNX Runtime Web 1.19 cannot create the SGD optimizer
     session (it throws a bare number), so on that build the client names the optimizer and the remedy."""
@@ -337,7 +340,8 @@ def test_browser_trains_the_intents_samples_minilm_lora_bundle_like_python(site,
     assert result["badInput"] == f"InputError: {expected}"
 
 
-@pytest.mark.parametrize("base, build", [("float32", "current"), ("int8", "current"), ("int8", "training")])
+@pytest.mark.parametrize("base, build", [("float32", "current"), ("int8", "current"),
+                                         pytest.param("int8", "training", marks=pytest.mark.classic)])
 def test_browser_fine_tunes_a_decoders_lora_adapters_like_python(site, tmp_path, base, build):
     """A small Llama (grouped-query attention, RMSNorm, SiLU, rotary positions) with LoRA on its attention
     projections and its own token loss (prompt tokens labelled -100): the bundle carries the adapters over
@@ -404,6 +408,7 @@ def test_browser_trains_a_cnn_with_the_rewritten_relu_gradient_like_python_ort(d
     _like_python(url, root / "bundle", {"steps": steps}, tmp_path)
 
 
+@pytest.mark.classic
 def test_weight_buffers_round_trip_exactly(digits_artifacts, site, tmp_path):
     root, url = site
     make_bundle(digits_artifacts, root / "bundle")
@@ -425,7 +430,7 @@ def _append(name: str):  # type: ignore[no-untyped-def]
     [
         (_append("parameters.bin"), "parameters.bin was altered", "current"),
         (_append("training_model.portable.onnx"), "training_model.portable.onnx was altered", "current"),
-        (_append("eval_model.onnx"), "eval_model.onnx was altered", "training"),
+        pytest.param(_append("eval_model.onnx"), "eval_model.onnx was altered", "training", marks=pytest.mark.classic),
         (
             lambda b: (b / "bundle.json").write_text(
                 (b / "bundle.json").read_text().replace('"base": 0.001', '"base": 0.5')

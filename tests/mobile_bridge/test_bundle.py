@@ -32,6 +32,7 @@ def _feeds(digits_data, step: int) -> list[np.ndarray]:
         {"kind": "cosine", "base": 0.02, "total": 6, "warmup": 2},
     ],
 )
+@pytest.mark.classic
 def test_baked_rate_equals_set_learning_rate(digits_no_dropout, digits_data, tmp_path, rate):
     directory = digits_no_dropout[0]
     make_bundle(
@@ -62,6 +63,7 @@ def test_baked_rate_equals_set_learning_rate(digits_no_dropout, digits_data, tmp
     assert not np.allclose(reference.get_flat(), OrtTraining(directory).get_flat())  # it trained
 
 
+@pytest.mark.classic
 def test_the_bundles_loss_scale_input_scales_gradients_and_changes_nothing_fed_one(digits_sgd, digits_data, tmp_path):
     """The bundle's training graph reads the loss gradient's seed from an input: fed 1 it computes
     what the artifacts' graph computes, bit for bit; fed 1/4 every gradient is a quarter."""
@@ -86,6 +88,7 @@ def test_the_bundles_loss_scale_input_scales_gradients_and_changes_nothing_fed_o
         original.train_step(feeds, scale=0.5)
 
 
+@pytest.mark.classic
 def test_bundle_contents(digits_artifacts, tmp_path, keys):
     description = make_bundle(digits_artifacts, tmp_path / "b", sign_key=keys[0])
     names = set(description["files"])
@@ -437,6 +440,7 @@ print(json.dumps({"version": ort.__version__, "eval_losses": loaded}))
 """
 
 
+@pytest.mark.classic
 def test_a_causal_lms_bundle_loads_in_stock_onnxruntime_in_ort_format(tmp_path, stock_python):
     """A token loss with ignore_index stays an ONNX SoftmaxCrossEntropyLoss after the cross-entropy rewrite: the
     training build has a kernel for it, stock ORT runs the ONNX function it is defined by, inlined when it loads

@@ -38,6 +38,7 @@ def clipped_artifacts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fixture", ["clipped_artifacts", "digits_sgd"])
+@pytest.mark.classic
 def test_engines_fit_alike_with_accumulation_clipping_decay_and_sgd(fixture, request, digits_data):
     directory = request.getfixturevalue(fixture)
     train = _part(digits_data["train"], 0, 320)
@@ -52,6 +53,7 @@ def test_engines_fit_alike_with_accumulation_clipping_decay_and_sgd(fixture, req
     np.testing.assert_allclose(portable_w, classic_w, atol=2e-6)
 
 
+@pytest.mark.classic
 def test_batches_of_every_size_train_and_evaluate_alike(digits_no_dropout, digits_data):
     """A last batch smaller than the others (and evaluation in batches of another size) on both engines."""
     directory, _ = digits_no_dropout
@@ -66,6 +68,7 @@ def test_batches_of_every_size_train_and_evaluate_alike(digits_no_dropout, digit
     assert results["portable"][1:] == pytest.approx(results["classic"][1:], rel=1e-6)
 
 
+@pytest.mark.classic
 def test_a_steps_outputs_stay_the_callers_when_later_steps_run(digits_no_dropout, digits_data):
     """The portable engine keeps its fetches in arrays bound once per batch shape: what a step returned must
     not change under the next steps (of the same or another size), and equals the classic engine's."""
@@ -179,6 +182,7 @@ def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, re
     np.testing.assert_array_equal(fused[2], two[2])
 
 
+@pytest.mark.classic
 def test_the_portable_engine_runs_models_without_convolutions_by_priority(digits_no_dropout, digits_data):
     """ORT's default order kept activations alive through the forward for the gradient's Shape nodes (a
     transformer's step peaked 1.1-1.3x higher): models without convolution kernels run by priority, in every
@@ -211,6 +215,7 @@ def test_adamw_rates_follow_orts_float32_formula():
 
 
 @pytest.mark.parametrize("first, second", [("classic", "portable"), ("portable", "classic")])
+@pytest.mark.classic
 def test_a_checkpoint_crosses_engines_bit_for_bit(first, second, clipped_artifacts, digits_data, tmp_path):
     train = _part(digits_data["train"], 0, 96)
     trainer = Trainer.load(clipped_artifacts, engine=first)
@@ -238,6 +243,7 @@ def _payload(path):
     return path.read_bytes()[header["payload_offset"] :]
 
 
+@pytest.mark.classic
 def test_orts_checkpoint_format_round_trips_through_the_portable_writer(clipped_artifacts, digits_data, tmp_path):
     trainer = Trainer.load(clipped_artifacts, engine="classic")
     trainer.fit(_part(digits_data["train"], 0, 64), epochs=1, batch_size=32, progress=False)
@@ -270,6 +276,7 @@ def test_a_damaged_flatbuffer_is_a_typed_error(damage, digits_artifacts):
         read_checkpoint(damage(raw))
 
 
+@pytest.mark.classic
 def test_engine_choice_is_checked_and_explained(digits_artifacts, tmp_path):
     with pytest.raises(ConfigError, match="engine must be one of auto, classic, portable"):
         Trainer.load(digits_artifacts, engine="gpu")
@@ -298,6 +305,7 @@ def test_a_checkpoint_the_portable_engine_cannot_parse_is_a_checkpoint_error(dig
         Trainer.load(broken, engine="portable")
 
 
+@pytest.mark.classic
 def test_exports_of_both_engines_predict_alike(digits_no_dropout, digits_data, tmp_path):
     directory, _ = digits_no_dropout
     test = _part(digits_data["test"], 0, 50)

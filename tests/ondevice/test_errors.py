@@ -124,6 +124,7 @@ def _rehash(directory: Path, name: str, content: bytes) -> None:
         ),
     ],
 )
+@pytest.mark.classic
 def test_bad_artifact_directory(artifacts, damage, error, message):
     damage(artifacts)
     with pytest.raises(error, match=message) as caught:

@@ -194,7 +194,7 @@ def test_a_step_maps_the_rows_of_a_lookup_table_it_reads_then_lets_them_go(tmp_p
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise; reads /proc/self/pagemap")
-@pytest.mark.parametrize("engine", ["classic", "portable"])
+@pytest.mark.parametrize("engine", [pytest.param("classic", marks=pytest.mark.classic), "portable"])
 def test_streamed_weights_leave_rss_after_every_step_and_train_bit_for_bit_the_same(frozen_body, engine):
     """A step reads every frozen page and each stayed mapped: the peak held the whole frozen.bin (SmolLM2
     int8: 131 of 378 MiB). Streamed, the trainer unmaps them as it runs; the pages come back from the
@@ -236,6 +236,7 @@ def test_streaming_unmaps_the_pages_while_a_run_is_still_going(frozen_body):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.classic
 def test_training_and_eval_sessions_read_one_mapping_of_the_frozen_weights(frozen_body):
     """ORT maps external data once per session and RSS counts a page once per mapping: validation put the
     frozen weights into RSS a second time (MiniLM: odt train --val 180 -> 255 MiB). The runtime now maps
@@ -348,7 +349,8 @@ sys.exit(main(["train", sys.argv[1], "--data", sys.argv[2], "--epochs", "100000"
 """
 
 
-@pytest.mark.parametrize("engine", ["portable", "portable-streamed", "classic"])
+@pytest.mark.parametrize("engine", ["portable", "portable-streamed",
+                                    pytest.param("classic", marks=pytest.mark.classic)])
 def test_frozen_bin_truncated_under_training_ends_it_with_a_typed_error(frozen_body, tmp_path, engine):
     """It died of SIGBUS (exit 135, no message, buffered output lost): the read lease holds the truncating
     process until training has stopped, with a typed error, its epoch lines out and its last checkpoint whole."""
@@ -413,6 +415,7 @@ print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 """
 
 
+@pytest.mark.classic
 def test_an_exported_model_is_predicted_from_its_mapped_file(frozen_body, tmp_path):
     """`odt predict model.onnx` held the weights twice (ONNX Runtime's parsed model and its tensors): MiniLM's
     91 MB peaked at 222 MB, over its 200 MB plan. Exported weights start aligned in the file, which Predictor maps

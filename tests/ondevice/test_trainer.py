@@ -223,6 +223,7 @@ def test_non_finite_step_is_skipped_and_counted(digits_no_dropout, digits_data):
     np.testing.assert_array_equal(trainer.get_flat_weights(), huge)
 
 
+@pytest.mark.classic
 def test_finite_check_is_the_norm_of_loss_and_accumulated_gradients(digits_no_dropout, digits_data):
     manifest = Manifest.load(digits_no_dropout[0])
     session = OrtTraining(digits_no_dropout[0])
@@ -238,6 +239,7 @@ def test_finite_check_is_the_norm_of_loss_and_accumulated_gradients(digits_no_dr
 
 @pytest.mark.parametrize("in_graph, engine", [(True, "classic"), (True, "portable"), (False, "classic")],
                          ids=["graph-check", "fused-step-check", "python-check"])
+@pytest.mark.classic
 def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph, engine):
     from artifacts import generate
     from tests.artifacts import models
@@ -319,6 +321,7 @@ def test_export_and_predict_match_the_eval_graph(digits_artifacts, digits_data, 
     np.testing.assert_allclose(predicted, trainer.eval_step(test).outputs["output"], atol=1e-6)
 
 
+@pytest.mark.classic
 def test_digits_sample_reaches_95_percent(tmp_path):
     from samples.digits import run
 
@@ -329,6 +332,7 @@ def test_digits_sample_reaches_95_percent(tmp_path):
     assert (tmp_path / "digits" / "curves.png").stat().st_size > 10_000
 
 
+@pytest.mark.classic
 def test_cached_gradient_views_keep_aliasing_ort_buffers(digits_no_dropout, digits_data):
     trainer = Trainer.load(digits_no_dropout[0])
     data = _subset(digits_data["train"], 96)

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.classic
 def test_the_digits_sample_reaches_the_same_accuracy_on_either_engine(tmp_path):
     from samples.digits import run
     from samples.digits.data import prepare
@@ -23,6 +24,7 @@ def test_the_digits_sample_reaches_the_same_accuracy_on_either_engine(tmp_path):
     assert abs(results["portable"]["export_accuracy"] - results["classic"]["export_accuracy"]) <= 0.003
 
 
+@pytest.mark.classic
 def test_the_intents_sample_reaches_the_same_accuracy_on_either_engine(tmp_path):
     pytest.importorskip("hassil")  # in requirements/lock.txt: never skipped under `make test`
     from samples.intents import run
