@@ -23,10 +23,14 @@ def make_artifacts(out: Path) -> Path:
 
     from artifacts import generate
     from artifacts.verify import format_table
+    from ondevice.engines import installed_engines
 
     from .model import build
 
-    manifest = generate(build(), {"input": torch.randn(BATCH, 64)}, out / "artifacts", force=True, ort_format=True)
+    # ORT-format copies of the classic graphs (ORT Mobile) where the training build is here to write them
+    ort_format = "classic" in installed_engines()
+    example = {"input": torch.randn(BATCH, 64)}
+    manifest = generate(build(), example, out / "artifacts", force=True, ort_format=ort_format)
     print(format_table(manifest.verification))
     print(f"   {manifest.trainable_size:,} trainable parameters -> {out / 'artifacts'}")
     return out / "artifacts"

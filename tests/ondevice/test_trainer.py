@@ -321,7 +321,6 @@ def test_export_and_predict_match_the_eval_graph(digits_artifacts, digits_data, 
     np.testing.assert_allclose(predicted, trainer.eval_step(test).outputs["output"], atol=1e-6)
 
 
-@pytest.mark.classic
 def test_digits_sample_reaches_95_percent(tmp_path):
     from samples.digits import run
 
