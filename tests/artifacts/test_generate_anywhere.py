@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.classic]  # today's pipeline is the 
 
 
 NEWER_TORCH = "torch==2.14.1"
-"""torch for CPython 3.12+ here: the lock's torch 2.13.0+cpu is a CPython 3.11 file on this machine's disk, and
+"""torch for CPython 3.12+ here: the classic lock's torch 2.13.0+cpu is a CPython 3.11 file on this machine's disk, and
 PyPI's 2.13.0 for the other Pythons needs an NVIDIA library release (cudnn 9.20.0.48) that this machine's index
 lacks; 2.14.1 (PyPI's CUDA build, which runs on the CPU) resolves. The [workstation] extra admits both."""
 ARM64_TORCH = "torch==2.9.1"
@@ -41,7 +41,7 @@ def _pyenv_python(version: str) -> Path:
 
 def _constraints(where: Path, torch: str = NEWER_TORCH) -> Path:
     """The device lock, and for everything else (torch, transformers and theirs) the development lock: one pinned
-    set with a current onnx and stock onnxruntime, no training build (torch: :data:`NEWER_TORCH`)."""
+    set with a current onnx and stock onnxruntime, no training build, and ``torch``."""
     device = (ROOT / "requirements" / "device-lock.txt").read_text().splitlines()
     pinned = {line.split("==")[0].lower() for line in device if "==" in line}
     skip = pinned | {"onnxruntime-training", "torch"}
