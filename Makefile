@@ -1,7 +1,8 @@
 # Quick start: `make demo` and `make test` bootstrap .venv from requirements/lock.txt: the newest CPython here that
 # the lock supports (3.13, 3.12, then 3.11; on PATH or under pyenv), stock onnxruntime, the portable engine. The
 # classic engine's tests run in .venv-classic (requirements/classic-lock.txt: ONNX Runtime's training build, which
-# installs on CPython 3.11 only); without CPython 3.11, make test says in one line that they did not run.
+# installs on CPython 3.11 only); without CPython 3.11, the default run's summary says in one line that they did not
+# run (tests/conftest.py).
 find_python = $(firstword $(foreach v,$(1),$(shell for p in python$(v) $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(v).*/bin/python; \
   do "$$p" -c "" >/dev/null 2>&1 && { echo "$$p"; break; }; done)))
 ifeq ($(origin PYTHON),undefined)
@@ -106,8 +107,6 @@ test: $(STAMP) $(WEB_STAMP) chromium arm64 $(if $(CLASSIC_PYTHON),$(CLASSIC_STAM
 	$(PY) -m pytest -q --durations=15 -m "not classic"
 ifneq ($(CLASSIC_PYTHON),)
 	$(CLASSIC_VENV)/bin/python -m pytest -q --durations=5 -m classic
-else
-	@echo "the classic engine's tests were not run: they need CPython 3.11 (ONNX Runtime's training build installs there only)"
 endif
 
 # The edit loop's subset: no Flower processes, no browser, no wheel builds.

@@ -124,4 +124,4 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
 def pytest_terminal_summary(terminalreporter, config):  # type: ignore[no-untyped-def]
     if count := config.stash.get(CLASSIC_NOT_RUN, 0):
         terminalreporter.write_line(f"{count} tests of the classic engine not run here: ONNX Runtime's training build "
-                                    "is not installed (make test runs them in .venv-classic on CPython 3.11)")
+                                    "is not installed (make test runs them in .venv-classic where CPython 3.11 exists)")
