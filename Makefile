@@ -20,7 +20,7 @@ WEB := mobile_bridge/web
 WEB_STAMP := $(WEB)/node_modules/.installed
 OUT ?= out
 
-.PHONY: demo test check bench clean chromium arm64 wheel nextword assistant
+.PHONY: demo test check bench clean chromium arm64 wheel nextword assistant kernels
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	$(PYTHON) -m venv --clear $(VENV)
@@ -54,16 +54,21 @@ $(WEB_STAMP): $(WEB)/package-lock.json
 	cp $(WEB)/node_modules/onnxruntime-web-training/package.json $(WEB)/ort/onnxruntime-web-training.package.json
 	touch $@
 
+# The portable engine's update kernel for each platform it ships on (_build/kernels.py: ziglang's C compiler, from
+# the lock), rebuilt when ondevice/kernels/update.c is newer than a library.
+kernels: $(STAMP)
+	$(PY) _build/kernels.py
+
 # The next-word sample (LSTM per home, federated with a personal output layer): a few minutes, not in `make demo`.
-nextword: $(STAMP)
+nextword: $(STAMP) kernels
 	$(PY) -m samples.nextword.run --out $(OUT)/nextword --federated 3 --shared-rounds 24
 
 # The assistant sample (SmolLM2 + LoRA on a home's commands, then federated across homes): about
 # 15 minutes on 2 cores and 8 GB for its generate step, not in `make demo`.
-assistant: $(STAMP)
+assistant: $(STAMP) kernels
 	$(PY) -m samples.assistant.run --out $(OUT)/assistant --federated 2
 
-demo: $(STAMP)
+demo: $(STAMP) kernels
 	$(PY) -m samples.digits.run --out $(OUT)/digits
 	$(PY) -m samples.intents.run --out $(OUT)/intents --federated 2
 
@@ -102,7 +107,7 @@ arm64:
 # Everything CI runs: lint, every test (real Flower processes, headless Chromium, wheel installs on other
 # Pythons and on arm64 under emulation, the docs site built with --strict), and the 15 slowest tests listed; then the
 # classic engine's tests in .venv-classic where CPython 3.11 exists.
-test: $(STAMP) $(WEB_STAMP) chromium arm64 $(if $(CLASSIC_PYTHON),$(CLASSIC_STAMP))
+test: $(STAMP) kernels $(WEB_STAMP) chromium arm64 $(if $(CLASSIC_PYTHON),$(CLASSIC_STAMP))
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
 	$(PY) -m pytest -q --durations=15 -m "not classic"
 ifneq ($(CLASSIC_PYTHON),)
@@ -110,13 +115,14 @@ ifneq ($(CLASSIC_PYTHON),)
 endif
 
 # The edit loop's subset: no Flower processes, no browser, no wheel builds.
-check: $(STAMP)
+check: $(STAMP) kernels
 	$(VENV)/bin/ruff check artifacts ondevice federated mobile_bridge samples benchmarks tests
 	$(PY) -m pytest -q -m "not slow and not browser and not flower" -x
 
 # Benchmarks set the engines side by side: they run where both are installed (.venv-classic).
 bench: PY := $(CLASSIC_VENV)/bin/python
 bench: $(CLASSIC_STAMP) $(WEB_STAMP)
+	$(PY) _build/kernels.py  # (not the kernels target: this PY would reach .venv's recipe)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.generation
 	$(PY) -m benchmarks.gradient_builder --smollm2

@@ -1,4 +1,5 @@
-"""The build backend: setuptools', refusing to build a wheel without the browser client's files.
+"""The build backend: setuptools', refusing to build a wheel without the browser client's files, and building
+the portable engine's update kernel first (:mod:`kernels`).
 
 ``mobile_bridge/web/ort`` (the onnxruntime-web builds the browser client loads) comes from the npm lock by
 ``make wheel``; a wheel built from a source tree without it would install a bridge whose demo page cannot
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import kernels
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F403  (every other hook is setuptools' own)
 
@@ -27,4 +29,10 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
             f"Build with `make wheel` (it fetches them with npm from mobile_bridge/web/package-lock.json), or set "
             f"{WITHOUT_BROWSER}=1 for a wheel whose bridge has no browser client."
         )
+    kernels.build()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):  # type: ignore[no-untyped-def]
+    kernels.build()
+    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

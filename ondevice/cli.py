@@ -504,7 +504,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"epochs": history.epochs, "best_epoch": history.best_epoch,
                           "stopped_early": history.stopped_early, "skipped_steps": trainer.skipped_steps,
-                          "engine": trainer.engine, "onnxruntime": trainer.ort_version,
+                          "engine": trainer.engine, "onnxruntime": trainer.ort_version, "update": trainer.update,
                           "lr": trainer.schedule.base if trainer.schedule else trainer.lr}, indent=2))  # fmt: skip
     else:
         if history.best_epoch is not None:
@@ -512,7 +512,7 @@ def _run_train(args: argparse.Namespace) -> int:
             why = (f"stopped: no lower validation loss for {patience} epochs; " if history.stopped_early else "")
             print(f"{why}kept epoch {history.best_epoch}'s weights (val_loss {best['val_loss']:.4g}"
                   + (f", val_accuracy {best['val_accuracy']:.4g})" if "val_accuracy" in best else ")"))  # fmt: skip
-        print(f"engine: {trainer.engine} (ONNX Runtime {trainer.ort_version})")
+        print(f"engine: {trainer.engine} (ONNX Runtime {trainer.ort_version}, update: {trainer.update})")
         print(f"checkpoint: {_checkpoint_file(args.checkpoint)}")
     return 0
 

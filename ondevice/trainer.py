@@ -183,6 +183,12 @@ class Trainer:
         return self._engine.ort_version
 
     @property
+    def update(self) -> str:
+        """How the optimizer update runs: ``"kernel"`` (the portable engine's native pass), ``"graph"`` (its update
+        graph, where no kernel loads: see ``ondevice.engines.update_kernel.status()``) or ``"training build"``."""
+        return self._engine.update
+
+    @property
     def manifest_sha256(self) -> str:
         """sha256 of the artifact directory's manifest.json: the identity federated peers compare."""
         return self._manifest_sha

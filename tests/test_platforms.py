@@ -1,6 +1,7 @@
 """The device install on real platforms: the built wheel with stock onnxruntime on the other CPython
 versions of this machine (pyenv), and on Linux arm64 (Debian under qemu-user), trains the digits
-model with the classic engine's losses; no documented install resolves to two ONNX Runtimes."""
+model with the classic engine's losses, its update in the native kernel; no documented install resolves to
+two ONNX Runtimes."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ STEPS = """
 import json, sys
 import numpy as np
 from ondevice import Trainer
+from ondevice.engines.update_kernel import status
 data = np.load(sys.argv[2])
 trainer = Trainer.load(sys.argv[1], engine="portable")
 losses = [trainer.train_step({"input": data["input"][i:i + 32], "labels": data["labels"][i:i + 32]}).loss
           for i in range(0, len(data["labels"]), 32)]
-print(json.dumps({"engine": trainer.engine, "onnxruntime": trainer.ort_version, "losses": losses}))
+print(json.dumps({"engine": trainer.engine, "onnxruntime": trainer.ort_version, "losses": losses,
+                  "update": status()}))
 """
 
 
@@ -78,6 +81,7 @@ def test_the_wheel_trains_digits_on_other_pythons_like_the_classic_engine(versio
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout)
     assert found["engine"] == "portable" and found["onnxruntime"] == "1.32.0", found
+    assert found["update"].startswith("native update kernel"), found  # loaded and passed its self-check
     np.testing.assert_allclose(found["losses"], expected, rtol=1e-5)
     # the command line too, with the engine and runtime in its report
     cli = subprocess.run([str(bin_dir / "odt"), "train", str(artifacts), "--data", str(data), "--epochs", "1",
@@ -85,9 +89,19 @@ def test_the_wheel_trains_digits_on_other_pythons_like_the_classic_engine(versio
                          timeout=600)  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
     report = json.loads(cli.stdout)
-    assert report["engine"] == "portable" and report["epochs"][0]["epoch"] == 1
+    assert report["engine"] == "portable" and report["update"] == "kernel" and report["epochs"][0]["epoch"] == 1
     resumed = Trainer.load(artifacts, engine="classic", checkpoint=work / "ck" / "latest.ckpt")  # crosses back
     assert resumed.step == 10
+
+
+def test_the_wheel_carries_the_update_kernel_for_each_linux_platform(wheel):
+    """Built by the wheel's build backend (ziglang), one library per platform, with its source."""
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"ondevice/kernels/update.c", "ondevice/kernels/linux-x86_64/libodt_update.so",
+            "ondevice/kernels/linux-aarch64/libodt_update.so"} <= names  # fmt: skip
+    assert wheel.name.endswith("-py3-none-any.whl")  # loaded with ctypes: one wheel for every Python
 
 
 DOCUMENTED = ["[all]", "[device,federated]", pytest.param("[workstation-classic,federated]", marks=pytest.mark.classic)]
@@ -124,4 +138,5 @@ def test_the_wheel_trains_digits_on_linux_arm64_under_emulation(wheel, epoch, tm
     found = json.loads(emulation.in_arm64(root, f"cd /work && /opt/venv/bin/python steps.py art {data.name}")
                        .splitlines()[-1])
     assert found["engine"] == "portable" and found["onnxruntime"] == "1.32.0", found
+    assert found["update"] == "native update kernel (baseline)", found  # NEON: loaded, its self-check passed
     np.testing.assert_allclose(found["losses"], expected, rtol=1e-4)

@@ -35,6 +35,8 @@ class Engine(Protocol):
 
     name: str
     ort_version: str
+    update: str
+    """how the optimizer update runs: ``"kernel"`` or ``"graph"`` (portable), ``"training build"`` (classic)"""
     with_eval: bool
     lean_memory: bool
 

@@ -136,6 +136,7 @@ class OrtTraining:
     # -- the engine protocol's state methods -------------------------------------------------------
     name = "classic"
     ort_version = ORT_VERSION
+    update = "training build"
 
     def get_property(self, name: str) -> int | float | str | None:
         return self.state.get_property(name) if self.state.has_property(name) else None

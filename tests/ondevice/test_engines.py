@@ -110,8 +110,10 @@ def test_the_update_runs_in_slices_that_equal_one_run_over_the_whole_vectors(fix
                                                                              monkeypatch):
     """An element-wise optimizer graph runs over consecutive slices of the flat vectors (to stay in the cache)
     with the parameters and moments of one run over the whole vectors, bit for bit; a clipping graph reads
-    every gradient's norm, so it keeps one run."""
-    from ondevice.engines import portable
+    every gradient's norm, so it keeps one run. (The update graph: where the update kernel is not built.)"""
+    from ondevice.engines import portable, update_kernel
+
+    monkeypatch.setenv(update_kernel.ENV, "0")
 
     directory = request.getfixturevalue(fixture)
     directory = directory[0] if isinstance(directory, tuple) else directory
@@ -144,11 +146,16 @@ def _without_fused_step(directory, out):
 
 
 @pytest.mark.parametrize("fixture", ["digits_artifacts", "clipped_artifacts", "digits_sgd"])
-def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, request, digits_data, tmp_path):
-    """Small models' whole steps run as one graph: the losses and weights of the two graphs, bit for bit,
-    through dropout, clipping, SGD, a rate change and a step that is not finite (skipped, state untouched)."""
+def test_the_fused_step_and_the_update_kernel_train_as_the_training_and_optimizer_graphs_do(fixture, request,
+                                                                                          digits_data, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """Where the update kernel is not built, small models' whole steps run as one graph; where it is, the
+    training graph and the kernel. Both give the losses and weights of the two graphs, bit for bit (with
+    clipping the kernel's norm may differ in its last bit), through dropout, clipping, SGD, a rate change, a
+    step that is not finite (skipped, state untouched) and accumulated micro-batches."""
     import onnx
 
+    from ondevice.engines import update_kernel
     from ondevice.engines.contract import OPTIMIZER_STATE
     from ondevice.manifest import Manifest
 
@@ -163,8 +170,11 @@ def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, re
     batches = [_part(digits_data["train"], 16 * k, 16 * k + 16) for k in range(6)]
     batches[3] = {**batches[3], "input": batches[3]["input"] * np.float32(1e38)}  # overflows: not finite
     runs = {}
-    for kind, source in (("fused", directory), ("two graphs", _without_fused_step(directory, tmp_path / "copy"))):
+    copy = _without_fused_step(directory, tmp_path / "copy")
+    for kind, source, graph in (("fused", directory, True), ("two graphs", copy, True), ("kernel", directory, False)):
+        monkeypatch.setenv(update_kernel.ENV, "0" if graph else "1")
         trainer = Trainer.load(source, engine="portable")
+        assert trainer.update == ("graph" if graph else "kernel")
         losses, applied = [], []
         for k, batch in enumerate(batches):
             if k == 4:
@@ -174,23 +184,34 @@ def test_a_fused_step_trains_as_the_training_and_optimizer_graphs_do(fixture, re
             applied.append(result.applied)
             gradient = trainer._engine.gradient_view(trainer.manifest.trainable[0].name)
             assert (not gradient.any()) == (kind == "fused")  # the fused step keeps gradients inside
-        runs[kind] = (losses, applied, trainer.get_flat_weights(), trainer.step, trainer.skipped_steps)
-    fused, two = runs["fused"], runs["two graphs"]
-    assert fused[1] == two[1] == [True, True, True, False, True, True]
-    assert fused[3:] == two[3:] == (5, 1)
-    np.testing.assert_array_equal(fused[0], two[0])
-    np.testing.assert_array_equal(fused[2], two[2])
+        history = trainer.fit(_part(digits_data["train"], 0, 64), epochs=1, batch_size=16, accumulate=2,
+                              shuffle=False, progress=False)  # fmt: skip
+        runs[kind] = (losses + [history.last()["loss"]], applied, trainer.get_flat_weights(), trainer.step,
+                      trainer.skipped_steps, trainer._engine._flat["momentum1"].copy())  # fmt: skip
+    fused, two, kernel = runs["fused"], runs["two graphs"], runs["kernel"]
+    assert fused[1] == two[1] == kernel[1] == [True, True, True, False, True, True]
+    assert fused[3:5] == two[3:5] == kernel[3:5] == (7, 1)
+    for index in (0, 2, 5):
+        np.testing.assert_array_equal(fused[index], two[index])
+        if fixture == "clipped_artifacts":
+            np.testing.assert_allclose(kernel[index], two[index], rtol=1e-5, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(kernel[index], two[index])
 
 
 @pytest.mark.classic
-def test_the_portable_engine_runs_models_without_convolutions_by_priority(digits_no_dropout, digits_data):
+def test_the_portable_engine_runs_models_without_convolutions_by_priority(digits_no_dropout, digits_data, monkeypatch):
     """ORT's default order kept activations alive through the forward for the gradient's Shape nodes (a
     transformer's step peaked 1.1-1.3x higher): models without convolution kernels run by priority, in every
     session, and train as the classic engine does. The sessions a step runs spin between kernels, and the
     update runs on the caller's thread (two spinning pools taking turns slowed steps up to 1.7x)."""
+    from ondevice.engines import update_kernel
     from ondevice.session import ort
 
     directory, _ = digits_no_dropout
+    kernel = Trainer.load(directory, engine="portable", threads=2)._engine
+    assert kernel.update == "kernel" and kernel._fused is None and kernel._update is None  # no update graph
+    monkeypatch.setenv(update_kernel.ENV, "0")
     trainer = Trainer.load(directory, engine="portable", threads=2)
     engine = trainer._engine
     engine._train_binding(True)  # opens the training graph's session too (a fused step does not need it)

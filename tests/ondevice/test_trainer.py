@@ -237,16 +237,20 @@ def test_finite_check_is_the_norm_of_loss_and_accumulated_gradients(digits_no_dr
         assert float(fetched[-1]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("in_graph, engine", [(True, "classic"), (True, "portable"), (False, "classic")],
-                         ids=["graph-check", "fused-step-check", "python-check"])
+@pytest.mark.parametrize("in_graph, engine, kernel", [(True, "classic", "1"), (True, "portable", "0"),
+                                                     (True, "portable", "1"), (False, "classic", "1")],
+                         ids=["graph-check", "fused-step-check", "kernel-step-check", "python-check"])
 @pytest.mark.classic
-def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph, engine):
+def test_step_with_finite_loss_but_infinite_gradient_is_skipped(tmp_path, digits_data, in_graph, engine, kernel,
+                                                                monkeypatch):  # fmt: skip
     from artifacts import generate
+    from ondevice.engines import update_kernel
     from tests.artifacts import models
 
+    monkeypatch.setenv(update_kernel.ENV, kernel)  # the portable engine: the fused step, or the kernel's update
     generate(models.SqrtGate(), torch.randn(8, 64), tmp_path / "gate", verify=False)
     trainer = Trainer.load(tmp_path / "gate", engine=engine)
-    assert trainer.manifest.portable_step is not None  # the portable engine runs whole steps fused
+    assert trainer.manifest.portable_step is not None  # without the kernel, the portable engine runs it fused
     if not in_graph:  # artifacts made before the in-graph check: the runtime sums the gradients itself
         trainer.manifest = dataclasses.replace(trainer.manifest, finite_check=None)
     before = trainer.get_flat_weights()
