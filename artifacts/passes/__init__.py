@@ -41,6 +41,7 @@ from .maxpoolgrad import rewrite_max_pool_grad
 from .nchwc import convs_to_nchwc
 from .outputs import complete_gradient_outputs
 from .padding import mask_padding_gradients, padding_rows
+from .pixelshuffle import shuffle_as_depth_to_space
 from .portable import lower_accumulators, lower_operators
 from .recompute import recompute_layers
 from .relugrad import rewrite_relu_grad
@@ -306,6 +307,13 @@ REGISTRY: tuple[Pass, ...] = (
          "gradient dX = scale inv_std (dY - mean(dY) - x_hat mean(dY x_hat)), dscale = sum(dY x_hat), dbias = "
          "sum(dY): the kernels' formulas, rounded in another order",
          "tests/artifacts/test_portable.py::test_every_benchmark_model_trains_alike_on_both_engines"),
+    Pass("portable-pixel-shuffle", "portable", lambda m, c: shuffle_as_depth_to_space(m, c.opset),
+         "stock ORT 1.32 runs a pixel shuffle's six-axis Transpose (a ConvTranspose with kernel = stride, "
+         "forward and gradient) element by element: 1.04 and 0.88 ms on the U-Net-style model's activation "
+         "(1.19.2: 0.65 and 0.35)",
+         "DepthToSpace (CRD) forward, 0.41 ms; SpaceToDepth and a block Transpose backward, 0.19 ms; Reshapes are "
+         "views: values moved, none computed",
+         "tests/artifacts/test_upsampling.py::test_a_pixel_shuffle_moves_the_values_its_transposes_move"),
     Pass("portable-conv-grad", "portable", lambda m, c: lower_operators(m, c.opset, ("ConvGrad",)),
          "ConvGrad (what the conv-grad pass leaves of it: the weight gradient) is not in stock ORT",
          "dW, with static sizes: from 16 input channels, dY times the input's window taken channels last, one "
