@@ -5,8 +5,8 @@ each at the speed of a numpy pass; ONNX Runtime's training build makes one (``Ad
 loads ``ondevice/kernels/<platform>/libodt_update.so`` (``ondevice/kernels/update.c``, built per platform by the
 wheel's build backend) with ctypes and runs AdamW or SGD in one pass, the graph's float32 operations in the
 graph's order: the results are the graph's bit for bit (tested). One thread, the caller's, as the update graph
-runs. Measured on AMD EPYC (one thread, medians of 21 interleaved runs): 235 k values 0.050 against 0.374 ms
-for the graph, 2.3 M 1.14 against 4.88, 22.7 M 10.3 against 45.8 (``docs/engineering-notes.md``).
+runs. Measured on AMD EPYC (one thread, medians of 21 interleaved runs): 235 k values 0.050 against 0.373 ms
+for the graph, 2.3 M 1.09 against 4.90, 22.7 M 10.5 against 45.4 (``docs/engineering-notes.md``).
 
 Before first use the library's AdamW and SGD are run on a short vector and compared with :func:`adamw` and
 :func:`sgd` (numpy, the same operations); a library that cannot load, has another ABI or computes other bits
