@@ -2,13 +2,12 @@
 
 ``InferenceSession``s over the generator's portable graphs: the training step (forward and backward,
 gradients out) and the eval step; the optimizer update runs as one native pass where this platform has the
-update kernel (:mod:`.update_kernel`), else as the update graph in a third session (or inside the fused step
-graph, for small models). Parameters, gradients and
-optimizer state are numpy arrays this engine owns, wrapped once as OrtValues and bound with
-IOBinding: a step feeds them by reference and ORT writes gradients straight into the accumulation
-buffers and the update back into the parameters (never copied through numpy per step). State loads
-from and saves to ONNX Runtime's own checkpoint format (:mod:`ondevice.ort_checkpoint`), so a
-checkpoint crosses engines.
+update kernel (:mod:`ondevice.engines.update_kernel`), else as the update graph in a third session (or inside
+the fused step graph, for small models). Parameters, gradients and optimizer state are numpy arrays this
+engine owns, wrapped once as OrtValues and bound with IOBinding: a step feeds them by reference and ORT
+writes gradients straight into the accumulation buffers and the update back into the parameters (never
+copied through numpy per step). State loads from and saves to ONNX Runtime's own checkpoint format
+(:mod:`ondevice.ort_checkpoint`), so a checkpoint crosses engines.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ import numpy as np
 from ..manifest import Manifest
 from ..ort_checkpoint import CheckpointData, read_checkpoint, write_checkpoint
 from ..session import ORT_VERSION, OrtValue, ort, session_options, training_graph
-from . import update_kernel
 from .contract import FUSED_MAX, OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE, gradient_output
+from .update_kernel import Bound
+from .update_kernel import load as load_kernel
 
 __all__ = ["PortableEngine", "adamw_rates", "execution_order"]
 
@@ -158,9 +158,9 @@ class PortableEngine:
 
         # The update kernel, where it loads, replaces the update graph and the fused step (whose update is that
         # graph): its one pass beat the graph's twelve 4-7x, more than the fused step's one run saves.
-        self._kernel = update_kernel.load() if manifest.optimizer.kind in ("adamw", "sgd") else None
+        self._kernel = load_kernel() if manifest.optimizer.kind in ("adamw", "sgd") else None
         self.update = "kernel" if self._kernel is not None else "graph"
-        self._kernel_step: update_kernel.Bound | None = None  # the kernel bound to the flat vectors
+        self._kernel_step: Bound | None = None  # the kernel bound to the flat vectors
         # with a fused step, the training graph's own session opens when a step first accumulates micro-batches
         # (a second copy of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without)
         self._fused = open_session(files.fused, spin=True) if files.fused and self._kernel is None else None
