@@ -39,8 +39,6 @@ def build(force: bool = False) -> list[Path]:
                        str(SOURCE)]  # fmt: skip
             try:
                 subprocess.run(command, check=True, capture_output=True, text=True)
-            except FileNotFoundError as exc:
-                raise SystemExit(f"error: cannot run {sys.executable} to build the update kernel: {exc}") from exc
             except subprocess.CalledProcessError as exc:
                 partial.unlink(missing_ok=True)
                 hint = "pip install ziglang (requirements/lock.txt pins it)" if "ziglang" in exc.stderr else ""

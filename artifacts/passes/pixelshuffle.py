@@ -81,6 +81,7 @@ def _rewrite(node: onnx.NodeProto, shape: list[int | None],
     if perm not in (FORWARD, BACKWARD) or len(shape) != 6 or any(d is None for d in shape[1:]):
         return None
     prefix = f"{node.name or node.output[0]}/odt_shuffle"
+    made: list[onnx.NodeProto] = []
 
     def const(name: str, values: list[int]) -> str:
         constants.append(numpy_helper.from_array(np.array(values, np.int64), f"{prefix}/shape.{name}"))
@@ -91,7 +92,6 @@ def _rewrite(node: onnx.NodeProto, shape: list[int | None],
         made.append(helper.make_node(kind, inputs, [out], name=f"{prefix}/{name}", **attributes))
         return out
 
-    made: list[onnx.NodeProto] = []
     source, target = node.input[0], node.output[0]
     if perm == FORWARD:
         c, b, b2, h, w = (int(d) for d in shape[1:])  # type: ignore[arg-type]

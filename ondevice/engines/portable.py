@@ -159,7 +159,6 @@ class PortableEngine:
         # The update kernel, where it loads, replaces the update graph and the fused step (whose update is that
         # graph): its one pass beat the graph's twelve 4-7x, more than the fused step's one run saves.
         self._kernel = load_kernel() if manifest.optimizer.kind in ("adamw", "sgd") else None
-        self.update = "kernel" if self._kernel is not None else "graph"
         self._kernel_step: Bound | None = None  # the kernel bound to the flat vectors
         # with a fused step, the training graph's own session opens when a step first accumulates micro-batches
         # (a second copy of the graph's kernels: MiniLM LoRA's peak 413 MiB with both open, 404 without)
@@ -200,6 +199,11 @@ class PortableEngine:
         self._rates = {n: np.zeros((), np.float32) for n in OPTIMIZER_INPUTS}
         self._bind_optimizer()
         self._bind_fused()
+
+    @property
+    def update(self) -> str:
+        """``"kernel"`` where the update kernel runs the update, else ``"graph"``."""
+        return "kernel" if self._kernel is not None else "graph"
 
     def _split(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         views, offset = {}, 0
