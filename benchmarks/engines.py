@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import numpy as np
 
 from ._machine import machine
 from .compare import _batches
+from .executorch import LIB, last_exception, runtime_check
+from .executorch import setup as executorch_setup
 from .models import cases
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +42,7 @@ import json, sys, time
 import numpy as np
 kind, directory, data, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 batches = [dict(np.load(f"{data}/{i}.npz")) for i in range(int(sys.argv[5]))]
-start = time.perf_counter()
+start, note = time.perf_counter(), None
 if kind == "torch":
     import torch
     from benchmarks.compare import HFAdamW
@@ -56,6 +59,17 @@ if kind == "torch":
     def step(batch):
         loss = torch.nn.functional.cross_entropy(model(*batch[0]), batch[1])
         loss.backward(); optimizer.step(); optimizer.zero_grad()
+elif kind == "executorch":
+    import torch
+    from benchmarks.executorch import Refused, engine_step
+    from benchmarks.models import cases
+    torch.set_num_threads(threads)
+    case = next(c for c in cases() if c.name == sys.argv[6])
+    try:
+        step, note = engine_step(case, set(json.loads(sys.argv[7])), batches)
+    except Refused as refused:
+        print("refused", json.dumps(str(refused)), flush=True)
+        sys.exit(0)
 else:
     from ondevice import Trainer
     trainer = Trainer.load(directory, engine=kind, threads=threads)
@@ -73,7 +87,7 @@ for line in sys.stdin:
         step(batches[(offset + i) % len(batches)])
     print((time.perf_counter() - t) / n, flush=True)
 rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
-print(json.dumps({"load_s": load_s, "peak_rss": rss}), flush=True)
+print(json.dumps({"load_s": load_s, "peak_rss": rss, "note": note}), flush=True)
 """
 
 
@@ -96,12 +110,29 @@ def stock_python(behind: str | None = None) -> Path:
     return python
 
 
+class Refused(Exception):
+    """A worker's side cannot train the row (the message says why)."""
+
+
 class Worker:
-    def __init__(self, python: Path, kind: str, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen([str(python), "-c", WORKER, kind, *args], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
-        assert self._line() == "ready", f"{kind} worker did not start"
+    def __init__(self, python: Path, kind: str, args: list[str], path: tuple[Path, ...] = (), log: Path | None = None):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *path)))}
+        stderr = open(log, "w") if log else None  # None: inherited (the ONNX Runtime sides are quiet)
+        try:
+            self.process = subprocess.Popen([str(python), "-c", WORKER, kind, *args], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=ROOT)
+        finally:
+            if stderr:
+                stderr.close()
+        first = self._line()
+        if first.startswith("refused "):
+            self.process.wait(timeout=120)
+            why, check = json.loads(first.removeprefix("refused ")), runtime_check(log.read_text()) if log else None
+            raise Refused(why + (f"; its runtime logged: {check}" if check else ""))
+        if first != "ready":
+            code = self.process.wait(timeout=120)
+            died = f"crashed ({signal.Signals(-code).name})" if code < 0 else f"exited with {code}"
+            raise Refused(f"{died} before its first steps" + (f": {last_exception(log.read_text())}" if log else ""))
 
     def _line(self) -> str:
         assert self.process.stdout is not None
@@ -141,26 +172,44 @@ def measure(case: Any, work: Path, threads: int, blocks: int) -> dict[str, Any]:
         "classic": Worker(Path(sys.executable), "classic", common),
         "portable": Worker(stock_python(), "portable", common),
     }
+    refused = None
+    try:  # ExecuTorch runs on this venv's torch, from its own directory (benchmarks.executorch)
+        workers["executorch"] = Worker(Path(sys.executable), "executorch", [*common, case.name, trainable], (LIB,),
+                                       work / "executorch.log")  # fmt: skip
+    except Refused as why:
+        refused = str(why)
     # an untimed block each; then blocks of at least MIN_BLOCK_S on the fastest side (20 steps of digits were
-    # 10 ms: a thread's wake-up or a neighbour's burst moved the ratio by 0.2)
-    fastest = min(worker.block(case.steps, 0) for worker in workers.values())
-    steps = max(case.steps, math.ceil(MIN_BLOCK_S / fastest))
+    # 10 ms: a thread's wake-up or a neighbour's burst moved the ratio by 0.2); ExecuTorch, tens of times slower
+    # on some rows, takes fewer steps, as many as fill MIN_BLOCK_S (at least one)
+    first = {name: worker.block(1 if name == "executorch" else case.steps, 0) for name, worker in workers.items()}
+    steps = max(case.steps, math.ceil(MIN_BLOCK_S / min(first.values())))
+    count = {name: steps for name in workers}
+    if "executorch" in workers:
+        count["executorch"] = min(steps, math.ceil(MIN_BLOCK_S / first["executorch"]))
     times: dict[str, list[float]] = {name: [] for name in workers}
     order = list(workers)
     for index in range(blocks):
-        for name in order[index % 3 :] + order[: index % 3]:  # rotate who goes first
-            times[name].append(workers[name].block(steps, index * steps))
+        for name in order[index % len(order) :] + order[: index % len(order)]:  # rotate who goes first
+            times[name].append(workers[name].block(count[name], index * steps))
     reports = {name: worker.finish() for name, worker in workers.items()}
     median = {name: statistics.median(values) for name, values in times.items()}
+
+    def speed(a: str, b: str) -> float | None:
+        """Median over blocks of ``b``'s step time over ``a``'s (>1: ``a`` is faster)."""
+        return statistics.median(y / x for x, y in zip(times[a], times[b])) if b in times else None
+
     return {
         "model": case.name,
         "batch": case.batch,
         "blocks": blocks,
-        "steps_per_block": steps,
+        "steps_per_block": count,
         "step_ms": {name: 1e3 * value for name, value in median.items()},
-        "portable_vs_classic": statistics.median(c / p for c, p in zip(times["classic"], times["portable"])),
-        "portable_vs_torch": statistics.median(t / p for t, p in zip(times["torch"], times["portable"])),
-        "classic_vs_torch": statistics.median(t / c for t, c in zip(times["torch"], times["classic"])),
+        "portable_vs_classic": speed("portable", "classic"),
+        "portable_vs_torch": speed("portable", "torch"),
+        "classic_vs_torch": speed("classic", "torch"),
+        "portable_vs_executorch": speed("portable", "executorch"),
+        "executorch_refused": refused,
+        "executorch_kernels": reports["executorch"]["note"] if "executorch" in reports else None,
         "load_s": {name: r["load_s"] for name, r in reports.items()},
         "peak_rss_mib": {name: r["peak_rss"] / 2**20 for name, r in reports.items()},
     }
@@ -168,28 +217,49 @@ def measure(case: Any, work: Path, threads: int, blocks: int) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "# Engines: portable (stock onnxruntime) beside classic (onnxruntime-training) and PyTorch",
+        "# Engines: portable (stock onnxruntime) beside classic (onnxruntime-training), PyTorch and ExecuTorch",
         "",
         f"Machine: {result['machine']['cpu']} ({result['machine']['cores']} cores). Threads: {result['threads']}. "
         f"Portable engine on onnxruntime {result['versions']['portable']}; classic on onnxruntime-training "
-        f"{result['versions']['classic']}; torch {result['versions']['torch']}.",
-        "Speed columns are medians of per-block ratios (>1: the first is faster), the three workers "
+        f"{result['versions']['classic']}; torch {result['versions']['torch']}; ExecuTorch "
+        f"{result['versions'].get('executorch', '-')} (lowered to XNNPACK, AdamW applied by torch to the tensors it "
+        "shares: its training API has SGD only).",
+        "Speed columns are medians of per-block ratios (>1: the first is faster), the workers "
         f"taking turns block by block (blocks of at least {MIN_BLOCK_S} s on the fastest side, after an untimed "
-        "one). Peak RSS is each worker process's VmHWM.",
+        "one; ExecuTorch's of as many steps as fill that time). Peak RSS is each worker process's VmHWM (not given for "
+        "ExecuTorch: its worker exports the model with torch in the same process).",
         "",
-        "| model | batch | portable ms | classic ms | PyTorch ms | portable vs classic | portable vs PyTorch "
-        "| classic vs PyTorch | peak RSS MiB portable / classic / PyTorch | load s portable / classic |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| model | batch | portable ms | classic ms | PyTorch ms | ExecuTorch ms | portable vs classic "
+        "| portable vs PyTorch | portable vs ExecuTorch | classic vs PyTorch "
+        "| peak RSS MiB portable / classic / PyTorch | load s portable / classic |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
+    refusals = []
     for row in result["rows"]:
         ms, rss, load = row["step_ms"], row["peak_rss_mib"], row["load_s"]
+        executorch = row.get("portable_vs_executorch")
+        if row.get("executorch_refused"):
+            refusals.append(f"- {row['model']}: {row['executorch_refused']}")
         lines.append(
             f"| {row['model']} | {row['batch']} | {ms['portable']:.2f} | {ms['classic']:.2f} | {ms['torch']:.2f} "
-            f"| {row['portable_vs_classic']:.2f}x | {row['portable_vs_torch']:.2f}x | {row['classic_vs_torch']:.2f}x "
+            f"| {_or_dash(ms.get('executorch'), '{:.2f}')} | {row['portable_vs_classic']:.2f}x "
+            f"| {row['portable_vs_torch']:.2f}x | {_or_dash(executorch, '{:.2f}x')} | {row['classic_vs_torch']:.2f}x "
             f"| {rss['portable']:.0f} / {rss['classic']:.0f} / {rss['torch']:.0f} "
             f"| {load['portable']:.2f} / {load['classic']:.2f} |"
         )
+    if refusals:
+        lines += ["", "Rows ExecuTorch does not train (its first step's gradients are checked against PyTorch's):", "",
+                  *refusals]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _executorch_version() -> str:
+    """The version of the ExecuTorch in :data:`LIB` (its dist-info's name: LIB is on the workers' path only)."""
+    return next(p.name.removesuffix(".dist-info").split("-")[1] for p in LIB.glob("executorch-*.dist-info"))
+
+
+def _or_dash(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS), help="directory for engines.json/.md")
     args = parser.parse_args(argv)
+    if not LIB.is_dir():
+        executorch_setup()
     import tempfile
 
     import onnxruntime
@@ -219,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": machine(),
         "threads": args.threads,
-        "versions": {"portable": portable_version, "classic": onnxruntime.__version__, "torch": torch.__version__},
+        "versions": {"portable": portable_version, "classic": onnxruntime.__version__, "torch": torch.__version__,
+                     "executorch": _executorch_version()},
         "rows": rows,
     }
     out = Path(args.out)

@@ -20,6 +20,7 @@ Run: .venv-classic/bin/python -m benchmarks.executorch [--setup]   (writes bench
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -49,8 +50,6 @@ def sides(case, work: Path, wanted: tuple[str, ...] = SIDES) -> dict[str, object
     """``name -> one training step`` (returning the loss) for each ``wanted`` side, from the same weights and batch."""
     import torch
     from torch import nn
-    from torch.export import export
-    from torch.export.experimental import _export_forward_backward
 
     from artifacts import SGD, generate
     from ondevice import Trainer
@@ -62,23 +61,13 @@ def sides(case, work: Path, wanted: tuple[str, ...] = SIDES) -> dict[str, object
     torch.manual_seed(1)
     y = torch.randint(0, case.classes, (case.batch,))
 
-    class Train(nn.Module):
-        def __init__(self, net: nn.Module) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, *args):  # type: ignore[no-untyped-def]  # a second, detached output: as its examples do
-            out = self.net(*args[:-1])
-            return nn.functional.cross_entropy(out, args[-1]), out.detach().argmax(dim=1)
-
     made: dict[str, object] = {}
     example = (*inputs.values(), y)
     for name, lower in (("ExecuTorch", False), ("ExecuTorch + XNNPACK", True)):
         if name not in wanted:
             continue
         net.load_state_dict(state)
-        made[name] = _executorch_step(_export_forward_backward(export(Train(net), example, strict=True)), lower,
-                                      example)  # fmt: skip
+        made[name] = _sgd_step(*_training_module(net, example, lower), example)
     eager = _without_dropout(case.build())
     eager.load_state_dict(state)
     sgd = torch.optim.SGD(eager.parameters(), lr=LR)
@@ -113,18 +102,9 @@ def _without_dropout(model):  # type: ignore[no-untyped-def]
     return model
 
 
-def _executorch_step(joint, lower: bool, example):  # type: ignore[no-untyped-def]
-    from executorch.exir import to_edge, to_edge_transform_and_lower
-    from executorch.extension.training import _load_for_executorch_for_training_from_buffer, get_sgd_optimizer
+def _sgd_step(module, buffer: bytes, example):  # type: ignore[no-untyped-def]
+    from executorch.extension.training import get_sgd_optimizer
 
-    if lower:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-        program = to_edge_transform_and_lower(joint, partitioner=[XnnpackPartitioner()]).to_executorch()
-    else:
-        program = to_edge(joint).to_executorch()
-    buffer = program.buffer  # the module reads it in place: it lives as long as the step (freed, it crashed)
-    module = _load_for_executorch_for_training_from_buffer(buffer)
     optimizer = None
 
     def step() -> float:
@@ -137,6 +117,112 @@ def _executorch_step(joint, lower: bool, example):  # type: ignore[no-untyped-de
         return float(loss)
 
     return step
+
+
+def engine_step(case, trainable: set[str], batches: list[dict[str, np.ndarray]]):  # type: ignore[no-untyped-def]
+    """``(step, how)``: ``step(batch)`` is one AdamW step of ``case`` on ExecuTorch, for ``benchmarks.engines``'
+    column; ``how`` says which kernels run it (XNNPACK where its lowering and first step work, else ExecuTorch's
+    portable kernels, with XNNPACK's error).
+
+    Its training API offers SGD only, so the update is the eager side's (``HFAdamW``: ORT's AdamW formula in
+    torch's foreach kernels) applied in place to the tensors ``named_parameters`` shares with the program. The
+    export decomposes first (``run_decompositions``): without it attention's backward is not core ATen. Dropout is
+    0, so that one export serves both the timing and the check of its first gradients against PyTorch's (dropout's
+    cost, left out, counts in ExecuTorch's favour); :class:`Refused` says which gradient is wrong, or what failed.
+    """
+    import torch
+    from torch import nn
+
+    from benchmarks.compare import HFAdamW
+
+    model = _without_dropout(case.torch_model().train())
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trainable)
+    steps = [(*(torch.from_numpy(v) for k, v in b.items() if k != "labels"), torch.from_numpy(b["labels"]))
+             for b in batches]  # fmt: skip
+    by_id = {id(b): s for b, s in zip(batches, steps)}
+    reference = copy.deepcopy(model)
+    nn.functional.cross_entropy(reference(*steps[0][:-1]), steps[0][-1]).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    failed = {}
+    for lower in (True, False):
+        try:
+            module, buffer = _training_module(model, steps[0], lower)
+            module.forward_backward("forward", steps[0])  # parameters can be named only after a first step
+            break
+        except Exception as error:  # export, lowering and the runtime raise many types; the table shows the message
+            failed[lower] = f"{type(error).__name__}: {_first_line(error)}"
+    else:
+        raise Refused(f"failed: {failed[False]}" + ("" if failed[True] == failed[False] else
+                                                     f" (with XNNPACK: {failed[True]})"))  # fmt: skip
+    _check_gradients(module.named_gradients(), expected)
+    named = module.named_parameters()
+    params = list(named.values())
+    optimizer = HFAdamW(params)
+
+    def step(batch: dict[str, np.ndarray]) -> None:
+        assert buffer
+        module.forward_backward("forward", by_id[id(batch)])
+        gradients = module.named_gradients()
+        for name, parameter in zip(named, params):
+            parameter.grad = gradients[name]
+        optimizer.step()
+
+    return step, "XNNPACK" if not failed else f"portable kernels (XNNPACK failed: {failed[True]})"
+
+
+class Refused(Exception):
+    """ExecuTorch cannot train the row (the message says why)."""
+
+
+def _training_module(model, example, lower: bool = True):  # type: ignore[no-untyped-def]
+    """``(module, buffer)``: ``model``'s loss as an ExecuTorch training module, lowered to XNNPACK or not. The module
+    reads the program's buffer in place: keep the buffer as long as the module (freed, it crashed)."""
+    from executorch.exir import to_edge, to_edge_transform_and_lower
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+    from torch import nn
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    class Train(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, *args):  # type: ignore[no-untyped-def]
+            out = self.net(*args[:-1])
+            return nn.functional.cross_entropy(out, args[-1]), out.detach().argmax(dim=1)
+
+    # decomposed before the joint graph is made: otherwise attention's backward is not core ATen
+    joint = _export_forward_backward(export(Train(model), example, strict=True).run_decompositions())
+    if lower:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        program = to_edge_transform_and_lower(joint, partitioner=[XnnpackPartitioner()]).to_executorch()
+    else:
+        program = to_edge(joint).to_executorch()
+    buffer = program.buffer
+    return _load_for_executorch_for_training_from_buffer(buffer), buffer
+
+
+def _check_gradients(got: dict, expected: dict) -> None:  # type: ignore[type-arg]
+    """Raise :class:`Refused` naming the first parameter whose gradient is not PyTorch's (or is missing): within
+    1e-3 of its largest value, plus 1e-6 (a gradient that is zero in exact arithmetic, such as attention's key
+    bias, is rounding noise of 1e-10 on both sides)."""
+    names = {name.removeprefix("net."): value for name, value in got.items()}
+    if set(names) != set(expected):
+        raise Refused(f"trains other parameters: {len(names)} gradients where PyTorch has {len(expected)}")
+    for name, value in expected.items():
+        scale = float(value.abs().max())
+        error = float((names[name] - value).abs().max())
+        if error > 1e-3 * scale + 1e-6:
+            raise Refused(f"trains wrongly: the gradient of {name} is off by up to {error:.3g} where its largest "
+                          f"value is {scale:.3g}")  # fmt: skip
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[0] if lines else "")[:200]
 
 
 def _case(name: str):  # type: ignore[no-untyped-def]
@@ -195,7 +281,7 @@ def measure(env: dict[str, str]) -> dict[str, object]:
             if run.returncode < 0:
                 refused[side] = f"crashed ({signal.Signals(-run.returncode).name}) in its first {STEPS} steps"
             elif run.returncode != 0:
-                refused[side] = "failed: " + _exception(run.stderr)
+                refused[side] = "failed: " + last_exception(run.stderr)
             elif not np.allclose(losses := result(run), reference, rtol=1e-3):
                 said, expected = (", ".join(f"{x:.4g}" for x in values) for values in (losses, reference))
                 refused[side] = f"trains wrongly: losses {said} where PyTorch's are {expected}"
@@ -206,12 +292,22 @@ def measure(env: dict[str, str]) -> dict[str, object]:
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions, "rows": rows}
 
 
-def _exception(stderr: str) -> str:
+def last_exception(stderr: str) -> str:
     """The last exception's line of a traceback, with the line after it (where torch puts the message)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     raised = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)]
     at = raised[-1] if raised else len(lines) - 1
     return " ".join(lines[at : at + 2])[:240]
+
+
+def runtime_check(stderr: str) -> str | None:
+    """The first failed check ExecuTorch's runtime logged (its exceptions say only ``error: 0x12``)."""
+    return next((line.strip() for line in stderr.splitlines() if "Check failed" in line), None)
+
+
+def setup() -> None:
+    """Install :data:`PINS` into :data:`LIB` (ExecuTorch and what it imports, without their dependencies)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(LIB), *PINS], check=True)
 
 
 def versions() -> dict[str, str]:
@@ -256,8 +352,7 @@ def main() -> int:
         print(json.dumps({**timed(args.time[0], tuple(args.time[1].split(","))), "versions": versions()}))
         return 0
     if args.setup or not LIB.is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(LIB), *PINS],
-                       check=True)  # fmt: skip
+        setup()
     result = measure({**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(LIB)])})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "executorch.json").write_text(json.dumps(result, indent=2) + "\n")
