@@ -1,12 +1,14 @@
 """`python -m benchmarks.engines`: the portable engine on the newest stock onnxruntime beside the classic
-engine (onnxruntime-training 1.19.2) and PyTorch eager, on every benchmark model.
+engine (onnxruntime-training 1.19.2), PyTorch eager and ExecuTorch, on every benchmark model.
 
 The two ONNX Runtimes cannot share a process (or an environment): each side is a worker process, the
 portable one in its own virtual environment (``.venv-stock``, made from requirements/device-lock.txt
-on first use). The workers take turns: one block of steps each, in rotation, so all three see the same
-phases of the machine; a row's speed is the median over blocks of the per-block ratio. Each worker
-then reports its load time and its peak RSS (VmHWM: load, warm-up and every step).
-Writes benchmarks/results/engines.{json,md}.
+on first use). ExecuTorch's worker runs on this venv's torch with ExecuTorch's own directory on its path
+(``benchmarks.executorch``; installed there on first use): it exports the row, checks its first gradients
+against PyTorch's and trains with AdamW, or says why it cannot. The workers take turns: one block of steps
+each, in rotation, so all see the same phases of the machine; a row's speed is the median over blocks of
+the per-block ratio. Each worker then reports its load time and its peak RSS (VmHWM: load, warm-up and
+every step). Writes benchmarks/results/engines.{json,md}.
 """
 
 from __future__ import annotations
@@ -234,12 +236,14 @@ def markdown(result: dict[str, Any]) -> str:
         "| peak RSS MiB portable / classic / PyTorch | load s portable / classic |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    refusals = []
+    refusals, unlowered = [], []
     for row in result["rows"]:
         ms, rss, load = row["step_ms"], row["peak_rss_mib"], row["load_s"]
         executorch = row.get("portable_vs_executorch")
         if row.get("executorch_refused"):
             refusals.append(f"- {row['model']}: {row['executorch_refused']}")
+        if (row.get("executorch_kernels") or "XNNPACK") != "XNNPACK":
+            unlowered.append(f"- {row['model']}: {row['executorch_kernels']}")
         lines.append(
             f"| {row['model']} | {row['batch']} | {ms['portable']:.2f} | {ms['classic']:.2f} | {ms['torch']:.2f} "
             f"| {_or_dash(ms.get('executorch'), '{:.2f}')} | {row['portable_vs_classic']:.2f}x "
@@ -247,6 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {rss['portable']:.0f} / {rss['classic']:.0f} / {rss['torch']:.0f} "
             f"| {load['portable']:.2f} / {load['classic']:.2f} |"
         )
+    if unlowered:
+        lines += ["", "Rows ExecuTorch runs without XNNPACK:", "", *unlowered]
     if refusals:
         lines += ["", "Rows ExecuTorch does not train (its first step's gradients are checked against PyTorch's):", "",
                   *refusals]  # fmt: skip
