@@ -1,12 +1,14 @@
 """ExecuTorch's training beside the SDK's portable engine and PyTorch eager: the MLP, the CNN and the small encoder.
 
 ExecuTorch (PyPI ``executorch``) is what a PyTorch user would try instead: ``torch.export`` of a module that returns
-its loss, ``torch.export.experimental._export_forward_backward`` for the joint forward-backward graph, ``to_edge``
+its loss, decomposed (``run_decompositions``: without it attention's backward is not core ATen),
+``torch.export.experimental._export_forward_backward`` for the joint forward-backward graph, ``to_edge``
 (or ``to_edge_transform_and_lower`` with the XNNPACK partitioner) and ``to_executorch``, then its training module's
 ``forward_backward`` and its SGD optimizer (the only optimizer its training API offers, so every side here trains
 with plain SGD). The four sides start from the same weights and data (dropout 0, so that all compute the same),
 and take turns in one process, a block of steps each (medians of the blocks' per-step times; ratios within a
-round). Losses of the first steps are compared.
+round). Losses of the first steps are compared. (:func:`engine_step` is the same export for ``benchmarks.engines``'
+ExecuTorch column, with AdamW.)
 
 ExecuTorch lives outside the development venv (it would pull pandas, coremltools and more into it): ``--setup``
 installs the pinned ``executorch`` and the few modules it imports into ``.executorch-lib`` with ``--no-deps``; the
