@@ -15,6 +15,7 @@ The optimizer update is its own graph (:mod:`artifacts.portable_optimizer`).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -102,6 +103,8 @@ class _GraphFacts:
         self._initializers = {i.name: i for i in graph.initializer if i.data_location != 1}
         self._values: dict[str, np.ndarray] = {}  # each initializer's value, read once when a lowering asks
         self.used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        self.inputs = {i.name for i in graph.input}
+        self.batchnorm_scales = Counter(n.input[1] for n in graph.node if n.op_type == "BatchNormInternal")
         try:
             inferred = inferred_graph(model)
         except Exception:  # noqa: BLE001 - ranks are a help; a lowering that needs one declines without
@@ -513,8 +516,12 @@ def _batchnorm_internal(b: _Builder, shapes: dict[str, list[int]]) -> None:
     rank = b.ranks.get(x)
     if rank is None:
         raise _Unlowerable(f"the rank of BatchNorm's input {x!r} is unknown")
-    axes = [0, *range(2, rank)]
     eps = float(attributes(node).get("epsilon", 1e-5))
+    facts = b._graph
+    if b.opset >= 14 and {scale, bias} <= facts.inputs and scale != bias and facts.batchnorm_scales[scale] == 1:
+        _batchnorm_in_training_mode(b, eps)
+        return
+    axes = [0, *range(2, rank)]
     mean = b.reduce("ReduceMean", x, axes, 1)
     centered = b.op("Sub", [x, mean])
     variance = b.reduce("ReduceMean", b.op("Mul", [centered, centered]), axes, 1)
@@ -528,6 +535,34 @@ def _batchnorm_internal(b: _Builder, shapes: dict[str, list[int]]) -> None:
         b.op("Reshape", [mean, flat], node.output[3])
     if _out(node, 4):
         b.op("Reshape", [inv_std, flat], node.output[4])
+
+
+def _batchnorm_in_training_mode(b: _Builder, eps: float) -> None:
+    """ONNX's own BatchNormalization in training mode (opset 14; in every stock ORT but the minimal,
+    ORT-format-only builds). With momentum 0 its "running" statistics are the batch's mean and biased variance,
+    the values the lowering above computes, bit for bit (onnxruntime 1.32); Y is the same formula rounded in
+    ORT's order (within 1.5e-6). One kernel in place of seven passes over X: 0.06-0.23 ms against 0.25-0.36
+    on MobileNet-style's activations (batch 32, 2 threads, one-off).
+
+    The "previous" statistics it reads are zeros made in the graph from this node's own scale and bias: ORT
+    writes the new statistics over the tensors it reads (in place), so two BatchNorms reading one constant
+    overwrote each other's saved statistics (a one-off with two such nodes: the first node's mean off by 2.7),
+    and a constant would carry a non-finite value from one step into every later one. So it is used where the
+    scale and bias are graph inputs (trained: never folded into constants) that no other BatchNorm reads (ORT
+    merges equal nodes, and two nodes' zeros would become one tensor again); frozen or shared ones keep the
+    lowering above."""
+    node = b.node
+    x, scale, bias = node.input[:3]
+    mean, variance = f"{b.prefix}.mean", f"{b.prefix}.variance"
+    zero = b.const(0.0)
+    previous = [b.op("Mul", [scale, zero]), b.op("Mul", [bias, zero])]  # each node's own, fresh every step
+    b.nodes.append(helper.make_node("BatchNormalization", [x, scale, bias, *previous],
+                                    [node.output[0], mean, variance], name=f"{b.prefix}.BatchNormalization",
+                                    epsilon=eps, momentum=0.0, training_mode=1))  # fmt: skip
+    if _out(node, 3):
+        b.op("Identity", [mean], node.output[3])
+    if _out(node, 4):
+        b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [variance, b.const(eps)])])], node.output[4])
 
 
 def _batchnorm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:

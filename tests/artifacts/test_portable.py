@@ -214,6 +214,50 @@ def test_batchnorm_with_its_running_statistics_read_is_left_for_the_error():
     assert [n.op_type for n in unportable(model)] == ["BatchNormInternal"]
 
 
+@pytest.mark.parametrize("parameters", ["trained", "shared", "frozen"])
+def test_two_lowered_batchnorms_keep_their_own_statistics_run_after_run(parameters):
+    """Stock ORT's training-mode BatchNormalization writes its statistics over the tensors it reads them from: two
+    lowered BatchNorms of one width that read one constant overwrote each other's saved mean (the first node's was
+    off by 2.7 in the first run of this graph, the second's by 0.29 in the second run). Trained parameters of
+    their own get ONNX's kernel; shared (one module applied twice) or frozen ones the lowering's own arithmetic."""
+    x = _r(4, 3, 5, 5) + 3
+    second = ("s1", "b1") if parameters == "shared" else ("s2", "b2")
+    nodes = [helper.make_node("BatchNormInternal", ["x", "s1", "b1", "rm", "rv"], ["y1", "", "", "m1", "i1"],
+                              domain="com.microsoft", epsilon=1e-5, momentum=0.9, training_mode=1),
+             helper.make_node("Relu", ["y1"], ["r"]),
+             helper.make_node("BatchNormInternal", ["r", *second, "rm", "rv"], ["y2", "", "", "m2", "i2"],
+                              domain="com.microsoft", epsilon=1e-5, momentum=0.9, training_mode=1)]  # fmt: skip
+    values = {"s1": _r(3), "b1": _r(3), "s2": _r(3), "b2": _r(3), "rm": _r(3), "rv": np.abs(_r(3)) + 1}
+    constant = {"rm", "rv"} | ({"s1", "b1", "s2", "b2"} if parameters == "frozen" else set())
+    feeds = {"x": x, **{n: v for n, v in values.items() if n not in constant}}
+    inputs = [helper.make_tensor_value_info(n, F, list(v.shape)) for n, v in feeds.items()]
+    graph = helper.make_graph(nodes, "two", inputs,
+                              [helper.make_tensor_value_info(n, F, None) for n in ("y2", "m1", "i1", "m2", "i2")],
+                              [onnx.numpy_helper.from_array(values[n], n) for n in sorted(constant)])  # fmt: skip
+    graph.value_info.append(helper.make_tensor_value_info("r", F, list(x.shape)))
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    assert lower_operators(model, 17) == ["BatchNormInternal"] * 2
+    kernels = [n for n in model.graph.node if n.op_type == "BatchNormalization"]  # ONNX's own, in training mode
+    assert len(kernels) == (2 if parameters == "trained" else 0)
+
+    def statistics(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = t.astype(np.float64)
+        return t.mean((0, 2, 3)), 1 / np.sqrt(t.var((0, 2, 3)) + 1e-5)
+
+    mean1, inv1 = statistics(x)
+    shape = (1, 3, 1, 1)
+    r = np.maximum((x - mean1.reshape(shape)) * inv1.reshape(shape) * values["s1"].reshape(shape)
+                   + values["b1"].reshape(shape), 0)  # fmt: skip
+    mean2, inv2 = statistics(r)
+    session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+    for _ in range(2):  # the second run reads whatever the first left in the tensors
+        _, m1, i1, m2, i2 = session.run(None, feeds)
+        for got, want in ((m1, mean1), (i1, inv1), (m2, mean2), (i2, inv2)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_accumulators_become_gradient_outputs(digits_artifacts):
     model = onnx.load(digits_artifacts / "training_model.onnx", load_external_data=False)
     before = {i.name for i in model.graph.input}

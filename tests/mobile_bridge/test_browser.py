@@ -159,6 +159,28 @@ def test_a_bundle_of_artifacts_made_without_the_training_build_trains_in_the_bro
     assert result["engine"] == "portable" and result["losses"][-1] < result["losses"][0]
 
 
+def test_a_batchnorm_model_trains_in_the_browser_like_python(digits_data, site, tmp_path):
+    """A BatchNorm in training mode runs as ONNX's own BatchNormalization kernel in the portable graphs (the
+    generator's portable-batchnorm lowering): onnxruntime-web runs it like Python's portable engine."""
+    import onnx
+    import torch
+    from torch import nn
+
+    from artifacts import generate
+
+    torch.manual_seed(0)
+    # no bias before the BatchNorm: its gradient is rounding noise, which AdamW scales to whole steps of the rate
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    generate(model, {"input": torch.randn(16, 64)}, tmp_path / "bn", verify=False)
+    training = onnx.load(tmp_path / "bn" / "training_model.portable.onnx", load_external_data=False)
+    assert [a.i for n in training.graph.node if n.op_type == "BatchNormalization" for a in n.attribute
+            if a.name == "training_mode"] == [1]  # fmt: skip
+    root, url = site
+    make_bundle(tmp_path / "bn", root / "bundle", lr=0.01)
+    result, _ = _like_python(url, root / "bundle", {"steps": _steps(digits_data, 12)}, tmp_path)
+    assert result["engine"] == "portable" and result["losses"][-1] < result["losses"][0]
+
+
 def test_browser_trains_on_webgpu_like_python(digits_no_dropout, digits_data, site, tmp_path):
     """With a WebGPU adapter (Chromium's SwiftShader here, offered with --enable-unsafe-webgpu) the portable
     graphs run on it: 20 digits steps within 1e-4 of Python; without an adapter the client falls back to WASM
