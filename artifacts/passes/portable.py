@@ -583,12 +583,15 @@ def _batchnorm_grad(b: _Builder, shapes: dict[str, list[int]]) -> None:
     sum_dy = b.reduce("ReduceSum", dy, axes, 1) if _out(node, 0) or _out(node, 2) else ""
     sum_product = b.reduce("ReduceSum", product, axes, 1) if _out(node, 0) or _out(node, 1) else ""
     if _out(node, 0):
-        sizes = b.dims.get(x) or []
-        if len(sizes) == rank and all(isinstance(d, int) and d > 0 for d in sizes):  # values per channel, known
+        # values per channel: a constant where the input's sizes are known, else counted (the batch axis is
+        # usually symbolic); the channels are known wherever the scale's shape is
+        sizes, channels = b.dims.get(x) or [], (shapes.get(scale) or [None])[0]
+        if len(sizes) == rank and all(isinstance(d, int) and d > 0 for d in sizes):
             count = b.const(float(np.prod(sizes) // sizes[1]))
         else:
-            count = b.op("Div", [b.op("Cast", [b.op("Size", [dy])], to=onnx.TensorProto.FLOAT),
-                                 b.op("Cast", [b.op("Size", [scale])], to=onnx.TensorProto.FLOAT)])  # fmt: skip
+            per = b.const(float(channels)) if isinstance(channels, int) else \
+                b.op("Cast", [b.op("Size", [scale])], to=onnx.TensorProto.FLOAT)  # fmt: skip
+            count = b.op("Div", [b.op("Cast", [b.op("Size", [dy])], to=onnx.TensorProto.FLOAT), per])
         inner = b.op("Sub", [b.op("Sub", [dy, b.op("Div", [sum_dy, count])]),
                              b.op("Mul", [x_hat, b.op("Div", [sum_product, count])])])  # fmt: skip
         b.op("Mul", [inner, b.op("Mul", [b.op("Reshape", [scale, channel]), inv])], node.output[0])
