@@ -29,7 +29,7 @@ import numpy as np
 
 from ._machine import machine
 from .compare import _batches
-from .executorch import LIB, last_exception, runtime_check
+from .executorch import LIB, Refused, last_exception, runtime_check
 from .executorch import setup as executorch_setup
 from .models import cases
 
@@ -110,10 +110,6 @@ def stock_python(behind: str | None = None) -> Path:
                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
         (Path(site) / "odt-workstation.pth").write_text(behind + "\n")
     return python
-
-
-class Refused(Exception):
-    """A worker's side cannot train the row (the message says why)."""
 
 
 class Worker:

@@ -174,7 +174,8 @@ def engine_step(case, trainable: set[str], batches: list[dict[str, np.ndarray]])
 
 
 class Refused(Exception):
-    """ExecuTorch cannot train the row (the message says why)."""
+    """A side cannot train the row (the message says why): ExecuTorch's export, lowering or gradients failed, or
+    a ``benchmarks.engines`` worker did not start."""
 
 
 def _training_module(model, example, lower: bool = True):  # type: ignore[no-untyped-def]

@@ -105,6 +105,7 @@ class _GraphFacts:
         self.used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
         self.inputs = {i.name for i in graph.input}
         self.batchnorm_scales = Counter(n.input[1] for n in graph.node if n.op_type == "BatchNormInternal")
+        """how many training-mode BatchNorms read each scale (more than one: a module applied twice)"""
         try:
             inferred = inferred_graph(model)
         except Exception:  # noqa: BLE001 - ranks are a help; a lowering that needs one declines without
@@ -133,6 +134,7 @@ class _Builder:
                  graph: _GraphFacts) -> None:  # fmt: skip
         self.node, self.constants, self.opset = node, constants, opset
         self.ranks, self.dims, self.used, self._graph = graph.ranks, graph.dims, graph.used, graph
+        self.inputs, self.batchnorm_scales = graph.inputs, graph.batchnorm_scales
         self.per_row: set[str] = set()
         """inputs a lowering knows hold one value per row (a norm's statistics), whatever shape inference knew"""
         self.prefix = (node.name or node.output[0]) + ".portable"
@@ -517,8 +519,7 @@ def _batchnorm_internal(b: _Builder, shapes: dict[str, list[int]]) -> None:
     if rank is None:
         raise _Unlowerable(f"the rank of BatchNorm's input {x!r} is unknown")
     eps = float(attributes(node).get("epsilon", 1e-5))
-    facts = b._graph
-    if b.opset >= 14 and {scale, bias} <= facts.inputs and scale != bias and facts.batchnorm_scales[scale] == 1:
+    if b.opset >= 14 and {scale, bias} <= b.inputs and scale != bias and b.batchnorm_scales[scale] == 1:
         _batchnorm_in_training_mode(b, eps)
         return
     axes = [0, *range(2, rank)]
