@@ -140,17 +140,19 @@ def engine_step(case, trainable: set[str], batches: list[dict[str, np.ndarray]])
     model = _without_dropout(case.torch_model().train())
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name in trainable)
-    steps = [(*(torch.from_numpy(v) for k, v in b.items() if k != "labels"), torch.from_numpy(b["labels"]))
-             for b in batches]  # fmt: skip
-    by_id = {id(b): s for b, s in zip(batches, steps)}
+
+    def example(batch: dict[str, np.ndarray]) -> tuple:  # type: ignore[type-arg]  # views of the arrays, no copy
+        return (*(torch.from_numpy(v) for k, v in batch.items() if k != "labels"), torch.from_numpy(batch["labels"]))
+
+    first = example(batches[0])
     reference = copy.deepcopy(model)
-    nn.functional.cross_entropy(reference(*steps[0][:-1]), steps[0][-1]).backward()
+    nn.functional.cross_entropy(reference(*first[:-1]), first[-1]).backward()
     expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     failed = {}
     for lower in (True, False):
         try:
-            module, buffer = _training_module(model, steps[0], lower)
-            module.forward_backward("forward", steps[0])  # parameters can be named only after a first step
+            module, buffer = _training_module(model, first, lower)
+            module.forward_backward("forward", first)  # parameters can be named only after a first step
             break
         except Exception as error:  # export, lowering and the runtime raise many types; the table shows the message
             failed[lower] = f"{type(error).__name__}: {_first_line(error)}"
@@ -164,7 +166,7 @@ def engine_step(case, trainable: set[str], batches: list[dict[str, np.ndarray]])
 
     def step(batch: dict[str, np.ndarray]) -> None:
         assert buffer
-        module.forward_backward("forward", by_id[id(batch)])
+        module.forward_backward("forward", example(batch))
         gradients = module.named_gradients()
         for name, parameter in zip(named, params):
             parameter.grad = gradients[name]
