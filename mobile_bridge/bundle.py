@@ -106,7 +106,7 @@ def make_bundle(
         }
         import onnx
 
-        from ondevice.engines.step_graph import fuse_step
+        from ondevice.engines.step_graph import fuse_step, unseed
 
         from .frozen import frozen_arrays, internalize_frozen, read_from_parameters
         from .learning_rate import bake_learning_rate
@@ -127,6 +127,9 @@ def make_bundle(
             internalize_frozen(source, work, manifest, graphs, trainer, frozen)
         if portable:
             shutil.copy2(source / portable[1], work / portable[1])
+            training = onnx.load(work / portable[0])
+            if unseed(training.graph, [p.name for p in manifest.trainable]):  # phones and browsers bind no gradient
+                onnx.save(training, work / portable[0])  # buffers: their graphs make the zeros they scatter into
             step = fuse_step(
                 onnx.load(work / portable[0]),
                 onnx.load(work / portable[1]),

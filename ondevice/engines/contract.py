@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABLE_STEP", "PORTABLE_ORT", "FUSED_MAX",
-           "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output", "ort_copy_name"]
+           "OPTIMIZER_INPUTS", "OPTIMIZER_STATE", "OPTIMIZER_UPDATED", "SLICEABLE", "gradient_output", "gradient_seed",
+           "ort_copy_name"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
 """The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
@@ -45,3 +46,11 @@ def ort_copy_name(graph: str) -> str:
 def gradient_output(parameter: str) -> str:
     """The portable training graph's output that carries ``parameter``'s gradient of one step."""
     return f"{parameter}_grad"
+
+
+def gradient_seed(parameter: str) -> str:
+    """The portable training graph's input that ``parameter``'s gradient is scattered into (a lookup table's:
+    ``ScatterElements(seed, ids, dY, reduction="add")``). The engine binds the gradient's own buffer there,
+    zeroed, and as the output, so ONNX Runtime adds the rows in place instead of making table-sized zeros of its
+    own every step. Graphs without the engine's bindings get the zeros back (:func:`~.step_graph.unseed`)."""
+    return f"{parameter}_grad.seed"

@@ -22,7 +22,15 @@ import numpy as np
 from ..manifest import Manifest
 from ..ort_checkpoint import CheckpointData, read_checkpoint, write_checkpoint
 from ..session import ORT_VERSION, OrtValue, ort, session_options, training_graph
-from .contract import FUSED_MAX, OPTIMIZER_INPUTS, OPTIMIZER_STATE, OPTIMIZER_UPDATED, SLICEABLE, gradient_output
+from .contract import (
+    FUSED_MAX,
+    OPTIMIZER_INPUTS,
+    OPTIMIZER_STATE,
+    OPTIMIZER_UPDATED,
+    SLICEABLE,
+    gradient_output,
+    gradient_seed,
+)
 from .update_kernel import Bound
 from .update_kernel import load as load_kernel
 
@@ -193,6 +201,7 @@ class PortableEngine:
         self._values.update(self._frozen if files.inputs_frozen else {})  # bound where a session reads them as inputs
         self._reset = True
         self._bindings: dict[bool, object] = {}
+        self._seeded: dict[bool, list[np.ndarray]] = {}  # per binding: the gradient buffers its graph scatters into
         self._fetched: dict[object, tuple[tuple, list[np.ndarray]]] = {}  # binding -> feeds' shapes, fetch arrays
         fetch = [] if self._eval is None else [o.name for o in self._eval.get_outputs()]
         self._eval_binding = None if self._eval is None else self._bound(self._eval, fetch)
@@ -232,8 +241,13 @@ class PortableEngine:
             if not reset:
                 self._scratch = _flat([p.size for p in self.manifest.trainable])
             targets = self._grads if reset else self._split(self._scratch)
+            inputs = {i.name for i in self._train.get_inputs()}
+            self._seeded[reset] = []
             for name in self._trainable:
                 binding.bind_ortvalue_output(gradient_output(name), _value(targets[name]))
+                if gradient_seed(name) in inputs:  # a lookup table's rows are added into this buffer, zeroed first
+                    binding.bind_ortvalue_input(gradient_seed(name), _value(targets[name]))
+                    self._seeded[reset].append(targets[name])
             self._bindings[reset] = binding
         return self._bindings[reset]
 
@@ -268,6 +282,8 @@ class PortableEngine:
             return self._fused_step(feeds)
         reset = self._reset
         binding = self._train_binding(reset)
+        for buffer in self._seeded[reset]:
+            buffer.fill(0)
         fetched = self._run(self._train, binding, feeds)
         if not reset:
             np.add(self._flat["grad"], self._scratch, out=self._flat["grad"])

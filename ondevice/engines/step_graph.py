@@ -19,9 +19,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..lora import prune
-from .contract import OPTIMIZER_STATE, gradient_output
+from .contract import OPTIMIZER_STATE, gradient_output, gradient_seed
 
-__all__ = ["fuse_step"]
+__all__ = ["fuse_step", "unseed"]
 
 FLAT = "odt.step.flat_shape"
 
@@ -36,6 +36,7 @@ def fuse_step(training: onnx.ModelProto, optimizer: onnx.ModelProto, trainable: 
     fused.CopyFrom(training)
     graph, update = fused.graph, optimizer.graph
     names = list(trainable)
+    unseed(graph, names)  # the gradients stay inside: no buffer of the engine's to scatter into
     gradients = {gradient_output(n) for n in names}
     kept = [o for o in graph.output if o.name not in gradients]
     del graph.output[:]
@@ -55,6 +56,40 @@ def fuse_step(training: onnx.ModelProto, optimizer: onnx.ModelProto, trainable: 
         _check_concatenated(graph, finite_check)
     graph.name = "odt_step"
     return fused
+
+
+def unseed(graph: onnx.GraphProto, trainable: Sequence[str]) -> list[str]:
+    """Replace each seed input of ``graph`` (:func:`~.contract.gradient_seed` of a ``trainable`` parameter: the
+    zeros a lookup table's gradient is scattered into, which the portable engine binds to its own buffer) by
+    zeros the graph makes, in place, for runtimes that bind no such buffer (the fused step, phones, browsers);
+    returns the seeds replaced. The zeros' shape is computed from the scattered rows' (dynamic) shape, so that
+    ONNX Runtime cannot fold them into a table-sized initializer that would stay in memory."""
+    inputs = {i.name for i in graph.input}
+    replaced = []
+    for seed in [gradient_seed(name) for name in trainable if gradient_seed(name) in inputs]:
+        value = next(i for i in graph.input if i.name == seed)
+        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        scatter = next(n for n in graph.node if n.op_type == "ScatterElements" and n.input[0] == seed)
+        prefix = f"{seed}/zeros"
+        graph.initializer.extend([numpy_helper.from_array(np.zeros(len(dims), np.int64), f"{prefix}/none"),
+                                  numpy_helper.from_array(np.array(dims, np.int64), f"{prefix}/dims")])  # fmt: skip
+        made = [
+            helper.make_node("Shape", [scatter.input[2]], [f"{prefix}/rows_shape"]),
+            helper.make_node("Mul", [f"{prefix}/rows_shape", f"{prefix}/none"], [f"{prefix}/nothing"]),
+            helper.make_node("Add", [f"{prefix}/nothing", f"{prefix}/dims"], [f"{prefix}/shape"]),
+            helper.make_node("ConstantOfShape", [f"{prefix}/shape"], [seed],
+                             value=numpy_helper.from_array(np.zeros(1, np.float32))),  # fmt: skip
+        ]
+        nodes = list(graph.node)
+        index = nodes.index(scatter)
+        nodes[index:index] = made
+        del graph.node[:]
+        graph.node.extend(nodes)
+        kept = [i for i in graph.input if i.name != seed]
+        del graph.input[:]
+        graph.input.extend(kept)
+        replaced.append(seed)
+    return replaced
 
 
 def _check_concatenated(graph: onnx.GraphProto, name: str) -> None:

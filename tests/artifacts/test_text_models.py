@@ -250,6 +250,54 @@ def test_lookup_gradient_sums_repeated_ids_like_pytorch_on_two_threads(tmp_path)
         session.reset_grad()
 
 
+def _bag_gradients(model: _Bag, ids: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
+    return {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+
+
+def test_a_lookup_gradient_is_added_into_the_engines_own_zeroed_buffer(tmp_path, monkeypatch):
+    """The portable graph scatters a trained table's gradient into a seed input, not zeros of its own; the
+    engine binds the gradient's buffer there, zeroed before each run: a second optimizer step's gradient is
+    its batch's alone, a micro-batch adds to the one before, and ids repeated thousands of times sum like
+    PyTorch's autograd on two threads. The fused step (no buffer bound) makes its zeros again and trains the
+    same weights, bit for bit."""
+    from ondevice.engines import update_kernel
+    from ondevice.engines.contract import PORTABLE_TRAINING, gradient_output, gradient_seed
+
+    torch.manual_seed(0)
+    model = _Bag()
+    manifest = generate(model, {"ids": torch.randint(0, 40, (4, 16))}, tmp_path / "a")
+    graph = onnx.load(tmp_path / "a" / PORTABLE_TRAINING).graph
+    seed = gradient_seed("embedding.weight")
+    assert seed in {i.name for i in graph.input}
+    scatter = next(n for n in graph.node if n.output[0] == gradient_output("embedding.weight"))
+    assert scatter.op_type == "ScatterElements" and scatter.input[0] == seed
+    assert seed not in {i.name for i in onnx.load(tmp_path / "a" / manifest.portable_step).graph.input}
+
+    engine = Trainer.load(tmp_path / "a", engine="portable", threads=2)._engine
+    rng = np.random.default_rng(0)
+    (ids_a, ids_b), labels = (rng.integers(0, distinct, (2048, 16)) for distinct in (3, 40)), rng.integers(0, 3, 2048)
+    want_a, want_b = _bag_gradients(model, ids_a, labels), _bag_gradients(model, ids_b, labels)
+    for ids, reset, want in ((ids_a, True, want_a), (ids_b, True, want_b), (ids_a, False, None)):
+        if reset:
+            engine.reset_grad()
+        engine.train_step([ids, labels])
+        for name in want_a:
+            expected = want[name] if want is not None else want_a[name] + want_b[name]
+            np.testing.assert_allclose(engine.gradient_view(name), expected, rtol=1e-5, atol=1e-7)
+
+    weights = {}
+    for kernel in ("1", "0"):  # the update kernel runs the training graph; without it, the fused step runs
+        monkeypatch.setenv(update_kernel.ENV, kernel)
+        trainer = Trainer.load(tmp_path / "a", engine="portable", threads=2)
+        assert trainer.update == ("kernel" if kernel == "1" else "graph")
+        for k in range(3):
+            trainer.train_step({"ids": ids_a[k::3], "labels": labels[k::3]})
+        weights[kernel] = trainer.get_flat_weights()
+    np.testing.assert_array_equal(weights["0"], weights["1"])
+
+
 def _lookup_graph(dims: list[int], dtype: int = onnx.TensorProto.FLOAT, opset: int = 17) -> onnx.ModelProto:
     """``GatherGrad(Shape(table), ids, dY)`` as ORT's training graphs have it."""
     from onnx import TensorProto, helper

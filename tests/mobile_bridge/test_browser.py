@@ -485,10 +485,13 @@ def test_signed_bundle_loads_in_the_browser(digits_artifacts, site, tmp_path):
 
 def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
     """The next-word sample's LSTM (rewritten into gates) in onnxruntime-web: the same losses and
-    weights as Python's portable engine, token ids as int64."""
+    weights as Python's portable engine, token ids as int64. Python scatters the embedding's gradient into
+    its own bound buffer (a seed input); the bundle's graphs make their zeros again."""
+    import onnx
     import torch
 
     from artifacts import AdamW, generate
+    from ondevice.engines.contract import PORTABLE_TRAINING, gradient_seed
     from samples.nextword.model import NextWord
 
     root, url = site
@@ -497,6 +500,10 @@ def test_browser_trains_an_unrolled_lstm_like_python_ort(site, tmp_path):
                         optimizer=AdamW(lr=0.01))  # fmt: skip
     assert manifest.verification.passed
     make_bundle(tmp_path / "lstm", root / "bundle")
+    seed = gradient_seed(manifest.trainable[0].name)
+    assert manifest.trainable[0].shape == (30, 8)  # the embedding
+    inputs = {i.name for i in onnx.load(tmp_path / "lstm" / PORTABLE_TRAINING).graph.input}
+    assert seed in inputs and seed not in {i.name for i in onnx.load(root / "bundle" / PORTABLE_TRAINING).graph.input}
     rng = np.random.default_rng(0)
     steps = [{"size": 8, "ids": rng.integers(0, 30, 40).tolist(), "labels": rng.integers(0, 30, 8).tolist()}
              for _ in range(4)]  # fmt: skip
