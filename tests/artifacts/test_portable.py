@@ -100,13 +100,20 @@ def _cases() -> list[tuple[str, dict, dict, int, dict]]:
         ("ConvGrad", {"dy": _r(2, 4, 3, 4), "x": _r(2, 16, 9, 10), "w": _r(4, 16, 3, 2)},
          {"strides": [2, 3], "pads": [1, 0, 0, 1], "dilations": [2, 1], "kernel_shape": [3, 2], "group": 1}, 3,
          {"x": [2, 16, 9, 10], "w": [4, 16, 3, 2]}),
-        # depthwise at stride 1: dW by windows; at stride 2 (below): by a grouped convolution
+        # depthwise at stride 1: dW by windows; strided (below): by a grouped convolution
         ("ConvGrad", {"dy": _r(2, 6, 9, 8), "x": _r(2, 6, 9, 9), "w": _r(6, 1, 3, 2)},
          {"strides": [1, 1], "pads": [1, 0, 1, 1], "dilations": [1, 2], "kernel_shape": [3, 2], "group": 6}, 3,
          {"x": [2, 6, 9, 9], "w": [6, 1, 3, 2]}),
         ("ConvGrad", {"dy": _r(2, 6, 5, 5), "x": _r(2, 6, 9, 9), "w": _r(6, 1, 3, 3)},
          {"strides": [2, 2], "pads": [1, 1, 1, 1], "kernel_shape": [3, 3], "group": 6}, 3,
          {"x": [2, 6, 9, 9], "w": [6, 1, 3, 3]}),
+        ("ConvGrad", {"dy": _r(2, 6, 3, 3), "x": _r(2, 6, 10, 11), "w": _r(6, 1, 3, 3)},
+         {"strides": [3, 3], "pads": [0, 1, 2, 1], "dilations": [2, 2], "kernel_shape": [3, 3], "group": 6}, 3,
+         {"x": [2, 6, 10, 11], "w": [6, 1, 3, 3]}),
+        # fewer than 16 input channels: im2col, strided windows from the input's phases (stride x stride blocks)
+        ("ConvGrad", {"dy": _r(2, 4, 4, 4), "x": _r(2, 3, 9, 9), "w": _r(4, 3, 3, 3)},
+         {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [2, 2], "kernel_shape": [3, 3], "group": 1}, 3,
+         {"x": [2, 3, 9, 9], "w": [4, 3, 3, 3]}),
     ]  # fmt: skip
 
 
