@@ -7,7 +7,8 @@ __all__ = ["PORTABLE_TRAINING", "PORTABLE_NCHWC", "PORTABLE_OPTIMIZER", "PORTABL
            "ort_copy_name"]
 
 PORTABLE_TRAINING = "training_model.portable.onnx"
-"""The training graph with every training-only operator lowered (``artifacts/passes/portable.py``)."""
+"""The training graph with every training-only operator lowered (``artifacts/passes/portable.py`` and its
+modules)."""
 PORTABLE_NCHWC = "training_model.portable.nchwc.onnx"
 """Its variant for x86 runtimes, convolutions on ORT's NCHWc kernels (``artifacts/passes/nchwc.py``); the
 manifest's ``portable["nchwc"]`` names it when the model has such convolutions."""

@@ -89,12 +89,12 @@ def test_the_own_builders_weight_gradients_take_the_measured_forms(tmp_path, nam
     sizes then come from the input's, so a weight gradient takes its windows (or im2col) as with ORT's builder,
     never the slower convolution with the batch as channels (2.2-2.3 ms a MobileNet layer). Verified against
     PyTorch."""
-    from artifacts.passes import portable
+    from artifacts.passes import portable_conv
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"{args[0].node.name}: its weight gradient fell back to the batch-as-channels convolution")
 
-    monkeypatch.setattr(portable, "_weight_grad_by_convolution", refuse)
+    monkeypatch.setattr(portable_conv, "_weight_grad_by_convolution", refuse)
     torch.manual_seed(0)
     layer = LAYERS[name]()
     model = Convs(layer, layer.in_channels)
