@@ -150,7 +150,7 @@ def output(node: onnx.NodeProto, index: int) -> str | None:
 
 
 class Unlowerable(ValueError):
-    pass
+    """A node this lowering cannot write in standard operators: it stays, and ``unportable`` reports it."""
 
 
 def channel_shape(b: Builder, rank: int) -> str:

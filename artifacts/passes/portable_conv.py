@@ -13,9 +13,9 @@ __all__ = ["conv_grad"]
 
 
 def conv_grad(b: Builder, shapes: dict[str, list[int]]) -> None:
-    # dX as a transposed convolution; dW of a one-group convolution with static sizes as products of dY with
-    # the input's windows (channels last for 16 channels or more, else im2col), otherwise (and for a depthwise
-    # one) as a convolution of the input with dY, batch as channels; dB sums dY.
+    # dX as a transposed convolution; dW with static sizes as products of dY with the input's windows (a
+    # one-group convolution's channels last from 16 channels, else im2col; a depthwise one's at stride 1),
+    # otherwise as a convolution of the input with dY, batch as channels; dB sums dY.
     node = b.node
     dy, x, w = node.input[:3]
     a = attributes(node)

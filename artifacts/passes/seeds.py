@@ -34,11 +34,12 @@ def _zeros(node: onnx.NodeProto | None) -> bool:
 def seed_lookup_gradients(model: onnx.ModelProto) -> list[str]:
     """Read the zeros of every trained parameter's scattered gradient from its seed input, in place; returns
     the parameters, in the graph's output order. The scatter must add (``reduction="add"``) into zeros only it
-    reads; an ``Identity`` between it and the gradient output goes."""
+    reads; an ``Identity`` between it and the gradient output (the own gradient builder's graphs have one) goes."""
     graph = model.graph
     producer = {o: node for node in graph.node for o in node.output}
     readers = Counter(i for node in graph.node for i in node.input)
     parameters = {i.name: i for i in graph.input}
+    outputs = {o.name for o in graph.output}
     dropped: set[int] = set()
     seeded = []
     for output in graph.output:
@@ -49,7 +50,7 @@ def seed_lookup_gradients(model: onnx.ModelProto) -> list[str]:
         identity = node if node is not None and node.op_type == "Identity" else None
         if identity is not None:
             node = producer.get(identity.input[0])
-            if readers[identity.input[0]] != 1 or identity.input[0] in {o.name for o in graph.output}:
+            if readers[identity.input[0]] != 1 or identity.input[0] in outputs:
                 continue
         reduction = next((a.s for a in node.attribute if a.name == "reduction"), b"") if node is not None else b""
         if node is None or node.op_type != "ScatterElements" or reduction != b"add":
