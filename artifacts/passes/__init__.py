@@ -322,7 +322,8 @@ REGISTRY: tuple[Pass, ...] = (
          "ConvGrad (what the conv-grad pass leaves of it: the weight gradient) is not in stock ORT",
          "dW, with static sizes: from 16 input channels, dY times the input's window taken channels last, one "
          "product per kernel offset (summing batch and positions at once); with fewer, im2col (the windows "
-         "stacked) times dY per image, summed over the batch; depthwise at stride 1, each window times dY summed "
+         "stacked, strided ones taken from the input's phases, SpaceToDepth) times dY per image, summed over the "
+         "batch; depthwise at stride 1, each window times dY summed "
          "per channel; else a convolution of the input with dY, the batch axis as channels (grouped for a "
          "depthwise one), stride and dilation swapped, cropped to the kernel. dX is a ConvTranspose, dB sums dY: "
          "the same products summed in another order",
