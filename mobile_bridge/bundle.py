@@ -131,7 +131,7 @@ def make_bundle(
             if unseed(training.graph, [p.name for p in manifest.trainable]):  # phones and browsers bind no gradient
                 onnx.save(training, work / portable[0])  # buffers: their graphs make the zeros they scatter into
             step = fuse_step(
-                onnx.load(work / portable[0]),
+                training,
                 onnx.load(work / portable[1]),
                 [p.name for p in manifest.trainable],
                 manifest.finite_check,

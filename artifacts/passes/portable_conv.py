@@ -104,7 +104,8 @@ def _phase_windows(b: Builder, kernel: list[int], stride: int, dilations: list[i
     x = b.node.input[1]
     size = b.dims[x][2:]
     ahead = [pads[2 + i] + (-(size[i] + pads[i] + pads[2 + i]) % stride) for i in range(2)]
-    padded = b.op("Pad", [x, b.const(np.array([0, 0, *pads[:2], 0, 0, *ahead], np.int64))])
+    padded = b.op("Pad", [x, b.const(np.array([0, 0, *pads[:2], 0, 0, *ahead], np.int64))]) \
+        if any([*pads[:2], *ahead]) else x  # fmt: skip
     blocks = [(size[i] + pads[i] + ahead[i]) // stride for i in range(2)]
     phases = b.op("Reshape", [b.op("SpaceToDepth", [padded], blocksize=stride),
                               b.const(np.array([0, stride * stride, -1, *blocks], np.int64))])  # fmt: skip

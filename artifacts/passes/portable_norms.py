@@ -80,7 +80,7 @@ def batchnorm_internal(b: Builder, shapes: dict[str, list[int]]) -> None:
     mean = b.reduce("ReduceMean", x, axes, 1)
     centered = b.op("Sub", [x, mean])
     variance = b.reduce("ReduceMean", b.op("Mul", [centered, centered]), axes, 1)
-    inv_std = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [variance, b.const(eps)])])])
+    inv_std = _inv_std(b, variance, eps)
     channel = channel_shape(b, rank)
     normalized = b.op("Mul", [centered, inv_std])
     scaled = b.op("Mul", [normalized, b.op("Reshape", [scale, channel])])
@@ -117,7 +117,12 @@ def _batchnorm_in_training_mode(b: Builder, eps: float) -> None:
     if output(node, 3):
         b.op("Identity", [mean], node.output[3])
     if output(node, 4):
-        b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [variance, b.const(eps)])])], node.output[4])
+        _inv_std(b, variance, eps, node.output[4])
+
+
+def _inv_std(b: Builder, variance: str, eps: float, out: str | None = None) -> str:
+    """1 / sqrt(variance + eps), as ORT's BatchNorm kernels compute the saved statistic."""
+    return b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [variance, b.const(eps)])])], out)
 
 
 def batchnorm_grad(b: Builder, shapes: dict[str, list[int]]) -> None:
